@@ -1,0 +1,23 @@
+"""graphcal: offline quantization calibration for ONNX graphs.
+
+Finds the MatMul/Gemm weight targets of an ONNX model, streams calibration data through
+onnxruntime, observes activations and weights with llm-compressor's observers, and writes a
+QDQ ONNX model plus compressed-tensors metadata.
+"""
+
+from graphcal.errors import GraphcalError, UsageError
+
+__version__ = "0.1.0"
+__all__ = ["calibrate", "load_data", "GraphcalError", "UsageError", "__version__"]
+
+
+def __getattr__(name):  # keep `import graphcal` light: torch/onnx load on first use
+    if name == "calibrate":
+        from graphcal.pipeline import calibrate
+
+        return calibrate
+    if name == "load_data":
+        from graphcal.data import load_data
+
+        return load_data
+    raise AttributeError(name)

@@ -1,0 +1,104 @@
+"""graphcal's command line: parse, call the pipeline, report. No logic lives here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from graphcal.errors import GraphcalError
+
+EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="graphcal")
+def cli() -> None:
+    """Calibrate ONNX models for quantization with llm-compressor's observers and write
+    QDQ ONNX plus compressed-tensors metadata.
+
+    \b
+    Start with:
+      graphcal run model.onnx --data calib.npz --scheme W8A8 -o out/
+    """
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--data", "-d", required=True, type=click.Path(path_type=Path),
+              help="Calibration data: an .npz keyed by the model's input names (first dim = samples), "
+                   "or a folder of .npz files.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for model.onnx, quantization_config.json and qparams.safetensors.")
+@click.option("--scheme", "-s", default="W8A8", show_default=True,
+              help="compressed-tensors preset (W8A8 = int8 per-channel weights + dynamic per-token int8 "
+                   "activations), W8A8_STATIC (int8 static per-tensor activations, for TensorRT), or JSON "
+                   "QuantizationScheme fields.")
+@click.option("--targets", "targets", multiple=True, default=("Linear",), show_default=True,
+              help="What to quantize: module names, 're:' regexes, or Linear (every weight MatMul/Gemm). Repeatable.")
+@click.option("--ignore", multiple=True, default=("lm_head",), show_default=True,
+              help="Modules to leave in float: names or 're:' regexes. Repeatable; giving it replaces the default.")
+@click.option("--observer", default=None,
+              help="Observer for weights and static activations (memoryless_minmax, static_minmax, minmax, "
+                   "mse, ...); default: llm-compressor's choice for the scheme.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per onnxruntime run (default: the model's fixed batch, else 8).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where onnxruntime runs; auto picks CUDA when a GPU is usable.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_samples, device, quiet, debug):
+    """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
+
+    \b
+    Example:
+      graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/
+    """
+    from graphcal.pipeline import calibrate
+
+    def call():
+        return calibrate(
+            model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer,
+            device=device, batch_size=batch_size, num_samples=num_samples, progress=not quiet,
+        )
+
+    result = _guarded(call, debug)
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
+    if quiet:
+        return
+    n = len(result.targets)
+    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {_scheme_label(scheme)}"
+               + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
+    if result.provider is None:
+        click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
+    else:
+        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches "
+                   f"with onnxruntime {result.provider}")
+    click.echo(f"done in {result.seconds:.1f} s; wrote:")
+    for f in result.files:
+        click.echo(f"  {f}")
+
+
+def _guarded(call, debug: bool):
+    """Run ``call``; turn graphcal's errors into one line and an exit code."""
+    try:
+        return call()
+    except GraphcalError as e:
+        if debug:
+            raise
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; no output was written", err=True)
+        sys.exit(130)
+
+
+def _scheme_label(scheme: str) -> str:
+    return "a custom scheme" if scheme.lstrip().startswith("{") else scheme.upper()
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,146 @@
+"""The run's quantization settings, as compressed-tensors models: the only place strings become schemes.
+
+A run is a list of compressed-tensors ``QuantizationScheme`` groups (each with its ``targets``)
+plus an ``ignore`` list. Presets come from compressed-tensors by name (``W8A8``, ``FP8``, ...);
+graphcal adds the static int8 scheme TensorRT users deploy. A scheme may also be given as
+JSON with QuantizationScheme fields.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from graphcal.errors import UsageError
+from graphcal.graph.targets import matches
+from graphcal.types import Target
+
+DEFAULT_TARGETS = ("Linear",)
+DEFAULT_IGNORE = ("lm_head",)
+
+# graphcal's own presets: name -> QuantizationScheme fields (without targets).
+_INT8_STATIC = {
+    # int8 per-channel weights, int8 per-tensor static activations, symmetric: what TensorRT
+    # builds as explicit INT8 and what onnxruntime's QDQ int8 kernels run.
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+    "input_activations": {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+        "dynamic": False, "observer": "static_minmax",
+    },
+}
+GRAPHCAL_PRESETS = {"W8A8_STATIC": _INT8_STATIC, "INT8_STATIC": _INT8_STATIC}
+
+# llm-compressor's observer defaults and weight-side substitutions (initialize_observer).
+DEFAULT_WEIGHT_OBSERVER = "memoryless_minmax"
+DEFAULT_ACTIVATION_OBSERVER = "minmax"
+_WEIGHT_OBSERVER_SUBSTITUTES = {"static_minmax": "memoryless_minmax", "minmax": "memoryless_minmax", "mse": "memoryless_mse"}
+
+
+@dataclass
+class RunConfig:
+    """Config groups (compressed-tensors schemes, each with targets) and what to ignore."""
+
+    groups: dict[str, "object"]  # group name -> QuantizationScheme
+    ignore: list[str] = field(default_factory=lambda: list(DEFAULT_IGNORE))
+    scheme_name: str = "custom"
+
+    def scheme_for(self, target: Target):
+        """The scheme of the most specific matching target string (exact > regex > class), or None."""
+        best = None
+        for scheme in self.groups.values():
+            for pattern in scheme.targets:
+                if matches(target, pattern):
+                    rank = _specificity(pattern)
+                    if best is None or rank < best[0]:
+                        best = (rank, scheme)
+        return None if best is None else best[1]
+
+    @property
+    def patterns(self) -> list[str]:
+        return [p for s in self.groups.values() for p in s.targets]
+
+
+def build_config(
+    scheme: str,
+    targets: list[str] | tuple[str, ...] = DEFAULT_TARGETS,
+    ignore: list[str] | tuple[str, ...] = DEFAULT_IGNORE,
+    observer: str | None = None,
+) -> RunConfig:
+    """A one-group config from a preset name or a JSON scheme, with an optional observer override."""
+    parsed = resolve_scheme(scheme, list(targets))
+    if observer is not None:
+        parsed = with_observer(parsed, observer)
+    name = scheme.upper() if not scheme.lstrip().startswith("{") else "custom"
+    return RunConfig(groups={"group_0": parsed}, ignore=list(ignore), scheme_name=name)
+
+
+def resolve_scheme(scheme: str, targets: list[str]):
+    """A compressed-tensors QuantizationScheme from a preset name or JSON fields."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
+    from pydantic import ValidationError
+
+    text = scheme.strip()
+    try:
+        if text.startswith("{"):
+            fields = json.loads(text)
+            if not isinstance(fields, dict):
+                raise UsageError("--scheme JSON must be an object of QuantizationScheme fields")
+            fields.setdefault("targets", targets)
+            return QuantizationScheme.model_validate(fields)
+        upper = text.upper()
+        if upper in GRAPHCAL_PRESETS:
+            return QuantizationScheme.model_validate({"targets": targets, **GRAPHCAL_PRESETS[upper]})
+        if upper in PRESET_SCHEMES:
+            return preset_name_to_scheme(upper, targets)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--scheme is neither a preset name nor valid JSON: {e}") from e
+    except ValidationError as e:
+        raise UsageError(f"invalid scheme: {_pydantic_message(e)}") from e
+    raise UsageError(f"unknown scheme {scheme!r}; choose one of: {', '.join(scheme_names())}")
+
+
+def scheme_names() -> list[str]:
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    return sorted(set(PRESET_SCHEMES) | set(GRAPHCAL_PRESETS))
+
+
+def with_observer(scheme, observer: str):
+    """Copy of ``scheme`` whose weights and static activations use ``observer``."""
+    updates = {}
+    for part in ("weights", "input_activations", "output_activations"):
+        args = getattr(scheme, part)
+        if args is not None and args.dynamic is False:
+            updates[part] = args.model_copy(update={"observer": observer})
+    return scheme.model_copy(update=updates)
+
+
+def observer_name(args, base_name: str) -> str | None:
+    """The observer llm-compressor would attach for these args (None for dynamic activations)."""
+    from compressed_tensors.quantization.quant_args import DynamicType
+
+    if args is None or args.dynamic is True:
+        return None
+    name = args.observer
+    if base_name == "weight":
+        if name is None:
+            return DEFAULT_WEIGHT_OBSERVER
+        return _WEIGHT_OBSERVER_SUBSTITUTES.get(name.replace("-", "_"), name)
+    if args.dynamic == DynamicType.LOCAL:
+        return name or DEFAULT_ACTIVATION_OBSERVER  # observes the global scale only
+    return name or DEFAULT_ACTIVATION_OBSERVER
+
+
+def _specificity(pattern: str) -> int:
+    if pattern in ("Linear", "MatMul", "Gemm"):
+        return 2
+    return 1 if pattern.startswith("re:") else 0
+
+
+def _pydantic_message(e) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    msg = re.sub(r"\s+", " ", err.get("msg", str(e)))
+    return f"{where}: {msg}" if where else msg

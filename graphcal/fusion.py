@@ -1,0 +1,54 @@
+"""Fused groups: modules that share one global scale, found by name and cross-checked by structure.
+
+vLLM and TensorRT run q/k/v (and gate/up, ...) as one fused matrix, so their tensor_group
+global scales must be one. Groups are found by module name as llm-compressor does (plus
+BERT's query/key/value); members should also read the same activation, and a warning says
+where name and structure disagree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from graphcal.types import FusedGroup, Target
+
+FUSED_LAYER_NAMES: tuple[tuple[str, ...], ...] = (
+    ("gate_proj", "up_proj"),
+    ("q_proj", "k_proj", "v_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+    ("query", "key", "value"),
+)
+
+
+def find_fused_groups(targets: list[Target]) -> tuple[list[FusedGroup], list[str]]:
+    """Groups among ``targets`` (by parent module and leaf names) and warnings where structure disagrees."""
+    by_parent: dict[str, dict[str, Target]] = defaultdict(dict)
+    for t in targets:
+        parent, _, leaf = t.name.rpartition(".")
+        by_parent[parent][leaf] = t
+    groups: list[FusedGroup] = []
+    warnings: list[str] = []
+    grouped: set[str] = set()
+    for parent, children in by_parent.items():
+        for names in FUSED_LAYER_NAMES:
+            if all(n in children for n in names):
+                members = tuple(children[n] for n in names)
+                groups.append(FusedGroup(parent, tuple(m.name for m in members)))
+                grouped.update(m.name for m in members)
+                if len({m.activation for m in members}) > 1:
+                    warnings.append(
+                        f"fused group {', '.join(m.name for m in members)}: named as one group but its members "
+                        "read different activations"
+                    )
+    by_activation: dict[str, list[str]] = defaultdict(list)
+    for t in targets:
+        by_activation[t.activation].append(t.name)
+    for names in by_activation.values():
+        loose = [n for n in names if n not in grouped]
+        if len(names) > 1 and loose:
+            warnings.append(
+                f"{', '.join(names)} read the same activation, but {', '.join(loose)} "
+                "is in no named fused group; their global scales stay separate"
+            )
+    return groups, warnings

@@ -1,0 +1,1 @@
+"""ONNX graph stages: load/save, find targets, add taps, write Q/DQ."""

@@ -1,0 +1,206 @@
+"""Find the MatMul/Gemm nodes whose B input is a weight, and name them by torch module.
+
+Forms handled (each seen from torch's exporters):
+
+- legacy exporter, constant folding: ``MatMul(x, onnx::MatMul_702[in, out])`` named
+  ``/model/layers.0/self_attn/q_proj/MatMul`` -> ``model.layers.0.self_attn.q_proj``, layout in_out;
+- legacy exporter without folding: ``MatMul(x, Transpose(model...q_proj.weight[out, in]))``;
+- dynamo exporter: ``node_linear_3``, module path only in the node's
+  ``pkg.torch.onnx.name_scopes`` metadata;
+- ``Gemm(x, W, b, transB=1)`` (2-D inputs, e.g. BERT's pooler), layout out_in;
+- weights behind Cast (fp16 storage) or Reshape.
+
+A MatMul whose B input comes from activations (attention scores) is not a target.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.types import Target
+
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+# Ops that may sit between a weight initializer and the MatMul/Gemm B input.
+_WEIGHT_PATH_OPS = {"Transpose", "Cast", "Reshape", "Identity"}
+# Node names from the legacy exporter end in the op, e.g. ".../q_proj/MatMul_1".
+_LEGACY_OP_SUFFIX = re.compile(r"^(MatMul|Gemm)(_\d+)?$")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A MatMul/Gemm that is not a weight target, and why (for `inspect` and logs)."""
+
+    node: str
+    reason: str
+
+
+def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
+    """All weight MatMul/Gemm nodes of ``model``'s main graph, in graph order."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    targets: list[Target] = []
+    skipped: list[Skipped] = []
+    for index, node in enumerate(graph.node):
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
+            continue
+        label = node.name or f"{node.op_type}#{index}"
+        source = _trace_weight(node.input[1], inits, producers)
+        if source is None:
+            skipped.append(Skipped(label, "B input is an activation, not a weight"))
+            continue
+        init_name, path = source
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and attrs.get("transA", 0):
+            skipped.append(Skipped(label, "Gemm with transA=1 is not supported"))
+            continue
+        b = weight_as_consumed(inits[init_name], [producers_by_name(graph, p) for p in path], inits)
+        if b.ndim != 2:
+            skipped.append(Skipped(label, f"weight has rank {b.ndim}, expected 2"))
+            continue
+        layout = "out_in" if node.op_type == "Gemm" and attrs.get("transB", 0) else "in_out"
+        out_f, in_f = (b.shape[1], b.shape[0]) if layout == "in_out" else b.shape
+        targets.append(
+            Target(
+                name=module_name(node, init_name, index),
+                node=node.name,
+                op_type=node.op_type,
+                activation=node.input[0],
+                weight=init_name,
+                weight_path=tuple(path),
+                layout=layout,
+                out_features=int(out_f),
+                in_features=int(in_f),
+            )
+        )
+    _check_unique_names(targets)
+    return targets, skipped
+
+
+def torch_weight(model: onnx.ModelProto, target: Target) -> np.ndarray:
+    """The target's weight in torch's [out, in] layout, as the node computes with it."""
+    inits = {t.name: t for t in model.graph.initializer}
+    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
+    b = weight_as_consumed(inits[target.weight], path_nodes, inits)
+    return np.array(b.T if target.layout == "in_out" else b, order="C", copy=True)
+
+
+def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
+    """Torch module path for a node: name_scopes metadata, else the legacy node name."""
+    for prop in node.metadata_props:
+        if prop.key == NAME_SCOPES_KEY:
+            name = _module_from_scopes(prop.value)
+            if name:
+                return name
+    if node.name.startswith("/"):
+        parts = [p for p in node.name.split("/") if p]
+        if len(parts) >= 2 and _LEGACY_OP_SUFFIX.match(parts[-1]):
+            return ".".join(parts[:-1])
+    if weight_name.endswith(".weight") and not weight_name.startswith("onnx::"):
+        return weight_name[: -len(".weight")]
+    return node.name or f"{node.op_type.lower()}_{index}"
+
+
+def select(targets: list[Target], patterns: list[str], ignore: list[str]) -> tuple[list[Target], list[str]]:
+    """Targets matching any of ``patterns`` and none of ``ignore``.
+
+    Patterns are exact module names or ``re:`` regexes (matched from the start, as
+    compressed-tensors does); "Linear" matches every target, "MatMul"/"Gemm" by op type.
+    Returns the selection and the patterns that matched no target (worth a warning).
+    """
+    for p in list(patterns) + list(ignore):
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise UsageError(f"invalid regex in target {p!r}: {e}") from e
+    unmatched = [p for p in list(patterns) + list(ignore) if not any(matches(t, p) for t in targets)]
+    chosen = [
+        t for t in targets
+        if any(matches(t, p) for p in patterns) and not any(matches(t, p) for p in ignore)
+    ]
+    return chosen, unmatched
+
+
+def matches(target: Target, pattern: str) -> bool:
+    if pattern == "Linear":
+        return True
+    if pattern in ("MatMul", "Gemm"):
+        return target.op_type == pattern
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], target.name) is not None
+    return pattern == target.name
+
+
+def producers_by_name(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
+    for node in graph.node:
+        if node.name == node_name:
+            return node
+    raise KeyError(node_name)
+
+
+def weight_as_consumed(
+    init: onnx.TensorProto, path: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto]
+) -> np.ndarray:
+    """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
+    value = numpy_helper.to_array(init)
+    for node in path:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Transpose":
+            value = np.transpose(value, attrs.get("perm"))
+        elif node.op_type == "Cast":
+            value = value.astype(onnx.helper.tensor_dtype_to_np_dtype(attrs["to"]))
+        elif node.op_type == "Reshape":
+            shape = numpy_helper.to_array(inits[node.input[1]]).tolist()
+            value = value.reshape([value.shape[i] if s == 0 else s for i, s in enumerate(shape)])
+    return value
+
+
+def _trace_weight(name, inits, producers) -> tuple[str, list[str]] | None:
+    """Walk B back through weight-path ops to an initializer: (initializer, node names in order)."""
+    path: list[str] = []
+    while name not in inits:
+        node = producers.get(name)
+        if node is None or node.op_type not in _WEIGHT_PATH_OPS:
+            return None
+        if node.op_type == "Reshape" and node.input[1] not in inits:
+            return None
+        if not node.name:
+            return None  # unnamed path nodes cannot be addressed later
+        path.append(node.name)
+        name = node.input[0]
+    return name, path[::-1]
+
+
+def _module_from_scopes(value: str) -> str:
+    """The deepest module path in a name_scopes list like ['', 'model', 'model.layers.0', ..., 'linear_3']."""
+    try:
+        scopes = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        scopes = [s.strip(" '\"") for s in value.strip("[]").split(",")]
+    current = ""
+    for scope in scopes[:-1]:  # the last entry names the op, not a module
+        if not scope:
+            continue
+        if current and not scope.startswith(current + "."):
+            break
+        current = scope
+    return current
+
+
+def _check_unique_names(targets: list[Target]) -> None:
+    seen: dict[str, str] = {}
+    for t in targets:
+        if t.name in seen:
+            raise GraphcalError(
+                f"two weight MatMul/Gemm nodes map to module {t.name!r} ({seen[t.name]!r} and {t.node!r}); "
+                "rename the nodes or export with module names"
+            )
+        seen[t.name] = t.node

@@ -1,0 +1,228 @@
+"""calibrate(): the one module that wires the stages together.
+
+One batch flows one way: ``data`` yields ``{input: array}`` -> ``runtime`` runs the tapped graph
+once -> each tap goes to its observers -> the batch is dropped. After the loop: weights are
+observed once from the initializers -> observers give qparams (fused groups share global
+scales) -> ``graph.qdq`` writes Q/DQ into a copy of the model -> ``metadata`` -> files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_config, observer_name
+from graphcal.data import graph_inputs, load_data
+from graphcal.errors import GraphcalError
+from graphcal.fusion import find_fused_groups
+from graphcal.graph.io import load_model, save_model
+from graphcal.graph.qdq import emit_qdq
+from graphcal.graph.targets import find_targets, select, torch_weight
+from graphcal.graph.taps import add_taps
+from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
+from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
+from graphcal.runtime import open_runtime
+from graphcal.types import QParams, QuantizedTarget, Target
+
+log = logging.getLogger("graphcal")
+
+
+@dataclass
+class CalibrationResult:
+    """What a run did and wrote."""
+
+    output_dir: Path
+    files: list[Path]
+    targets: list[QuantizedTarget]
+    ignored: list[str]
+    provider: str | None  # None when no activation pass was needed
+    num_samples: int
+    num_batches: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def qparams(self) -> dict[str, torch.Tensor]:
+        return qparam_tensors(self.targets)
+
+
+def calibrate(
+    model: str | Path,
+    data: str | Path | Mapping[str, np.ndarray],
+    output_dir: str | Path,
+    *,
+    scheme: str = "W8A8",
+    config: RunConfig | None = None,
+    targets: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
+    ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE,
+    observer: str | None = None,
+    device: str = "auto",
+    batch_size: int | None = None,
+    num_samples: int | None = None,
+    progress: bool = False,
+) -> CalibrationResult:
+    """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
+
+    ``scheme`` is a compressed-tensors preset name, ``W8A8_STATIC``, or JSON scheme fields;
+    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer when given.
+    """
+    start = time.perf_counter()
+    model_path, out_dir = Path(model), Path(output_dir)
+    data_paths = [] if isinstance(data, Mapping) else [Path(data)]
+    check_output_dir(out_dir, [model_path, *data_paths])
+    config = config or build_config(scheme, list(targets), list(ignore), observer)
+    warnings: list[str] = []
+
+    onnx_model = load_model(model_path)
+    found, _skipped = find_targets(onnx_model)
+    if not found:
+        raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
+    chosen, unmatched = select(found, config.patterns, config.ignore)
+    warnings += [f"target or ignore pattern {p!r} matches no MatMul/Gemm" for p in unmatched if p not in DEFAULT_IGNORE]
+    if not chosen:
+        raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
+    ignored = [t.name for t in found if t not in chosen]
+    schemes = {t.name: config.scheme_for(t) for t in chosen}
+    calib = load_data(data, graph_inputs(onnx_model), batch_size=batch_size, num_samples=num_samples)
+
+    plan = _ObserverPlan(chosen, schemes)
+    groups, fusion_warnings = find_fused_groups(chosen)
+    if plan.uses_tensor_group:
+        warnings += fusion_warnings
+    provider, batches = None, 0
+    if plan.taps:
+        tapped, fetch = add_taps(onnx_model, list(plan.taps))
+        runtime = open_runtime(tapped, fetch, device)
+        provider = runtime.provider
+        try:
+            batches = _run_activations(runtime, calib, plan, progress)
+        finally:
+            runtime.close()
+        del tapped
+    for t in chosen:
+        plan.weight_observers[t.name](torch.from_numpy(torch_weight(onnx_model, t)))
+    plan.fuse(groups)
+    items = plan.qparams(chosen, schemes)
+
+    qdq_model = emit_qdq(onnx_model, items)
+    qc_data = build_quantization_config(config, items, ignored)[1]
+    tensors = qparam_tensors(items)
+
+    def write(tmp: Path) -> list[Path]:
+        from safetensors.torch import save_file
+
+        files = save_model(qdq_model, tmp / MODEL_FILE)
+        (tmp / CONFIG_FILE).write_text(config_json(qc_data))
+        save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt", "producer": "graphcal"})
+        return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]
+
+    files = write_atomically(out_dir, write)
+    return CalibrationResult(
+        output_dir=out_dir, files=files, targets=items, ignored=ignored, provider=provider,
+        num_samples=calib.num_samples if plan.taps else 0, num_batches=batches,
+        seconds=time.perf_counter() - start, warnings=warnings,
+    )
+
+
+class _ObserverPlan:
+    """Observers for every target, and which tap feeds which observer.
+
+    Targets that read the same activation with the same activation args (q/k/v) share one
+    input observer, so each tap is reduced once per batch.
+    """
+
+    def __init__(self, targets: list[Target], schemes: dict):
+        from graphcal.observers import Observer
+
+        self.weight_observers = {}
+        self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
+        self.taps: dict[str, list[tuple[str, object]]] = {}  # tensor -> [(kind, observer)]
+        shared: dict[tuple, object] = {}
+        self.uses_tensor_group = False
+        for t in targets:
+            scheme = schemes[t.name]
+            wargs = scheme.weights.model_copy(deep=True)
+            self.uses_tensor_group |= wargs.strategy == "tensor_group"
+            wobs = Observer.load_from_registry(
+                observer_name(wargs, "weight"), base_name="weight", args=wargs, **dict(wargs.observer_kwargs or {})
+            )
+            self.weight_observers[t.name] = wobs
+            if getattr(wobs, "needs_activations", False):
+                self.taps.setdefault(t.activation, []).append(("importance", wobs))
+            iargs = scheme.input_activations
+            name = observer_name(iargs, "input")
+            if name is None:
+                continue
+            key = (t.activation, name, iargs.model_dump_json())
+            if key not in shared:
+                args = iargs.model_copy(deep=True)
+                shared[key] = Observer.load_from_registry(name, base_name="input", args=args, **dict(args.observer_kwargs or {}))
+                self.taps.setdefault(t.activation, []).append(("observe", shared[key]))
+            self.input_observers[t.name] = shared[key]
+
+    def fuse(self, groups) -> None:
+        from graphcal.observers import fuse_observers
+
+        for group in groups:
+            members = [self.weight_observers[n] for n in group.members]
+            if all(m.args.strategy == "tensor_group" for m in members):
+                fuse_observers(members)
+
+    def qparams(self, targets: list[Target], schemes: dict) -> list[QuantizedTarget]:
+        done: dict[int, QParams] = {}
+        items = []
+        for t in targets:
+            qp = {"weight": _to_qparams(self.weight_observers[t.name].get_qparams())}
+            obs = self.input_observers.get(t.name)
+            if obs is not None:
+                if id(obs) not in done:
+                    if not obs.has_statistics:
+                        raise GraphcalError(f"{t.name}: no activation reached its input observer")
+                    done[id(obs)] = _to_qparams(obs.get_qparams())
+                qp["input"] = done[id(obs)]
+            items.append(QuantizedTarget(t, schemes[t.name], qp))
+        return items
+
+
+def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int:
+    from tqdm import tqdm
+
+    count = 0
+    bar = tqdm(total=calib.num_batches, desc="calibrating", unit="batch", disable=not progress, leave=False)
+    with torch.no_grad(), bar:
+        for index, batch in enumerate(calib.batches()):
+            values = runtime.run(batch)
+            for tensor, consumers in plan.taps.items():
+                x = values[tensor]
+                if x.is_floating_point() and not torch.isfinite(x).all():
+                    raise GraphcalError(
+                        f"tensor {tensor!r} holds NaN or Inf in batch {index}; the model or data produce "
+                        "non-finite activations"
+                    )
+                for kind, obs in consumers:
+                    if kind == "importance":
+                        obs.accumulate_importance(x)
+                    else:
+                        obs(_as_bsh(x))
+            count += 1
+            bar.update(1)
+    return count
+
+
+def _as_bsh(x: torch.Tensor) -> torch.Tensor:
+    """Activations as (batch, seq, hidden), the layout llm-compressor's observers see."""
+    if x.ndim == 2:
+        return x.unsqueeze(0)
+    if x.ndim > 3:
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x
+
+
+def _to_qparams(d: dict) -> QParams:
+    return QParams(scale=d["scale"], zero_point=d["zero_point"], global_scale=d.get("global_scale"))

@@ -1,0 +1,98 @@
+"""One onnxruntime session over the tapped model: provider choice, and tensors handed to torch.
+
+onnxruntime-gpu falls back to CPU silently when CUDA cannot load, so the provider that
+really runs is read back from the session and reported, never assumed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.graph.io import PROTOBUF_LIMIT
+
+DEVICES = ("auto", "cpu", "cuda")
+_CUDA = "CUDAExecutionProvider"
+_CPU = "CPUExecutionProvider"
+
+
+@dataclass
+class Runtime:
+    """A session that runs the tapped graph once per batch and returns the taps as torch tensors."""
+
+    session: ort.InferenceSession
+    outputs: list[str]
+    provider: str
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        values = self.session.run(self.outputs, feeds)
+        return {name: torch.from_numpy(np.asarray(v)) for name, v in zip(self.outputs, values)}
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def open_runtime(
+    model: onnx.ModelProto,
+    outputs: list[str],
+    device: str = "auto",
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+) -> Runtime:
+    """Create the session on ``device`` ("auto" | "cpu" | "cuda") and check which provider runs."""
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
+    if device == "cuda" and _CUDA not in ort.get_available_providers():
+        raise GraphcalError(
+            "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
+        )
+    providers = [_CUDA, _CPU] if want_cuda else [_CPU]
+    if want_cuda and hasattr(ort, "preload_dlls"):
+        try:
+            ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip packages, when present
+        except Exception:
+            pass
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = optimization
+    opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
+    tmp = None
+    if model.ByteSize() >= PROTOBUF_LIMIT:
+        tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
+        path = Path(tmp.name) / "tapped.onnx"
+        onnx.save_model(model, str(path), save_as_external_data=True, location="tapped.onnx.data")
+        source: str | bytes = str(path)
+    else:
+        source = model.SerializeToString()
+    try:
+        session = ort.InferenceSession(source, sess_options=opts, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types
+        if tmp is not None:
+            tmp.cleanup()
+        raise GraphcalError(f"onnxruntime cannot load the model: {str(e).strip().splitlines()[0]}") from e
+    active = session.get_providers()[0]
+    if device == "cuda" and active != _CUDA:
+        raise GraphcalError(
+            "--device cuda: onnxruntime could not start its CUDA provider (CUDA 12/13 and cuDNN 9 libraries "
+            "must be loadable); run with --device cpu or fix the CUDA install"
+        )
+    return Runtime(session, list(outputs), active, tmp)
+
+
+def cuda_usable() -> bool:
+    """Whether a CUDA GPU is visible, without importing CUDA into onnxruntime."""
+    if _CUDA not in ort.get_available_providers():
+        return False
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return torch.cuda.is_available() or Path("/dev/nvidiactl").exists()

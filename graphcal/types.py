@@ -1,0 +1,69 @@
+"""Small frozen records that the stages pass to one another.
+
+The stages meet only here: ``graph.targets`` produces :class:`Target`, ``graph.taps`` a
+:class:`TapPlan`, observers turn statistics into :class:`QParams`, and ``graph.qdq`` /
+``metadata`` consume :class:`QuantizedTarget`. No stage imports another stage's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Layout = Literal["in_out", "out_in"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One MatMul/Gemm whose B input is a weight.
+
+    ``layout`` is how the tensor reaching the node's B input is laid out: ``"in_out"`` for
+    MatMul (and Gemm with transB=0), where torch's ``[out, in]`` weight is its transpose;
+    ``"out_in"`` for Gemm with transB=1, where it is torch's weight as is.
+    """
+
+    name: str  # torch module name, e.g. "model.layers.0.self_attn.q_proj"
+    node: str  # ONNX node name
+    op_type: str  # "MatMul" | "Gemm"
+    activation: str  # tensor feeding input A
+    weight: str  # initializer holding the weight
+    weight_path: tuple[str, ...]  # nodes between the initializer and input B (Transpose/Cast/Reshape)
+    layout: Layout
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """Modules that share one global scale (q/k/v, gate/up, ...), found by name."""
+
+    parent: str
+    members: tuple[str, ...]
+
+
+@dataclass
+class QParams:
+    """Quantization parameters in compressed-tensors' conventions (torch [out, in] layout).
+
+    ``scale`` is the stored compressed-tensors scale: for tensor_group strategies it already
+    includes ``global_scale`` (effective multiplier = scale / global_scale).
+    """
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    global_scale: torch.Tensor | None = None
+
+
+@dataclass
+class QuantizedTarget:
+    """What the writers need for one target: its scheme and the calibrated parameters.
+
+    ``qparams`` is keyed by compressed-tensors base name ("weight", "input", "output");
+    dynamic activations have no entry (their scales are computed at run time).
+    """
+
+    target: Target
+    scheme: "object"  # compressed_tensors.quantization.QuantizationScheme (imported lazily)
+    qparams: dict[str, QParams] = field(default_factory=dict)
