@@ -1,0 +1,255 @@
+"""Export torch modules to ONNX, and build the tiny reference models shipped in ``models/``.
+
+This is the foundation of a later ``graphcal export`` command and of ``tools/make_models.py``.
+torch and transformers are imported lazily inside the functions, so importing this module is cheap
+and does not need either package.
+
+Node and initializer names keep the torch module paths (``model.layers.0.self_attn.q_proj``):
+the module being exported is never wrapped in another ``nn.Module`` (that would prefix every name
+with the wrapper's attribute). Instead :func:`export_torch` temporarily sets an instance-level
+``forward`` that calls the original one with keyword arguments and returns only the named outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: IR version written into exported models. onnxruntime 1.20+ loads IR <= 10, which covers
+#: opsets up to 21 (IR 10 was introduced with opset 21).
+MAX_IR_VERSION = 10
+
+#: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
+BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
+
+
+def _select_outputs(result: Any, output_names: list[str]) -> tuple:
+    """Pick the tensors named by ``output_names`` out of a forward's return value."""
+    out = []
+    for name in output_names:
+        if isinstance(result, dict) or hasattr(result, "keys"):
+            value = result[name]
+        elif hasattr(result, name):
+            value = getattr(result, name)
+        else:
+            raise KeyError(f"forward's result has no output {name!r}")
+        if value is None:
+            raise KeyError(f"forward's output {name!r} is None")
+        out.append(value)
+    return tuple(out)
+
+
+def export_torch(
+    module,
+    example_inputs: dict,
+    path: str | os.PathLike,
+    *,
+    output_names: list[str] | tuple[str, ...],
+    dynamic_axes: dict | None = None,
+    dynamo: bool = False,
+    constant_folding: bool = True,
+    opset: int = 17,
+) -> Path:
+    """Export ``module`` to the ONNX file ``path`` and return its path.
+
+    ``module``'s forward is called with ``example_inputs``' keys as keyword arguments; the graph's
+    inputs are named (and ordered) like the dict. The graph's outputs are the tensors of the
+    forward's result named by ``output_names`` (attributes of a HF ``ModelOutput``, or dict keys).
+
+    ``dynamo=False`` uses the legacy TorchScript exporter (``do_constant_folding``, ``dynamic_axes``
+    apply): with constant folding, Linear weights become pre-transposed ``[in, out]`` initializers
+    named ``onnx::MatMul_NNN`` and nodes are named ``/model/layers.0/self_attn/q_proj/MatMul``;
+    without it, the ``[out, in]`` weight keeps its torch name and feeds a ``Transpose``.
+
+    ``dynamo=True`` uses the torch.export-based exporter at opset >= 18. Nodes are named
+    ``node_linear_N`` (bias-free Linear) / ``node_MatMul_N`` and carry the module path in their
+    ``pkg.torch.onnx.name_scopes`` metadata. ``constant_folding`` maps to the exporter's
+    ``optimize`` (on: Transpose(weight) folded into an initializer named ``val_N``; off: the
+    torch-named weight feeds a Transpose). Shapes are static unless ``dynamic_axes`` is given
+    (torch translates it to ``dynamic_shapes`` and names the graph's dims after it).
+
+    The file is written in one piece (weights inside the protobuf, no external data) and is
+    byte-for-byte deterministic for a given torch version when the module's weights are.
+    """
+    import onnx
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    output_names = list(output_names)
+    input_names = list(example_inputs)
+    if not input_names:
+        raise ValueError("example_inputs is empty")
+
+    original_forward = module.forward  # bound method of the class' forward
+    had_instance_forward = "forward" in vars(module)
+
+    def forward(*args, **kwargs):
+        # The exporters pass the example inputs positionally (legacy) or by keyword (dynamo).
+        kw = dict(zip(input_names, args))
+        kw.update(kwargs)
+        return _select_outputs(original_forward(**kw), output_names)
+
+    # The legacy exporter traces through inspect.signature(module.forward); give the instance
+    # forward the input names so keyword / positional mapping and input naming line up.
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in input_names]
+    )
+
+    was_training = module.training
+    module.eval()
+    module.forward = forward
+    try:
+        args = tuple(example_inputs[n] for n in input_names)
+        with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+            tmp_path = Path(tmp) / "model.onnx"
+            if dynamo:
+                if opset < 18:
+                    raise ValueError("the dynamo exporter needs opset >= 18")
+                program = torch.onnx.export(
+                    module,
+                    (),
+                    kwargs=dict(example_inputs),
+                    dynamo=True,
+                    opset_version=opset,
+                    input_names=input_names,
+                    output_names=output_names,
+                    dynamic_axes=dynamic_axes,  # translated to dynamic_shapes by torch
+                    optimize=constant_folding,
+                    verify=False,
+                    verbose=False,
+                    external_data=False,
+                )
+                model = program.model_proto
+            else:
+                torch.onnx.export(
+                    module,
+                    args,
+                    str(tmp_path),
+                    dynamo=False,
+                    export_params=True,
+                    do_constant_folding=constant_folding,
+                    opset_version=opset,
+                    input_names=input_names,
+                    output_names=output_names,
+                    dynamic_axes=dynamic_axes,
+                )
+                model = onnx.load(str(tmp_path))
+    finally:
+        if had_instance_forward:
+            module.forward = original_forward
+        else:
+            del module.forward
+        module.train(was_training)
+
+    _normalise(model)
+    data = model.SerializeToString(deterministic=True)
+    path.write_bytes(data)
+    return path
+
+
+def _normalise(model) -> None:
+    """Make an exported ModelProto loadable by onnxruntime and free of run-dependent fields."""
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+    # producer_version is the torch version: deterministic for a given torch, keep it.
+    # The dynamo exporter may leave doc strings holding stack traces (file paths); drop them.
+    model.doc_string = ""
+    model.graph.doc_string = ""
+    for node in model.graph.node:
+        node.doc_string = ""
+    for fn in model.functions:
+        fn.doc_string = ""
+        for node in fn.node:
+            node.doc_string = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny reference models: random-initialised transformers configs with fixed seeds.
+# --------------------------------------------------------------------------------------------
+
+TINY_SEQ = 32
+
+
+def _example_ids(vocab_size: int, batch: int, seq: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64)
+
+
+def build_tiny_llama(seed: int = 0):
+    """A 2-layer random-initialised ``LlamaForCausalLM`` (vocab 256, hidden 64, GQA 4/2 heads).
+
+    Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
+    ``{"input_ids", "attention_mask"}`` of int64 ``[batch, seq]`` tensors, ``["logits"]`` and
+    batch/seq dynamic axes for the legacy exporter.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_cache=False,
+    )
+    # eager attention exports to plain MatMul/Softmax and does not depend on the sdpa backend.
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    ids = _example_ids(config.vocab_size, 2, TINY_SEQ, seed)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    output_names = ["logits"]
+    dynamic_axes = {
+        "input_ids": dict(BATCH_SEQ_AXES),
+        "attention_mask": dict(BATCH_SEQ_AXES),
+        "logits": dict(BATCH_SEQ_AXES),
+    }
+    return model, inputs, output_names, dynamic_axes
+
+
+def build_tiny_bert(seed: int = 0):
+    """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 64, 4 heads, with pooler).
+
+    Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
+    ``{"input_ids", "attention_mask", "token_type_ids"}`` of int64 ``[batch, seq]`` tensors,
+    ``["last_hidden_state", "pooler_output"]`` and batch/seq dynamic axes. The pooler's Linear
+    exports as a ``Gemm`` (transB=1) in the legacy exporter.
+    """
+    import torch
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = BertModel(config).eval()
+    ids = _example_ids(config.vocab_size, 2, TINY_SEQ, seed)
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "token_type_ids": torch.zeros_like(ids),
+    }
+    output_names = ["last_hidden_state", "pooler_output"]
+    dynamic_axes = {
+        "input_ids": dict(BATCH_SEQ_AXES),
+        "attention_mask": dict(BATCH_SEQ_AXES),
+        "token_type_ids": dict(BATCH_SEQ_AXES),
+        "last_hidden_state": dict(BATCH_SEQ_AXES),
+        "pooler_output": {0: "batch"},
+    }
+    return model, inputs, output_names, dynamic_axes
