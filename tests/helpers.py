@@ -1,0 +1,79 @@
+"""Test helpers: onnxruntime at ORT_ENABLE_BASIC, compressed-tensors references, error metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+
+def ort_run(model: onnx.ModelProto | str | Path, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Run at ORT_ENABLE_BASIC (no QDQ fusions, so Q/DQ numerics are the ONNX spec's)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+    names = outputs or [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
+    ref, got = np.asarray(ref, np.float64), np.asarray(got, np.float64)
+    return float(10 * np.log10((ref**2).sum() / max(((ref - got) ** 2).sum(), 1e-300)))
+
+
+def load_written(out_dir: Path):
+    """(QuantizationConfig, qparams dict) from a graphcal output folder, via compressed-tensors."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    config = QuantizationConfig.model_validate(json.loads((out_dir / "quantization_config.json").read_text()))
+    return config, load_file(str(out_dir / "qparams.safetensors"))
+
+
+def ct_torch_reference(builder, out_dir: Path, feeds: dict) -> np.ndarray:
+    """The torch model with graphcal's written config and qparams applied by compressed-tensors.
+
+    compressed-tensors' own apply_quantization_config wraps every targeted Linear with its
+    fake quantization (weights and inputs, dynamic or static); the qparams are loaded from
+    qparams.safetensors. Returns the first output.
+    """
+    from compressed_tensors.quantization import apply_quantization_config
+
+    model, _, output_names, _ = builder()
+    config, params = load_written(out_dir)
+    apply_quantization_config(model, config, show_progress=False)
+    named = dict(model.named_parameters())
+    for key, value in params.items():
+        assert key in named, f"{key} is not a compressed-tensors parameter of the torch model"
+        named[key].data = value.to(named[key].dtype).reshape(named[key].shape)
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(v) for k, v in feeds.items()})
+    first = getattr(out, output_names[0]) if hasattr(out, output_names[0]) else out[0]
+    return first.numpy()
+
+
+def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, name: str) -> torch.Tensor:
+    """fake_quantize(x) @ fake_quantize(W).T with compressed-tensors' functions and the written qparams."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    def zp(base, scale):
+        return params.get(f"{name}.{base}_zero_point", torch.zeros_like(scale).to(torch.int8))
+
+    ws = params[f"{name}.weight_scale"]
+    wq = fake_quantize(w, ws, zp("weight", ws), scheme.weights)
+    a = scheme.input_activations
+    if a is None:
+        xq = x
+    elif a.dynamic:
+        s, z = compute_dynamic_scales_and_zp(x, a, None)
+        xq = fake_quantize(x, s, z, a)
+    else:
+        s = params[f"{name}.input_scale"]
+        xq = fake_quantize(x, s, zp("input", s), a)
+    return xq @ wq.T
