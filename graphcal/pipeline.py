@@ -194,7 +194,8 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int
     from tqdm import tqdm
 
     count = 0
-    bar = tqdm(total=calib.num_batches, desc="calibrating", unit="batch", disable=not progress, leave=False)
+    # disable=None: a bar only on a terminal, so logs and pipes stay clean
+    bar = tqdm(total=calib.num_batches, desc="calibrating", unit="batch", disable=None if progress else True, leave=False)
     with torch.no_grad(), bar:
         for index, batch in enumerate(calib.batches()):
             values = runtime.run(batch)
