@@ -1,0 +1,152 @@
+"""The Q/DQ writer on small graphs built in code, checked against compressed-tensors' fake_quantize.
+
+qparams here come from compressed-tensors' calculate_qparams on plain min/max, not from graphcal's
+observers, so the writer is checked on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
+from onnx import TensorProto, helper, numpy_helper
+
+from graphcal.errors import GraphcalError
+from graphcal.graph.qdq import emit_qdq
+from graphcal.graph.targets import find_targets, torch_weight
+from graphcal.types import QParams, QuantizedTarget
+from tests.helpers import ort_run
+
+W_CHANNEL = QuantizationArgs(num_bits=8, strategy="channel", symmetric=True)
+A_STATIC = QuantizationArgs(num_bits=8, strategy="tensor", symmetric=True, dynamic=False)
+A_TOKEN = QuantizationArgs(num_bits=8, strategy="token", symmetric=True, dynamic=True)
+
+
+def _model(nodes, inits, x_shape, opset=17):
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * len(x_shape))], initializer=inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _items(model, x, wargs=W_CHANNEL, aargs=None):
+    items = []
+    for t in find_targets(model)[0]:
+        w = torch.from_numpy(torch_weight(model, t))
+        if wargs.strategy == "channel":
+            scale, zp = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), wargs)
+        else:
+            scale, zp = calculate_qparams(w.amin().reshape(1), w.amax().reshape(1), wargs)
+        qp = {"weight": QParams(scale, zp)}
+        if aargs is not None and not aargs.dynamic:
+            s, z = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), aargs)
+            qp["input"] = QParams(s, z)
+        scheme = QuantizationScheme(targets=["Linear"], weights=wargs, input_activations=aargs)
+        items.append(QuantizedTarget(t, scheme, qp))
+    return items
+
+
+def _fq_input(x, item):
+    a = item.scheme.input_activations
+    if a is None:
+        return x
+    if a.dynamic:
+        s, z = compute_dynamic_scales_and_zp(x, a, None)
+        return fake_quantize(x, s, z, a)
+    return fake_quantize(x, item.qparams["input"].scale, item.qparams["input"].zero_point, a)
+
+
+def _fq_weight(model, item):
+    w = torch.from_numpy(torch_weight(model, item.target))
+    qp = item.qparams["weight"]
+    return fake_quantize(w, qp.scale, qp.zero_point, item.scheme.weights)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def test_gemm_trans_b_0_with_static_input(rng):
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 6)).astype(np.float32)  # [in, out]
+    model = _model([helper.make_node("Gemm", ["x", "w"], ["y"], name="/fc/Gemm")], [numpy_helper.from_array(w, "w")], x.shape)
+    items = _items(model, torch.from_numpy(x), aargs=A_STATIC)
+    out = emit_qdq(model, items)
+    onnx.checker.check_model(out, full_check=True)
+    got = ort_run(out, {"x": x})["y"]
+    ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got, x @ w, atol=1e-4)  # quantization really happened
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_fp16_weight_behind_cast_and_transpose_with_dynamic_tokens(rng, opset):
+    x = (rng.standard_normal((2, 5, 8)) * np.linspace(0.1, 3, 5)[None, :, None]).astype(np.float32)
+    w16 = rng.standard_normal((6, 8)).astype(np.float16)  # torch [out, in]
+    nodes = [
+        helper.make_node("Cast", ["w"], ["wf"], name="/p/Cast", to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["wf"], ["wt"], name="/p/Transpose", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["y"], name="/p/MatMul"),
+    ]
+    model = _model(nodes, [numpy_helper.from_array(w16, "w")], x.shape, opset)
+    items = _items(model, torch.from_numpy(x), aargs=A_TOKEN)
+    out = emit_qdq(model, items)
+    onnx.checker.check_model(out, full_check=True)
+    assert [n.op_type for n in out.graph.node].count("Cast") == 0  # the weight path is folded away
+    assert "w" not in {i.name for i in out.graph.initializer}
+    got = ort_run(out, {"x": x})["y"]
+    xq = _fq_input(torch.from_numpy(x), items[0])
+    # per-token: every token row has its own scale
+    assert len({float(v) for v in compute_dynamic_scales_and_zp(torch.from_numpy(x), A_TOKEN, None)[0].flatten()}) == 10
+    ref = xq @ _fq_weight(model, items[0]).T
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_shared_activation_gets_one_qdq_pair_and_tied_weight_stays(rng):
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    wa, wb = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(2))
+    nodes = [
+        helper.make_node("MatMul", ["x", "wa"], ["a"], name="/q/MatMul"),
+        helper.make_node("MatMul", ["x", "wb"], ["b"], name="/k/MatMul"),
+        helper.make_node("Gather", ["wa", "idx"], ["g"], name="/emb/Gather"),  # a second user of wa
+        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        helper.make_node("ReduceSum", ["g"], ["gs"], name="rs", keepdims=0),
+        helper.make_node("Add", ["s", "gs"], ["y"], name="add2"),
+    ]
+    inits = [numpy_helper.from_array(wa, "wa"), numpy_helper.from_array(wb, "wb"),
+             numpy_helper.from_array(np.array([0], np.int64), "idx")]
+    model = _model(nodes, inits, x.shape)
+    items = _items(model, torch.from_numpy(x), aargs=A_STATIC)
+    out = emit_qdq(model, items)
+    ops = [n.op_type for n in out.graph.node]
+    assert ops.count("QuantizeLinear") == 1 and ops.count("DequantizeLinear") == 3
+    assert "wa" in {i.name for i in out.graph.initializer} and "wb" not in {i.name for i in out.graph.initializer}
+    got = ort_run(out, {"x": x})["y"]
+    xq = _fq_input(torch.from_numpy(x), items[0])
+    ref = xq @ _fq_weight(model, items[0]).T + xq @ _fq_weight(model, items[1]).T + wa[0].sum()
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_input_model_is_not_modified(rng):
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
+                   [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")], x.shape)
+    before = model.SerializeToString()
+    emit_qdq(model, _items(model, torch.from_numpy(x), aargs=A_TOKEN))
+    assert model.SerializeToString() == before
+
+
+def test_schemes_not_written_yet_fail_clearly(rng):
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
+                   [numpy_helper.from_array(rng.standard_normal((128, 4)).astype(np.float32), "w")], x.shape)
+    t = find_targets(model)[0][0]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, strategy="group", group_size=128))
+    with pytest.raises(GraphcalError, match="not written to ONNX yet"):
+        emit_qdq(model, [QuantizedTarget(t, scheme, {})])

@@ -1,0 +1,58 @@
+"""Schemes by name or JSON, observer defaults, and which scheme a target gets."""
+
+from __future__ import annotations
+
+import pytest
+from compressed_tensors.quantization import preset_name_to_scheme
+
+from graphcal.config import build_config, observer_name, resolve_scheme, scheme_names
+from graphcal.errors import UsageError
+from graphcal.types import Target
+
+
+def _target(name):
+    return Target(name, f"/{name}/MatMul", "MatMul", "x", "w", (), "in_out", 4, 4)
+
+
+def test_presets_are_compressed_tensors_own():
+    assert resolve_scheme("w8a8", ["Linear"]) == preset_name_to_scheme("W8A8", ["Linear"])
+    assert {"W8A8", "FP8", "NVFP4", "W8A8_STATIC", "INT8_STATIC"} <= set(scheme_names())
+
+
+def test_static_int8_scheme_is_what_tensorrt_builds():
+    s = resolve_scheme("INT8_STATIC", ["Linear"])
+    assert (s.weights.num_bits, s.weights.strategy, s.weights.symmetric) == (8, "channel", True)
+    a = s.input_activations
+    assert (a.num_bits, a.strategy, a.dynamic, a.symmetric, a.observer) == (8, "tensor", False, True, "static_minmax")
+
+
+def test_json_scheme_and_its_validation():
+    s = resolve_scheme('{"weights": {"num_bits": 8, "strategy": "tensor"}}', ["re:.*proj"])
+    assert s.targets == ["re:.*proj"] and s.weights.strategy == "tensor" and s.input_activations is None
+    with pytest.raises(UsageError, match="invalid scheme"):
+        resolve_scheme('{"weights": {"num_bits": 8, "strategy": "group"}}', ["Linear"])  # group needs group_size
+    with pytest.raises(UsageError, match="neither a preset name nor valid JSON"):
+        resolve_scheme("{oops", ["Linear"])
+    with pytest.raises(UsageError, match="unknown scheme 'W9A9'"):
+        resolve_scheme("W9A9", ["Linear"])
+
+
+def test_observer_defaults_follow_llm_compressor():
+    s = resolve_scheme("W8A8_STATIC", ["Linear"])
+    assert observer_name(s.weights, "weight") == "memoryless_minmax"
+    assert observer_name(s.input_activations, "input") == "static_minmax"
+    assert observer_name(resolve_scheme("W8A8", ["Linear"]).input_activations, "input") is None  # dynamic
+    mse = build_config("W8A8_STATIC", observer="mse").groups["group_0"]
+    assert observer_name(mse.weights, "weight") == "memoryless_mse"
+    assert observer_name(mse.input_activations, "input") == "mse"
+    bare = resolve_scheme('{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8}}', ["Linear"])
+    assert observer_name(bare.input_activations, "input") == "minmax"
+
+
+def test_most_specific_target_wins():
+    config = build_config("W8A8")
+    config.groups["group_1"] = resolve_scheme("W8A8_STATIC", ["re:.*q_proj"])
+    config.groups["group_2"] = resolve_scheme('{"weights": {"num_bits": 8, "strategy": "tensor"}}', ["a.q_proj"])
+    assert config.scheme_for(_target("a.k_proj")) is config.groups["group_0"]
+    assert config.scheme_for(_target("b.q_proj")) is config.groups["group_1"]
+    assert config.scheme_for(_target("a.q_proj")) is config.groups["group_2"]
