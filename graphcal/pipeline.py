@@ -19,7 +19,7 @@ import torch
 
 from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_config, observer_name
 from graphcal.data import graph_inputs, load_data
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.io import load_model, save_model
 from graphcal.graph.qdq import emit_qdq
@@ -138,8 +138,6 @@ class _ObserverPlan:
     """
 
     def __init__(self, targets: list[Target], schemes: dict):
-        from graphcal.observers import Observer
-
         self.weight_observers = {}
         self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
         self.taps: dict[str, list[tuple[str, object]]] = {}  # tensor -> [(kind, observer)]
@@ -149,9 +147,7 @@ class _ObserverPlan:
             scheme = schemes[t.name]
             wargs = scheme.weights.model_copy(deep=True)
             self.uses_tensor_group |= wargs.strategy == "tensor_group"
-            wobs = Observer.load_from_registry(
-                observer_name(wargs, "weight"), base_name="weight", args=wargs, **dict(wargs.observer_kwargs or {})
-            )
+            wobs = _make_observer(observer_name(wargs, "weight"), "weight", wargs)
             self.weight_observers[t.name] = wobs
             if getattr(wobs, "needs_activations", False):
                 self.taps.setdefault(t.activation, []).append(("importance", wobs))
@@ -161,8 +157,7 @@ class _ObserverPlan:
                 continue
             key = (t.activation, name, iargs.model_dump_json())
             if key not in shared:
-                args = iargs.model_copy(deep=True)
-                shared[key] = Observer.load_from_registry(name, base_name="input", args=args, **dict(args.observer_kwargs or {}))
+                shared[key] = _make_observer(name, "input", iargs.model_copy(deep=True))
                 self.taps.setdefault(t.activation, []).append(("observe", shared[key]))
             self.input_observers[t.name] = shared[key]
 
@@ -188,6 +183,21 @@ class _ObserverPlan:
                 qp["input"] = done[id(obs)]
             items.append(QuantizedTarget(t, schemes[t.name], qp))
         return items
+
+
+def _make_observer(name: str, base_name: str, args):
+    """An observer from the registry; unknown names and bad kwargs become one-line usage errors."""
+    from compressed_tensors.registry import registered_names
+
+    from graphcal.observers import Observer
+
+    try:
+        return Observer.load_from_registry(name, base_name=base_name, args=args)
+    except KeyError:
+        known = ", ".join(n.replace("-", "_") for n in registered_names(Observer))
+        raise UsageError(f"unknown observer {name!r}; choose one of: {known}") from None
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{e} (for the {base_name} observer)") from e
 
 
 def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int:

@@ -186,6 +186,10 @@ def test_help_tells_a_newcomer_what_to_type():
         (["--scheme", '{"weights": {"num_bits": 8, "strategy": "galaxy"}}'], 2, "invalid scheme"),
         (["--targets", "re:(bad"], 2, "invalid regex"),
         (["--targets", "nothing_matches"], 1, "no target left to quantize"),
+        (["--scheme", "W8A8_STATIC", "--observer", "nope"], 2, "unknown observer 'nope'; choose one of: memoryless_minmax"),
+        (["--scheme", '{"weights": {"num_bits": 8, "observer": "mse", "observer_kwargs": {"bogus": 1}}}'], 2,
+         "unknown observer kwarg(s) 'bogus'"),
+        (["--scheme", "W4A16"], 1, "not written to ONNX yet"),
     ],
 )
 def test_bad_options_give_one_line_and_exit_code(llama_dir, tmp_path, args, code, message):
@@ -201,3 +205,20 @@ def test_bad_model_file(tmp_path, llama_dir):
     bad.write_bytes(b"\x08\x07garbage")
     result = CliRunner().invoke(cli, ["run", str(bad), "--data", str(llama_dir / "calib.npz"), "-o", str(tmp_path / "o")])
     assert result.exit_code == 1 and "not a readable ONNX model" in result.output
+
+
+def test_imatrix_weights_get_activation_importance(llama_dir, tmp_path, runs):
+    """imatrix_mse needs E[x^2] of each target's input: the run taps activations even for W8A8."""
+    out = tmp_path / "imatrix"
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8", "--observer", "imatrix_mse", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "calibrated on 64 samples" in result.output
+    _, minmax = load_written(runs("tiny-llama", "W8A8")[1])
+    config, imatrix = load_written(out)
+    assert config.config_groups["group_0"].weights.observer == "imatrix_mse"
+    shrunk = 0
+    for key, scale in imatrix.items():
+        assert torch.all(scale <= minmax[key] * (1 + 1e-6)), key  # the search only ever shrinks the range
+        shrunk += int((scale < minmax[key] * (1 - 1e-6)).sum())
+    assert shrunk > 0
