@@ -22,7 +22,7 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.io import load_model, save_model
-from graphcal.graph.qdq import emit_qdq
+from graphcal.graph.qdq import emit_qdq, required_opset
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_taps
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
@@ -89,6 +89,8 @@ def calibrate(
         raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
     ignored = [t.name for t in found if t not in chosen]
     schemes = {t.name: config.scheme_for(t) for t in chosen}
+    for t in chosen:  # fail before calibrating if the scheme has no ONNX form yet
+        required_opset(QuantizedTarget(t, schemes[t.name]))
     calib = load_data(data, graph_inputs(onnx_model), batch_size=batch_size, num_samples=num_samples)
 
     plan = _ObserverPlan(chosen, schemes)
@@ -106,7 +108,10 @@ def calibrate(
             runtime.close()
         del tapped
     for t in chosen:
-        plan.weight_observers[t.name](torch.from_numpy(torch_weight(onnx_model, t)))
+        try:
+            plan.weight_observers[t.name](torch.from_numpy(torch_weight(onnx_model, t)))
+        except ValueError as e:  # e.g. a group size that does not divide in_features
+            raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
     plan.fuse(groups)
     items = plan.qparams(chosen, schemes)
 
