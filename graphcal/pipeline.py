@@ -216,16 +216,19 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int
             values = runtime.run(batch)
             for tensor, consumers in plan.taps.items():
                 x = values[tensor]
-                if x.is_floating_point() and not torch.isfinite(x).all():
-                    raise GraphcalError(
-                        f"tensor {tensor!r} holds NaN or Inf in batch {index}; the model or data produce "
-                        "non-finite activations"
-                    )
                 for kind, obs in consumers:
-                    if kind == "importance":
-                        obs.accumulate_importance(x)
-                    else:
-                        obs(_as_bsh(x))
+                    if x.is_floating_point() and not torch.isfinite(x).all():
+                        raise GraphcalError(
+                            f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
+                            f"{obs.observer_name}); the model or the data produce non-finite activations"
+                        )
+                    try:
+                        if kind == "importance":
+                            obs.accumulate_importance(x)
+                        else:
+                            obs(_as_bsh(x))
+                    except ValueError as e:  # e.g. a group size that does not divide the hidden size
+                        raise GraphcalError(f"tap {tensor!r} {tuple(x.shape)}: {e}") from e
             count += 1
             bar.update(1)
     return count
