@@ -226,3 +226,21 @@ def test_imatrix_weights_get_activation_importance(llama_dir, tmp_path, runs):
     assert set(imatrix) == set(minmax)
     for key, scale in imatrix.items():
         assert torch.all(scale <= minmax[key] * (1 + 1e-6)), key  # the search only ever shrinks the range
+
+
+def test_python_dash_m_and_console_script(tmp_path, bert_dir):
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphcal", "run", str(bert_dir / "model.onnx"), "--data", str(bert_dir / "calib.npz"),
+         "--scheme", "W8A8_STATIC", "--num-samples", "16", "--batch-size", "4", "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "calibrated on 16 samples in 4 batches with onnxruntime CPUExecutionProvider" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "qparams.safetensors", "quantization_config.json"]
+    bad = subprocess.run([sys.executable, "-m", "graphcal", "run", str(tmp_path / "missing.onnx"), "--data", "x.npz",
+                          "-o", str(tmp_path / "o2")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'missing.onnx'}"]

@@ -106,6 +106,18 @@ def test_gemm_without_trans_b_and_cast_path():
     np.testing.assert_array_equal(torch_weight(model, targets[1]), w16.astype(np.float32))
 
 
+def test_weight_behind_reshape():
+    w = np.arange(12, dtype=np.float32)  # stored flat, reshaped to [in=4, out=3]
+    model = _graph(
+        [helper.make_node("Reshape", ["w", "shape"], ["w2"], name="/fc/Reshape"),
+         helper.make_node("MatMul", ["x", "w2"], ["y"], name="/fc/MatMul")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([4, 3], np.int64), "shape")],
+    )
+    (t,), _ = find_targets(model)
+    assert (t.name, t.weight_path, t.out_features, t.in_features) == ("fc", ("/fc/Reshape",), 3, 4)
+    np.testing.assert_array_equal(torch_weight(model, t), w.reshape(4, 3).T)
+
+
 def test_module_name_fallbacks():
     node = helper.make_node("MatMul", ["a", "b"], ["c"], name="custom_node")
     assert module_name(node, "encoder.fc.weight", 0) == "encoder.fc"

@@ -1,0 +1,47 @@
+"""Observers reproducing llm-compressor's calibration statistics (no ONNX knowledge).
+
+Registered names (``_`` and ``-`` are interchangeable): memoryless_minmax, static_minmax,
+minmax, memoryless_mse, mse, nvfp4_expanded_mse (alias fouroversix, warns), imatrix_mse,
+nvfp4_expanded_imatrix.
+"""
+
+from graphcal.observers.base import SYNC_OPS, MissingStatisticsError, Observer
+from graphcal.observers.fusion import FusionGroup, fuse_observers
+from graphcal.observers.helpers import flatten_for_calibration
+from graphcal.observers.imatrix import (
+    IMatrixFallbackWarning,
+    IMatrixMSEObserver,
+    NVFP4ExpandedIMatrixObserver,
+    imatrix_grid_search,
+)
+from graphcal.observers.min_max import (
+    MemorylessMinMaxObserver,
+    MinMaxObserver,
+    StaticMinMaxObserver,
+)
+from graphcal.observers.mse import (
+    MemorylessMSEObserver,
+    MovingAverageMSEObserver,
+    NVFP4ExpandedMSEObserver,
+    grid_search_mse,
+)
+
+__all__ = [
+    "Observer",
+    "MissingStatisticsError",
+    "SYNC_OPS",
+    "FusionGroup",
+    "fuse_observers",
+    "flatten_for_calibration",
+    "grid_search_mse",
+    "imatrix_grid_search",
+    "IMatrixFallbackWarning",
+    "MemorylessMinMaxObserver",
+    "StaticMinMaxObserver",
+    "MinMaxObserver",
+    "MemorylessMSEObserver",
+    "MovingAverageMSEObserver",
+    "NVFP4ExpandedMSEObserver",
+    "IMatrixMSEObserver",
+    "NVFP4ExpandedIMatrixObserver",
+]

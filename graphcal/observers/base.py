@@ -1,0 +1,292 @@
+"""Observer base class: registry, statistics bookkeeping and qparam computation.
+
+An observer accumulates per-qparam ``min_vals`` / ``max_vals`` from the tensors it is fed
+and turns them into compressed-tensors qparams with ``calculate_qparams``. Subclasses only
+decide how one batch is reduced (``_batch_min_max``) and how it is folded into the running
+statistics (``_combine``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from functools import reduce
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+from compressed_tensors.registry import RegistryMixin, standardize_lookup_name
+
+from graphcal.observers.helpers import (
+    BASE_NAMES,
+    REDUCE_DIMS,
+    WEIGHT_BASE_NAME,
+    flatten_for_calibration,
+)
+
+if TYPE_CHECKING:
+    from graphcal.observers.fusion import FusionGroup
+
+__all__ = ["Observer", "MissingStatisticsError", "SYNC_OPS"]
+
+#: reductions a statistic may need across data-parallel ranks
+SYNC_OPS = ("min", "max", "avg", "sum")
+
+#: registry aliases that still work but warn (alias -> canonical name)
+_WARNING_ALIASES: dict[str, str] = {}
+
+
+class MissingStatisticsError(AssertionError):
+    """``get_qparams`` was called before the observer saw any data."""
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False) -> float:
+    """Validate a finite real kwarg within ``[low, high]`` (``(low, high]`` if ``low_open``)."""
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"observer kwarg {name!r} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ValueError(f"observer kwarg {name!r} must be {bound}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"observer kwarg {name!r} must be <= {high}, got {value!r}")
+    return value
+
+
+def check_int(name: str, value: Any, *, low: int = 0) -> int:
+    """Validate an integer kwarg ``>= low`` (integral floats are accepted)."""
+    if _is_real(value) and math.isfinite(value) and float(value).is_integer() and value >= low:
+        return int(value)
+    raise ValueError(f"observer kwarg {name!r} must be an integer >= {low}, got {value!r}")
+
+
+def ema(old: torch.Tensor, new: torch.Tensor, constant: float) -> torch.Tensor:
+    """``old * (1 - c) + new * c`` in the statistics' dtype."""
+    return old * (1 - constant) + new * constant
+
+
+class Observer(RegistryMixin):
+    """Accumulates statistics of one tensor role and computes its qparams.
+
+    ``Observer.load_from_registry(name, base_name=..., args=..., **observer_kwargs)``;
+    ``base_name`` is one of weight/input/output/q/k/v. The effective kwargs are
+    ``{**args.observer_kwargs, **observer_kwargs}`` over the class defaults; ``args`` itself
+    is left untouched (llm-compressor merges them into the shared args in place).
+    """
+
+    registry_requires_subclass = True
+
+    #: registered (canonical) name, set by ``register_observer``
+    observer_name: ClassVar[str] = "observer"
+    #: accepted observer kwargs and their defaults
+    default_kwargs: ClassVar[dict[str, Any]] = {}
+    #: attributes holding the raw statistics
+    _stats_attrs: ClassVar[tuple[str, ...]] = ("min_vals", "max_vals")
+    #: attribute -> reduction across ranks, for activation observers
+    _act_sync: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, base_name: str, args: QuantizationArgs, **observer_kwargs: Any):
+        if base_name not in BASE_NAMES:
+            raise ValueError(f"unknown base_name {base_name!r}; expected one of {BASE_NAMES}")
+        if not isinstance(args, QuantizationArgs):
+            raise TypeError(f"args must be a QuantizationArgs, got {type(args).__name__}")
+        merged = {**args.observer_kwargs, **observer_kwargs}
+        unknown = sorted(set(merged) - set(self.default_kwargs))
+        if unknown:
+            accepted = ", ".join(sorted(self.default_kwargs)) or "none"
+            raise ValueError(
+                f"observer {self.observer_name!r} got unknown observer kwarg(s) "
+                f"{', '.join(map(repr, unknown))}; accepted kwargs: {accepted}"
+            )
+        kwargs = {**self.default_kwargs, **merged}
+        self.kwargs: dict[str, Any] = self._validate_kwargs(kwargs)
+        self.base_name = base_name
+        self.args = args
+        self._fusion: FusionGroup | None = None
+        for attr in self._stats_attrs:
+            setattr(self, attr, None)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    def register_observer(cls, name: str, alias: str | list[str] | None = None,
+                          warn_alias: bool = False):
+        """Class decorator: register under ``name`` (``_``/``-`` insensitive)."""
+
+        def decorator(subclass: type[Observer]) -> type[Observer]:
+            subclass.observer_name = name
+            cls.register_value(subclass, name=name, alias=alias)
+            if warn_alias and alias is not None:
+                for item in [alias] if isinstance(alias, str) else alias:
+                    _WARNING_ALIASES[standardize_lookup_name(item)] = name
+            return subclass
+
+        return decorator
+
+    @classmethod
+    def load_from_registry(cls, name: str, **constructor_kwargs: Any) -> Observer:
+        """Build the observer registered as ``name`` with ``base_name``, ``args``, kwargs."""
+        canonical = _WARNING_ALIASES.get(standardize_lookup_name(name))
+        if canonical is not None:
+            warnings.warn(
+                f"observer name {name!r} is an alias of {canonical!r}; use {canonical!r}",
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().load_from_registry(name, **constructor_kwargs)
+
+    # ------------------------------------------------------------------ config
+    def _validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return kwargs
+
+    @property
+    def is_weight(self) -> bool:
+        return self.base_name == WEIGHT_BASE_NAME
+
+    @property
+    def strategy(self) -> QuantizationStrategy:
+        return QuantizationStrategy(self.args.strategy)
+
+    @property
+    def needs_activations(self) -> bool:
+        """True if the caller must feed ``accumulate_importance`` (imatrix weights)."""
+        return False
+
+    def accumulate_importance(self, x: torch.Tensor) -> None:
+        raise TypeError(f"observer {self.observer_name!r} does not use activation importance")
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def has_statistics(self) -> bool:
+        return all(getattr(self, attr, None) is not None for attr in self._stats_attrs)
+
+    @property
+    def sync_ops(self) -> dict[str, str]:
+        """Statistic attribute -> "min" | "max" | "avg" | "sum" ({} for weights)."""
+        return {} if self.is_weight else dict(self._act_sync)
+
+    def state_dict_stats(self) -> dict[str, torch.Tensor]:
+        """The raw statistics that are present, by attribute name."""
+        return {a: getattr(self, a) for a in self._stats_attrs if getattr(self, a) is not None}
+
+    def load_stats(self, stats: dict[str, torch.Tensor]) -> None:
+        """Replace statistics (e.g. after an all-reduce); unknown keys raise ``KeyError``."""
+        unknown = sorted(set(stats) - set(self._stats_attrs))
+        if unknown:
+            raise KeyError(f"unknown statistics {unknown}; expected {list(self._stats_attrs)}")
+        for attr, value in stats.items():
+            setattr(self, attr, value)
+
+    def merge(self, *others: Observer) -> Observer:
+        """Fold other observers' statistics in with ``sync_ops`` semantics (avg over all)."""
+        for other in others:
+            if type(other) is not type(self) or other.base_name != self.base_name:
+                raise TypeError(
+                    f"cannot merge {type(other).__name__}({other.base_name!r}) into "
+                    f"{type(self).__name__}({self.base_name!r})"
+                )
+        for attr, op in self.sync_ops.items():
+            values = [getattr(o, attr) for o in (self, *others) if getattr(o, attr) is not None]
+            if not values:
+                continue
+            if op == "min":
+                merged = reduce(torch.minimum, values)
+            elif op == "max":
+                merged = reduce(torch.maximum, values)
+            elif op == "sum":
+                merged = reduce(torch.add, values)
+            elif op == "avg":
+                merged = reduce(torch.add, values) / len(values)
+            else:  # pragma: no cover - guarded by _act_sync definitions
+                raise ValueError(f"unknown sync op {op!r}")
+            setattr(self, attr, merged)
+        return self
+
+    def reset(self) -> None:
+        """Drop all statistics."""
+        for attr in self._stats_attrs:
+            setattr(self, attr, None)
+
+    # ------------------------------------------------------------------ observing
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> None:
+        """Observe ``x``: weight ``[out, in]``, activation ``(B, S, H)``, q/k/v ``(B, h, S, D)``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"observers take torch tensors, got {type(x).__name__}")
+        if x.numel() == 0:
+            return
+        if self.is_weight and self.has_statistics:
+            return  # weights are observed once
+        if not x.is_floating_point():
+            raise TypeError(f"observers take floating-point tensors, got {x.dtype}")
+        self._update(flatten_for_calibration(x, self.base_name, self.args))
+
+    forward = __call__
+
+    def _update(self, observed: torch.Tensor) -> None:
+        self._combine(*self._batch_min_max(observed))
+
+    def _batch_min_max(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.amin(observed, dim=REDUCE_DIMS), torch.amax(observed, dim=REDUCE_DIMS)
+
+    def _combine(self, min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+        self.min_vals, self.max_vals = min_vals, max_vals
+
+    def _finalize(self) -> None:
+        """Hook run before qparams are computed (deferred searches)."""
+
+    # ------------------------------------------------------------------ qparams
+    def _require_statistics(self) -> None:
+        if not self.has_statistics:
+            raise MissingStatisticsError(
+                f"No statistics available for the {self.base_name!r} observer "
+                f"({self.observer_name}); observe data before calling get_qparams()"
+            )
+
+    def get_global_scale(self) -> torch.Tensor | None:
+        """fp32 ``(1,)`` global scale over this observer and its fused peers (tensor_group only)."""
+        if self.strategy != QuantizationStrategy.TENSOR_GROUP:
+            return None
+        members = self._fusion.members if self._fusion is not None else (self,)
+        for member in members:
+            if not member.has_statistics:
+                raise MissingStatisticsError(
+                    f"No statistics available for a fused peer ({member.base_name!r}, "
+                    f"{member.observer_name}); observe every member of a fused group before "
+                    "calling get_qparams()"
+                )
+            member._finalize()
+        absmax = reduce(
+            torch.maximum,
+            [torch.maximum(m.max_vals.max(), -m.min_vals.min()) for m in members],
+        )
+        return generate_gparam(-absmax, absmax)
+
+    def get_qparams(self) -> dict[str, torch.Tensor | None]:
+        """``{"scale", "zero_point", "global_scale"}`` shaped like the qparams; drops stats.
+
+        For fused groups the statistics are dropped once every member has called this.
+        """
+        self._require_statistics()
+        self._finalize()
+        global_scale = self.get_global_scale()
+        scale, zero_point = calculate_qparams(
+            self.min_vals, self.max_vals, self.args, global_scale=global_scale
+        )
+        if self._fusion is not None:
+            self._fusion.release(self)
+        else:
+            self.reset()
+        return {"scale": scale, "zero_point": zero_point, "global_scale": global_scale}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.observer_name!r}, base_name={self.base_name!r}, "
+            f"strategy={self.strategy.value!r}, has_statistics={self.has_statistics})"
+        )

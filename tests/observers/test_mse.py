@@ -1,0 +1,315 @@
+"""MSE observers: llm-compressor's vectors (observers.md 9.2) and a brute-force reference.
+
+The reference below scores each candidate range by fake-quantizing the whole weight with
+compressed-tensors in its own strategy (group/channel/tensor layout, not the observer's
+flattened broadcast), then applies the documented rules: p = 1 - i/grid for
+i < int(maxshrink*grid), strict ``<`` per qparam, one global patience counter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+from graphcal.observers import Observer
+
+
+def load(name, args, base_name="weight", **kw):
+    return Observer.load_from_registry(name, base_name=base_name, args=args, **kw)
+
+
+# ---------------------------------------------------------------- reference
+def _per_qparam(t: torch.Tensor, args: QuantizationArgs, reduce: str) -> torch.Tensor:
+    """Reduce a 2-D weight-shaped tensor to its qparam shape (amin/amax/sum)."""
+    rows, cols = t.shape
+    if args.strategy == "block":
+        bh, bw = args.block_structure
+        padded = torch.zeros(-(-rows // bh) * bh, -(-cols // bw) * bw, dtype=t.dtype)
+        padded[:rows, :cols] = t
+        view = padded.reshape(padded.shape[0] // bh, bh, padded.shape[1] // bw, bw)
+        if reduce == "sum":
+            return view.sum(dim=(1, 3))
+        return getattr(torch, reduce)(view, dim=(1, 3))
+    if args.strategy == "tensor":
+        view, dims, keep = t.reshape(-1), (0,), True
+    elif args.strategy == "channel":
+        view, dims, keep = t, (1,), True
+    else:  # group / tensor_group
+        view, dims, keep = t.reshape(rows, cols // args.group_size, args.group_size), (2,), False
+    if reduce == "sum":
+        return view.sum(dim=dims, keepdim=keep)
+    return getattr(torch, reduce)(view, dim=dims, keepdim=keep)
+
+
+def reference_search(w, args, *, maxshrink=0.2, grid=100.0, norm=2.4, patience=5, expand=1.0,
+                     importance=None, endpoint=False, error_dtype=None):
+    """Brute-force min/max search on a 2-D weight (see module docstring)."""
+    if args.strategy == "tensor_group":
+        args = args.model_copy(update={"scale_dtype": None})
+    min0 = _per_qparam(w, args, "amin") * expand
+    max0 = _per_qparam(w, args, "amax") * expand
+    steps = int(maxshrink * grid)
+    if endpoint:  # imatrix variant
+        steps = max(1, steps) + 1
+    best_err = None
+    best_min, best_max = min0.clone(), max0.clone()
+    stalled = 0
+    for i in range(steps):
+        p = 1 - i / grid
+        cmin, cmax = min0 * p, max0 * p
+        scale, zp = calculate_qparams(cmin, cmax, args)
+        fq = fake_quantize(w, scale, zp, args).to(w.dtype)
+        if error_dtype is not None:
+            diff = (fq.to(error_dtype) - w.to(error_dtype)).abs() ** norm
+        else:
+            diff = (fq - w).abs() ** norm
+        if importance is not None:
+            diff = diff * importance
+        err = _per_qparam(diff, args, "sum")
+        if best_err is None:
+            best_err = torch.full_like(err, torch.finfo(err.dtype).max)
+        better = err < best_err
+        if better.any():
+            best_err = torch.where(better, err, best_err)
+            best_min = torch.where(better, cmin, best_min)
+            best_max = torch.where(better, cmax, best_max)
+            stalled = 0
+        else:
+            stalled += 1
+            if patience and stalled >= patience:
+                break
+    return best_min, best_max
+
+
+def qdq_loss(w, args, qp):
+    fq = fake_quantize(w, qp["scale"], qp["zero_point"], args, global_scale=qp["global_scale"])
+    return torch.sum((w - fq) ** 2) / w.numel()
+
+
+# ---------------------------------------------------------------- 9.2 vectors
+LOSSES = {
+    ("tensor", True): 4.8103e-06, ("tensor", False): 1.1258e-06,
+    ("channel", True): 2.5675e-06, ("channel", False): 2.3696e-07,
+    ("group", True): 3.1282e-06, ("group", False): 1.3794e-07,
+    ("block", True): 2.8968e-06, ("block", False): 5.6068e-07,
+}
+EXTRA = {"tensor": {}, "channel": {}, "group": {"group_size": 2}, "block": {"block_structure": [3, 2]}}
+
+
+@pytest.mark.parametrize("strategy,symmetric", sorted(LOSSES))
+def test_upstream_mse_losses(strategy, symmetric):
+    t = torch.arange(24).reshape(6, 4) / 24
+    args = QuantizationArgs(num_bits=8, symmetric=symmetric, strategy=strategy, **EXTRA[strategy])
+    obs = load("mse", args)
+    obs(t)
+    raw_min, raw_max = obs.min_vals.clone(), obs.max_vals.clone()
+    loss = qdq_loss(t, args, obs.get_qparams())
+    assert loss.item() == pytest.approx(LOSSES[strategy, symmetric], abs=1e-10)
+    # p = 1 wins in all eight cases: the searched range equals the raw one
+    mm = load("memoryless_minmax", args)
+    mm(t)
+    assert torch.equal(raw_min, mm.min_vals) and torch.equal(raw_max, mm.max_vals)
+
+
+def test_random_symmetric_scale_bound():
+    torch.manual_seed(0)
+    obs = load("mse", QuantizationArgs(num_bits=8, symmetric=True))
+    obs(torch.rand(4, 4) * 127)
+    qp = obs.get_qparams()
+    assert qp["scale"].item() <= 1.0039 and qp["zero_point"].item() == 0
+
+
+def test_fp4_tensor_group_bf16():
+    w = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6) / 24
+    args = QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=3)
+    obs = load("mse", args)
+    obs(w)
+    qp = obs.get_qparams()
+    assert qp["global_scale"].dtype == torch.float32
+    assert qp["global_scale"].item() == 2912.0  # 2688 / 0.921875, rounded in bf16
+    torch.testing.assert_close(qp["scale"][0].float(), torch.tensor([40.523, 91.0]), atol=1e-3, rtol=0)
+    fq = fake_quantize(w, qp["scale"], qp["zero_point"], args, global_scale=qp["global_scale"])
+    loss = torch.nn.functional.mse_loss(fq.float(), w.float()).item()
+    assert loss <= 0.0015
+    assert loss == pytest.approx(0.000847, abs=5e-6)
+
+
+# ---------------------------------------------------------------- shrinking cases
+def outlier_weight(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 64, generator=g)
+    rows = torch.arange(0, 16, 2)
+    cols = torch.randint(0, 64, (8,), generator=g)
+    w[rows, cols] = 6.0 * torch.sign(torch.randn(8, generator=g))
+    return w.to(dtype)
+
+
+CASES = [
+    ("channel", True, {}), ("channel", False, {}),
+    ("group", True, {"group_size": 16}), ("group", False, {"group_size": 16}),
+    ("tensor", True, {}), ("tensor", False, {}),
+]
+
+
+@pytest.mark.parametrize("strategy,symmetric,extra", CASES)
+@pytest.mark.parametrize("patience", [1, 5, 1000])
+def test_memoryless_mse_matches_brute_force(strategy, symmetric, extra, patience):
+    w = outlier_weight()
+    args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy=strategy, **extra)
+    obs = load("memoryless_mse", args, patience=patience)
+    obs(w)
+    ref_min, ref_max = reference_search(w, args, patience=patience)
+    assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
+    if strategy != "tensor":
+        raw_max = _per_qparam(w, args, "amax")
+        shrunk = obs.max_vals != raw_max
+        assert shrunk.any()  # the search really moves away from p = 1
+    qp = obs.get_qparams()
+    expected_scale, expected_zp = calculate_qparams(ref_min, ref_max, args)
+    assert torch.equal(qp["scale"], expected_scale) and torch.equal(qp["zero_point"], expected_zp)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_padded_blocks_match_brute_force(symmetric):
+    # (10, 14) in 4x4 blocks: padded with zeros to (12, 16), qparams (3, 4)
+    w = outlier_weight()[:10, :14] + 0.5
+    args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="block", block_structure=[4, 4])
+    obs = load("memoryless_mse", args)
+    obs(w)
+    ref_min, ref_max = reference_search(w, args)
+    assert obs.min_vals.shape == (3, 4)
+    assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
+    assert (obs.max_vals != _per_qparam(w, args, "amax")).any()
+    assert (ref_min[-1] <= 0).all()  # the padding zeros are part of the bottom blocks
+    qp = obs.get_qparams()
+    fq = fake_quantize(w, qp["scale"], qp["zero_point"], args)
+    assert fq.shape == w.shape
+
+
+def test_global_patience_changes_the_result():
+    # this data is bumpy enough that stopping after one stalled step matters
+    w = outlier_weight()
+    args = QuantizationArgs(num_bits=4, symmetric=False, strategy="tensor")
+    results = []
+    for patience in (1, 1000):
+        obs = load("memoryless_mse", args, patience=patience)
+        obs(w)
+        results.append(obs.max_vals)
+        assert torch.equal(obs.max_vals, reference_search(w, args, patience=patience)[1])
+    assert not torch.equal(*results)
+
+
+def test_patience_is_global_not_per_qparam():
+    # A per-row stall counter (each row searched on its own with patience 1) gives other
+    # rows than one counter that resets whenever any row improves.
+    w = outlier_weight()
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="channel")
+    obs = load("memoryless_mse", args, patience=1)
+    obs(w)
+    row_args = QuantizationArgs(num_bits=4, symmetric=True, strategy="tensor")
+    per_row = torch.stack([reference_search(w[r : r + 1], row_args, patience=1)[1] for r in range(16)])
+    assert not torch.equal(obs.max_vals, per_row)
+    assert torch.equal(obs.max_vals, reference_search(w, args, patience=1)[1])
+
+
+def test_last_factor_is_0_81_not_0_80():
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(1, 4000, generator=g) * 2 - 1
+    w[0, 0] = 3.0  # a lone outlier: the optimum lies far below 0.8
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="tensor")
+    wide = load("memoryless_mse", args, maxshrink=0.6, patience=1000)
+    wide(w)
+    assert wide.max_vals.item() < 3.0 * 0.8
+    obs = load("memoryless_mse", args)
+    obs(w)
+    assert torch.equal(obs.max_vals, torch.tensor([3.0]) * (1 - 19 / 100))
+    assert torch.equal(obs.min_vals, w.min().reshape(1) * (1 - 19 / 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_matches_brute_force(dtype):
+    w = outlier_weight(dtype)
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=16)
+    obs = load("memoryless_mse", args)
+    obs(w)
+    assert obs.min_vals.dtype == dtype
+    ref_min, ref_max = reference_search(w, args)
+    assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
+
+
+def test_moving_average_mse_is_ema_of_searched_ranges():
+    a = outlier_weight(seed=1).reshape(2, 8, 64)
+    b = outlier_weight(seed=2).reshape(2, 8, 64) * 0.5
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=16)
+    obs = load("mse", args, base_name="input", averaging_constant=0.3)
+    obs(a)
+    obs(b)
+    # activation (2, 8, 64) flattens to (16, 4, 16): group g is column block g of all 16
+    # tokens, searched like one tensor
+    ra = reference_search_act(a, args)
+    rb = reference_search_act(b, args)
+    torch.testing.assert_close(obs.min_vals, ra[0] * 0.7 + rb[0] * 0.3, rtol=0, atol=0)
+    torch.testing.assert_close(obs.max_vals, ra[1] * 0.7 + rb[1] * 0.3, rtol=0, atol=0)
+
+
+def reference_search_act(x, args, **kw):
+    """Per-group search for a (B, S, H) activation: group g holds column block g of every token."""
+    h = x.shape[-1]
+    gs = args.group_size
+    mins, maxs = [], []
+    for g in range(h // gs):
+        block = x[..., g * gs : (g + 1) * gs].reshape(1, -1)
+        tensor_args = args.model_copy(update={"strategy": "tensor", "group_size": None})
+        mn, mx = reference_search(block, tensor_args, **kw)
+        mins.append(mn)
+        maxs.append(mx)
+    return torch.cat(mins), torch.cat(maxs)
+
+
+# ---------------------------------------------------------------- expanded NVFP4
+@pytest.mark.parametrize("name", ["nvfp4_expanded_mse", "fouroversix"])
+def test_nvfp4_expanded_matches_brute_force(name, recwarn):
+    w = outlier_weight()
+    args = QuantizationArgs(
+        num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+        scale_dtype=torch.float8_e4m3fn,
+    )
+    obs = load(name, args)
+    obs(w)
+    ref_min, ref_max = reference_search(
+        w, args, maxshrink=1 - 0.8 / 1.8, grid=200, patience=1000, expand=1.8
+    )
+    assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
+    # the expanded start is really searched: some groups end above their observed range
+    assert (obs.max_vals > _per_qparam(w, args, "amax")).any()
+    qp = obs.get_qparams()
+    absmax = torch.maximum(ref_max.max(), -ref_min.min())
+    gs = generate_gparam(-absmax, absmax)
+    scale, zp = calculate_qparams(ref_min, ref_max, args, global_scale=gs)
+    assert torch.equal(qp["global_scale"], gs)
+    assert torch.equal(qp["scale"], scale) and torch.equal(qp["zero_point"], zp)
+
+
+# ---------------------------------------------------------------- upstream mse-vs-minmax
+@pytest.mark.parametrize("std", [0.05, 0.2, 1.0])
+@pytest.mark.parametrize(
+    "num_bits,strategy,extra",
+    [(8, "tensor", {}), (8, "channel", {}), (4, "tensor_group", {"group_size": 32}), (4, "channel", {})],
+)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_not_worse_than_minmax(std, num_bits, strategy, extra, symmetric):
+    torch.manual_seed(42)
+    w = torch.randn(128, 256) * std
+    args = QuantizationArgs(num_bits=num_bits, symmetric=symmetric, strategy=strategy, **extra)
+    losses = {}
+    for name in ("memoryless_minmax", "memoryless_mse"):
+        obs = load(name, args)
+        obs(w)
+        losses[name] = qdq_loss(w, args, obs.get_qparams()).item()
+    if strategy == "tensor" and symmetric:
+        assert losses["memoryless_mse"] <= losses["memoryless_minmax"] + 1e-8
+    else:
+        assert losses["memoryless_mse"] <= losses["memoryless_minmax"] * 1.10
