@@ -1,0 +1,50 @@
+"""The pipeline's observer plan on a real graph: shared input observers and fused global scales."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from graphcal.config import resolve_scheme
+from graphcal.fusion import find_fused_groups
+from graphcal.graph.targets import find_targets, torch_weight
+from graphcal.pipeline import _ObserverPlan
+
+
+def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir):
+    from graphcal.export import build_tiny_llama
+
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
+    scheme = resolve_scheme("NVFP4A16", ["Linear"])
+    plan = _ObserverPlan(targets, {t.name: scheme for t in targets})
+    for t in targets:
+        plan.weight_observers[t.name](torch.from_numpy(torch_weight(model, t)))
+    groups, _ = find_fused_groups(targets)
+    plan.fuse(groups)
+    items = {i.target.name: i for i in plan.qparams(targets, {t.name: scheme for t in targets})}
+
+    torch_model = build_tiny_llama()[0]
+    weights = {n: m.weight.detach() for n, m in torch_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for group in groups:
+        joint = max(weights[n].abs().max() for n in group.members)
+        expected = torch.tensor(2688.0) / joint  # compressed-tensors' generate_gparam: 448 * 6 / absmax
+        for name in group.members:
+            torch.testing.assert_close(items[name].qparams["weight"].global_scale, expected.reshape(1))
+    # o_proj and down_proj belong to no group: their own absmax
+    alone = "model.layers.0.self_attn.o_proj"
+    own = torch.tensor(2688.0) / weights[alone].abs().max()
+    torch.testing.assert_close(items[alone].qparams["weight"].global_scale, own.reshape(1))
+    q, k = (items[f"model.layers.0.self_attn.{p}_proj"].qparams["weight"].global_scale for p in "qk")
+    assert torch.equal(q, k)
+
+
+def test_q_k_v_share_one_input_observer_per_activation(llama_dir):
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
+    scheme = resolve_scheme("W8A8_STATIC", ["Linear"])
+    plan = _ObserverPlan(targets, {t.name: scheme for t in targets})
+    # 2 layers x (qkv input, o input, gate/up input, down input)
+    assert len(plan.taps) == 8 and all(len(c) == 1 for c in plan.taps.values())
+    q, k = (plan.input_observers[f"model.layers.0.self_attn.{p}_proj"] for p in "qk")
+    assert q is k
