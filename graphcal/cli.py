@@ -94,6 +94,12 @@ def _guarded(call, debug: bool):
     except KeyboardInterrupt:
         click.echo("interrupted; no output was written", err=True)
         sys.exit(130)
+    except Exception as e:  # a bug or an input graphcal did not foresee: still one line, no half output
+        if debug:
+            raise
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        click.echo(f"error: unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", err=True)
+        sys.exit(1)
 
 
 def _scheme_label(scheme: str) -> str:

@@ -124,7 +124,7 @@ def calibrate(
 
         files = save_model(qdq_model, tmp / MODEL_FILE)
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
-        save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt", "producer": "graphcal"})
+        save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]
 
     files = write_atomically(out_dir, write)
