@@ -33,7 +33,7 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if any(_uses_external_data(t) for t in model.graph.initializer):
         try:
             onnx.load_external_data_for_model(model, str(path.parent))
-        except (OSError, ValueError, RuntimeError) as e:
+        except (OSError, ValueError, RuntimeError, onnx.checker.ValidationError) as e:
             raise GraphcalError(
                 f"{path}: external data could not be read ({_first_line(e)}); "
                 "keep the data files next to the model"
