@@ -149,3 +149,16 @@ def test_debug_shows_the_traceback(tmp_path, llama):
     result = CliRunner().invoke(cli, ["run", str(tmp_path / "none.onnx"), "--data", str(llama[1]), "-o",
                                       str(tmp_path / "o"), "--debug"])
     assert result.exit_code != 0 and result.exception is not None
+
+
+def test_full_disk_leaves_no_output(tmp_path, llama, monkeypatch):
+    import errno
+
+    import graphcal.pipeline
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(graphcal.pipeline, "save_model", full)
+    assert_one_line_error(*invoke(llama[0], llama[1], tmp_path / "o"), 1, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
