@@ -28,7 +28,16 @@ from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, 
 
 # min SQNR (dB) of the written model against fp32 on held-out data; measured values in README.
 FP32_SQNR_FLOOR = {("tiny-llama", "W8A8"): 38, ("tiny-llama", "W8A8_STATIC"): 33,
-                   ("tiny-bert", "W8A8"): 60, ("tiny-bert", "W8A8_STATIC"): 58}
+                   ("tiny-bert", "W8A8"): 60, ("tiny-bert", "W8A8_STATIC"): 58,
+                   ("tiny-llama", "FP8"): 26, ("tiny-llama", "FP8_DYNAMIC"): 26,
+                   ("tiny-bert", "FP8"): 52, ("tiny-bert", "FP8_DYNAMIC"): 52}
+# (format, weight scale shape, static input scale?, weight storage type, opset) per scheme
+EXPECTED = {
+    "W8A8": ("int-quantized", "channel", False, onnx.TensorProto.INT8, 17),
+    "W8A8_STATIC": ("int-quantized", "channel", True, onnx.TensorProto.INT8, 17),
+    "FP8": ("float-quantized", "tensor", True, onnx.TensorProto.FLOAT8E4M3FN, 19),
+    "FP8_DYNAMIC": ("float-quantized", "channel", False, onnx.TensorProto.FLOAT8E4M3FN, 19),
+}
 CASES = sorted(FP32_SQNR_FLOOR)
 
 
@@ -75,12 +84,13 @@ def test_written_model_is_valid_and_weights_are_stored_int8(runs, model_name, sc
     targets, _ = find_targets(original)
     quantized = [t for t in targets if t.name != "lm_head"]
     inits = {t.name: t for t in model.graph.initializer}
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == EXPECTED[scheme][4]
     for t in quantized:
-        assert inits[f"{t.name}.weight_quantized"].data_type == onnx.TensorProto.INT8
+        assert inits[f"{t.name}.weight_quantized"].data_type == EXPECTED[scheme][3]
         assert t.weight not in inits, f"float weight of {t.name} is still stored"
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.endswith("/weight/DequantizeLinear")]
     assert len(dq) == len(quantized)
-    # int8 weights: the file shrinks by about the share of quantized weights (4 bytes -> 1)
+    # 8-bit weights: the file shrinks by about the share of quantized weights (4 bytes -> 1)
     assert (out / "model.onnx").stat().st_size < 0.75 * (src / "model.onnx").stat().st_size
     assert "quantized" in output and "wrote:" in output
 
@@ -129,7 +139,8 @@ def test_end_to_end_against_compressed_tensors_and_fp32(runs, model_name, scheme
 def test_metadata_as_compressed_tensors_writes_it(runs, model_name, scheme):
     src, out, _ = runs(model_name, scheme)
     config, params = load_written(out)  # validates through compressed-tensors' QuantizationConfig
-    assert config.quant_method == "compressed-tensors" and config.format == "int-quantized"
+    fmt, w_strategy, static_input = EXPECTED[scheme][:3]
+    assert config.quant_method == "compressed-tensors" and config.format == fmt
     assert config.quantization_status == "frozen"
     targets = [t for t in find_targets(onnx.load(src / "model.onnx"))[0]]
     assert config.ignore == (["lm_head"] if model_name == "tiny-llama" else [])
@@ -138,9 +149,9 @@ def test_metadata_as_compressed_tensors_writes_it(runs, model_name, scheme):
         if t.name == "lm_head":
             continue
         expected.add(f"{t.name}.weight_scale")
-        assert params[f"{t.name}.weight_scale"].shape == (t.out_features, 1)
+        assert params[f"{t.name}.weight_scale"].shape == ((t.out_features, 1) if w_strategy == "channel" else (1,))
         assert params[f"{t.name}.weight_scale"].dtype == torch.float32
-        if scheme == "W8A8_STATIC":
+        if static_input:
             expected.add(f"{t.name}.input_scale")
             assert params[f"{t.name}.input_scale"].shape == (1,)
     assert set(params) == expected  # symmetric: no zero points; dynamic: no input params

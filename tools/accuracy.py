@@ -1,6 +1,6 @@
 """How close graphcal's QDQ models are to fp32 on held-out data, for the shipped models.
 
-    python tools/accuracy.py [--schemes W8A8 W8A8_STATIC]
+    python tools/accuracy.py [--schemes W8A8 W8A8_STATIC FP8 FP8_DYNAMIC]
 
 Calibrates each shipped model on models/*/calib.npz, runs the fp32 and the QDQ model in
 onnxruntime (CPU, ORT_ENABLE_BASIC) on models/*/heldout.npz, and prints a markdown table of
@@ -31,7 +31,7 @@ def run(model: Path, feeds: dict) -> tuple[str, np.ndarray]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schemes", nargs="+", default=["W8A8", "W8A8_STATIC"])
+    ap.add_argument("--schemes", nargs="+", default=["W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC"])
     args = ap.parse_args()
     print("| model | scheme | output | SQNR vs fp32 (dB) | cosine | max abs error | max abs fp32 output |")
     print("|---|---|---|---|---|---|---|")

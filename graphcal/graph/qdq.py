@@ -2,7 +2,10 @@
 
 Forms written (before -> after):
 
-- weight, per-tensor or per-channel int8 (opset 13)::
+Types: symmetric int8 (opset 13) and fp8 e4m3fn (opset 19); a model below the opset a scheme
+needs is converted with onnx's version converter, and IR is set to what onnxruntime loads.
+
+- weight, per-tensor or per-channel int8 / fp8::
 
       MatMul(x, W[in, out])  ->  MatMul(x, DequantizeLinear(Wq int8 [in, out], scale[out], zp, axis=1))
 
@@ -13,8 +16,8 @@ Forms written (before -> after):
       MatMul(x, .)  ->  MatMul(DequantizeLinear(QuantizeLinear(x, s, zp), s, zp), .)
 
   one Q/DQ pair per activation and qparams, shared by q/k/v-style consumers.
-- dynamic per-token int8 activation, computed at run time as compressed-tensors does
-  (scale = max|x| over the hidden dim / 127.5, 0 -> eps)::
+- dynamic per-token activation, computed at run time as compressed-tensors does
+  (scale = max|x| over the hidden dim / 127.5 for int8, / 448 for fp8; 0 -> eps)::
 
       x[..., H] -> Reshape[-1, H] -> Q/DQ(axis=0, scale = Where(amax==0, eps, ReduceMax(Abs)/127.5)) -> Reshape(Shape(x))
 
@@ -23,6 +26,8 @@ Forms written (before -> after):
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -36,6 +41,7 @@ from graphcal.types import QParams, QuantizedTarget, Target
 
 # IR version onnxruntime accepts for each opset (onnx's own table, capped at what ORT loads).
 _IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10}
+
 
 
 def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.ModelProto:
@@ -64,26 +70,50 @@ def required_opset(item: QuantizedTarget) -> int:
     return max(opsets)
 
 
+@dataclass(frozen=True)
+class _QType:
+    """How one compressed-tensors type is stored in ONNX."""
+
+    onnx_type: int
+    torch_dtype: torch.dtype
+    half_range: float  # compressed-tensors' symmetric divisor: (qmax - qmin) / 2
+    opset: int  # lowest opset whose Q/DQ take this type
+
+
+_QTYPES = {
+    ("int", 8): _QType(TensorProto.INT8, torch.int8, 127.5, 13),
+    ("float", 8): _QType(TensorProto.FLOAT8E4M3FN, torch.float8_e4m3fn, 448.0, 19),
+}
+
+
+def _qtype(args) -> _QType | None:
+    if not args.symmetric:
+        return None  # asymmetric zero points: written with the other forms of issue 4
+    return _QTYPES.get((args.type, args.num_bits))
+
+
 def _weight_opset(args, where: str) -> int:
     if args is None:
         raise GraphcalError(f"{where}: schemes without weight quantization are not written yet")
-    if args.type == "int" and args.num_bits == 8 and args.strategy in ("tensor", "channel"):
-        return 13
+    qtype = _qtype(args)
+    if qtype is not None and args.strategy in ("tensor", "channel"):
+        return qtype.opset
     raise GraphcalError(
-        f"{where}: weights {args.type}{args.num_bits} with strategy {args.strategy} are not written to ONNX yet "
-        "(supported: int8 tensor/channel)"
+        f"{where}: weights {args.type}{args.num_bits} (symmetric={args.symmetric}) with strategy {args.strategy} "
+        "are not written to ONNX yet (supported: symmetric int8/fp8 tensor or channel)"
     )
 
 
 def _input_opset(args, where: str) -> int:
-    if args.type == "int" and args.num_bits == 8:
+    qtype = _qtype(args)
+    if qtype is not None:
         if args.dynamic is False and args.strategy == "tensor":
-            return 13
+            return qtype.opset
         if args.dynamic is True and args.strategy in ("token", "tensor"):
-            return 13
+            return qtype.opset
     raise GraphcalError(
         f"{where}: input activations {args.type}{args.num_bits} {args.strategy} dynamic={args.dynamic} "
-        "are not written to ONNX yet (supported: int8 static tensor, int8 dynamic token/tensor)"
+        "are not written to ONNX yet (supported: symmetric int8/fp8, static tensor or dynamic token/tensor)"
     )
 
 
@@ -104,17 +134,16 @@ class _Writer:
         from compressed_tensors.quantization.lifecycle.forward import quantize
 
         t, args = item.target, item.scheme.weights
+        qtype = _qtype(args)
         qp = item.qparams["weight"]
         w = torch.from_numpy(torch_weight(self.model, t))
-        q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, dtype=torch.int8)
-        q = q.numpy().astype(np.int8)
+        q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, dtype=qtype.torch_dtype)
         axis = 1 if t.layout == "in_out" else 0
-        stored = q.T if t.layout == "in_out" else q
+        stored = q.T.contiguous() if t.layout == "in_out" else q.contiguous()
         scale = _onnx_scale(qp.scale, args.strategy, w.dtype)
-        zp = np.asarray(qp.zero_point.to(torch.int8).numpy().reshape(scale.shape), dtype=np.int8)
-        wq = self._const(f"{t.name}.weight_quantized", np.ascontiguousarray(stored))
+        wq = self._const_q(f"{t.name}.weight_quantized", stored, qtype)
         s = self._const(f"{t.name}.weight_scale", scale)
-        z = self._const(f"{t.name}.weight_zero_point", zp)
+        z = self._const_q(f"{t.name}.weight_zero_point", torch.zeros(scale.shape, dtype=qtype.torch_dtype), qtype)
         dq_out = self._unique(f"{t.name}.weight_dequantized")
         attrs = {"axis": axis} if scale.ndim == 1 else {}
         self._add(t, helper.make_node(
@@ -132,29 +161,30 @@ class _Writer:
         if args is None:
             return
         t = item.target
+        qtype = _qtype(args)
         if args.dynamic is True:
             key = (t.activation, "dynamic", args.model_dump_json())
             if key not in self.shared:
-                self.shared[key] = self._dynamic_int8(t, args.strategy)
+                self.shared[key] = self._dynamic(t, args.strategy, qtype)
         else:
             qp = item.qparams["input"]
-            key = (t.activation, "static", qp.scale.numpy().tobytes(), qp.zero_point.numpy().tobytes())
+            key = (t.activation, "static", args.model_dump_json(), qp.scale.numpy().tobytes())
             if key not in self.shared:
-                self.shared[key] = self._static_int8(t, qp)
+                self.shared[key] = self._static(t, qp, qtype)
         self.node_by_name[t.node].input[0] = self.shared[key]
 
-    def _static_int8(self, t: Target, qp: QParams) -> str:
+    def _static(self, t: Target, qp: QParams, qtype: _QType) -> str:
         dtype = self._act_dtype(t)
         s = self._const(f"{t.name}.input_scale", _onnx_scale(qp.scale, "tensor", dtype))
-        z = self._const(f"{t.name}.input_zero_point", np.asarray(qp.zero_point.to(torch.int8).reshape(()).numpy()))
+        z = self._const_q(f"{t.name}.input_zero_point", torch.zeros((), dtype=qtype.torch_dtype), qtype)
         q = self._unique(f"{t.activation}_quantized")
         dq = self._unique(f"{t.activation}_dequantized")
         self._add(t, helper.make_node("QuantizeLinear", [t.activation, s, z], [q], name=self._unique(f"{t.name}/input/QuantizeLinear")))
         self._add(t, helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{t.name}/input/DequantizeLinear")))
         return dq
 
-    def _dynamic_int8(self, t: Target, strategy: str) -> str:
-        """Per-token (3-D and up) or per-tensor (2-D, and strategy tensor) dynamic int8 Q/DQ."""
+    def _dynamic(self, t: Target, strategy: str, qtype: _QType) -> str:
+        """Per-token (3-D and up) or per-tensor (2-D, and strategy tensor) dynamic Q/DQ."""
         dtype = self._act_dtype(t)
         rank = self._act_rank(t)
         per_token = strategy == "token" and (rank is None or rank >= 3)
@@ -165,22 +195,23 @@ class _Writer:
             x = self._op(t, "Reshape", [x, shape2d], f"{base}/Reshape")
         absx = self._op(t, "Abs", [x], f"{base}/Abs")
         amax = self._reduce_max(t, absx, [1] if per_token else None, f"{base}/ReduceMax")
-        half_range = self._const(f"{t.name}.input_half_range", np.array(127.5, dtype=dtype))
+        half_range = self._const(f"{t.name}.input_half_range", np.array(qtype.half_range, dtype=dtype))
         raw = self._op(t, "Div", [amax, half_range], f"{base}/Div")
         zero = self._const(f"{t.name}.input_zero", np.array(0, dtype=dtype))
         eps = self._const(f"{t.name}.input_eps", np.array(np.finfo(np.float32).eps, dtype=dtype))
         is_zero = self._op(t, "Equal", [raw, zero], f"{base}/Equal")
         scale = self._op(t, "Where", [is_zero, eps, raw], f"{base}/Where")
-        if per_token:
+        if per_token:  # a zero point per token, of the quantized type
             shape_of = self._op(t, "Shape", [scale], f"{base}/ScaleShape")
-            zp = self._unique(f"{base}/zero_point")
+            zeros = self._unique(f"{base}/zeros")
             self._add(t, helper.make_node(
-                "ConstantOfShape", [shape_of], [zp], name=self._unique(f"{base}/ConstantOfShape"),
-                value=numpy_helper.from_array(np.zeros(1, dtype=np.int8)),
+                "ConstantOfShape", [shape_of], [zeros], name=self._unique(f"{base}/ConstantOfShape"),
+                value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)),
             ))
+            zp = self._op(t, "Cast", [zeros], f"{base}/ZeroPoint", to=qtype.onnx_type)
             attrs = {"axis": 0}
         else:
-            zp = self._const(f"{t.name}.input_zero_point", np.array(0, dtype=np.int8))
+            zp = self._const_q(f"{t.name}.input_zero_point", torch.zeros((), dtype=qtype.torch_dtype), qtype)
             attrs = {}
         q = self._op(t, "QuantizeLinear", [x, scale, zp], f"{base}/QuantizeLinear", **attrs)
         dq = self._op(t, "DequantizeLinear", [q, scale, zp], f"{base}/DequantizeLinear", **attrs)
@@ -209,6 +240,13 @@ class _Writer:
     def _const(self, name: str, array: np.ndarray) -> str:
         name = self._unique(name)
         self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def _const_q(self, name: str, values: torch.Tensor, qtype: _QType) -> str:
+        """An initializer of a quantized type (int8, or fp8 stored as raw bytes)."""
+        name = self._unique(name)
+        raw = values.contiguous().view(torch.uint8).numpy().tobytes()
+        self.inits.append(helper.make_tensor(name, qtype.onnx_type, list(values.shape), raw, raw=True))
         return name
 
     def _unique(self, name: str) -> str:
