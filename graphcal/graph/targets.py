@@ -56,17 +56,18 @@ def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
         if source is None:
             skipped.append(Skipped(label, "B input is an activation, not a weight"))
             continue
-        init_name, path = source
+        init_name, path_nodes = source
+        path = [n.name for n in path_nodes]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Gemm" and attrs.get("transA", 0):
             skipped.append(Skipped(label, "Gemm with transA=1 is not supported"))
             continue
-        b = weight_as_consumed(inits[init_name], [producers_by_name(graph, p) for p in path], inits)
-        if b.ndim != 2:
-            skipped.append(Skipped(label, f"weight has rank {b.ndim}, expected 2"))
+        shape = _consumed_shape(inits[init_name], path_nodes, inits)
+        if len(shape) != 2:
+            skipped.append(Skipped(label, f"weight has rank {len(shape)}, expected 2"))
             continue
         layout = "out_in" if node.op_type == "Gemm" and attrs.get("transB", 0) else "in_out"
-        out_f, in_f = (b.shape[1], b.shape[0]) if layout == "in_out" else b.shape
+        out_f, in_f = (shape[1], shape[0]) if layout == "in_out" else shape
         targets.append(
             Target(
                 name=module_name(node, init_name, index),
@@ -163,9 +164,27 @@ def weight_as_consumed(
     return value
 
 
-def _trace_weight(name, inits, producers) -> tuple[str, list[str]] | None:
-    """Walk B back through weight-path ops to an initializer: (initializer, node names in order)."""
-    path: list[str] = []
+def _consumed_shape(init: onnx.TensorProto, path: list[onnx.NodeProto], inits) -> list[int]:
+    """The shape reaching the node's B input, from dims and the path ops alone (no weight is read)."""
+    shape = list(init.dims)
+    for node in path:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Transpose":
+            perm = attrs.get("perm") or list(range(len(shape)))[::-1]
+            shape = [shape[p] for p in perm]
+        elif node.op_type == "Reshape":
+            target = [int(v) for v in numpy_helper.to_array(inits[node.input[1]]).tolist()]
+            target = [shape[i] if v == 0 else v for i, v in enumerate(target)]
+            if -1 in target:
+                known = int(np.prod([v for v in target if v != -1]))
+                target[target.index(-1)] = int(np.prod(shape)) // max(known, 1)
+            shape = target
+    return shape
+
+
+def _trace_weight(name, inits, producers) -> tuple[str, list[onnx.NodeProto]] | None:
+    """Walk B back through weight-path ops to an initializer: (initializer, path nodes in order)."""
+    path: list[onnx.NodeProto] = []
     while name not in inits:
         node = producers.get(name)
         if node is None or node.op_type not in _WEIGHT_PATH_OPS:
@@ -174,7 +193,7 @@ def _trace_weight(name, inits, producers) -> tuple[str, list[str]] | None:
             return None
         if not node.name:
             return None  # unnamed path nodes cannot be addressed later
-        path.append(node.name)
+        path.append(node)
         name = node.input[0]
     return name, path[::-1]
 
