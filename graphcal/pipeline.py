@@ -216,12 +216,12 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int
             values = runtime.run(batch)
             for tensor, consumers in plan.taps.items():
                 x = values[tensor]
+                if x.is_floating_point() and not torch.isfinite(x).all():
+                    raise GraphcalError(
+                        f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
+                        f"{consumers[0][1].observer_name}); the model or the data produce non-finite activations"
+                    )
                 for kind, obs in consumers:
-                    if x.is_floating_point() and not torch.isfinite(x).all():
-                        raise GraphcalError(
-                            f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
-                            f"{obs.observer_name}); the model or the data produce non-finite activations"
-                        )
                     try:
                         if kind == "importance":
                             obs.accumulate_importance(x)

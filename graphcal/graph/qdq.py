@@ -43,7 +43,6 @@ from graphcal.types import QParams, QuantizedTarget, Target
 _IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10}
 
 
-
 def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.ModelProto:
     """A new model with every item's weight stored quantized and its activations Q/DQ'd."""
     need = max([required_opset(item) for item in items] + [13])
