@@ -182,7 +182,7 @@ def _example_ids(vocab_size: int, batch: int, seq: int, seed: int):
 
 
 def build_tiny_llama(seed: int = 0):
-    """A 2-layer random-initialised ``LlamaForCausalLM`` (vocab 256, hidden 64, GQA 4/2 heads).
+    """A 2-layer random-initialised ``LlamaForCausalLM`` (vocab 256, hidden 128, GQA 4/2 heads).
 
     Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
     ``{"input_ids", "attention_mask"}`` of int64 ``[batch, seq]`` tensors, ``["logits"]`` and
@@ -193,8 +193,8 @@ def build_tiny_llama(seed: int = 0):
 
     config = LlamaConfig(
         vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -217,7 +217,7 @@ def build_tiny_llama(seed: int = 0):
 
 
 def build_tiny_bert(seed: int = 0):
-    """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 64, 4 heads, with pooler).
+    """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 128, 4 heads, with pooler).
 
     Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
     ``{"input_ids", "attention_mask", "token_type_ids"}`` of int64 ``[batch, seq]`` tensors,
@@ -229,8 +229,8 @@ def build_tiny_bert(seed: int = 0):
 
     config = BertConfig(
         vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=128,

@@ -95,7 +95,7 @@ def _torch_outputs(model, feeds: dict, output_names):
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_shipped_model_is_valid(name):
     path = MODELS_DIR / name / "model.onnx"
-    assert path.stat().st_size < 1_000_000
+    assert path.stat().st_size < 2_000_000  # small enough to ship in the repository
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     assert model.ir_version <= 10
@@ -159,8 +159,8 @@ def test_shipped_llama_is_deployed_form():
     proto = onnx.load(str(MODELS_DIR / "tiny-llama" / "model.onnx"))
     inits = _initializers(proto)
     nodes = {n.name: n for n in proto.graph.node}
-    for proj, (out_f, in_f) in {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64),
-                                "o_proj": (64, 64)}.items():
+    for proj, (out_f, in_f) in {"q_proj": (128, 128), "k_proj": (64, 128), "v_proj": (64, 128),
+                                "o_proj": (128, 128)}.items():
         node = nodes[f"/model/layers.0/self_attn/{proj}/MatMul"]
         assert node.op_type == "MatMul"
         w_name = node.input[1]
@@ -180,7 +180,7 @@ def test_shipped_bert_has_gemm_pooler():
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gemms[0].attribute}
     assert attrs.get("transB") == 1
     assert gemms[0].input[1] == "pooler.dense.weight"
-    assert list(_initializers(proto)["pooler.dense.weight"].dims) == [64, 64]
+    assert list(_initializers(proto)["pooler.dense.weight"].dims) == [128, 128]
     matmuls = {n.name for n in proto.graph.node if n.op_type == "MatMul"}
     assert "/encoder/layer.0/attention/self/query/MatMul" in matmuls
     assert "/encoder/layer.1/output/dense/MatMul" in matmuls
@@ -300,11 +300,11 @@ def test_dynamo_form_bert_name_scopes(tmp_path):
     "name, weight, matmul, shape",
     [
         ("tiny-llama", "model.layers.0.self_attn.q_proj.weight",
-         "/model/layers.0/self_attn/q_proj/MatMul", (64, 64)),
+         "/model/layers.0/self_attn/q_proj/MatMul", (128, 128)),
         ("tiny-llama", "model.layers.0.self_attn.k_proj.weight",
-         "/model/layers.0/self_attn/k_proj/MatMul", (32, 64)),
+         "/model/layers.0/self_attn/k_proj/MatMul", (64, 128)),
         ("tiny-bert", "encoder.layer.0.intermediate.dense.weight",
-         "/encoder/layer.0/intermediate/dense/MatMul", (128, 64)),
+         "/encoder/layer.0/intermediate/dense/MatMul", (256, 128)),
     ],
 )
 def test_unfolded_form_has_transpose(name, weight, matmul, shape, tmp_path):
