@@ -82,6 +82,41 @@ def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_
         click.echo(f"  {f}")
 
 
+def _like_run(name: str):
+    """The option ``name`` exactly as `run` declares it (flags, default, help), for another command."""
+    opt = next(p for p in run.params if p.name == name)
+    return click.option(*opt.opts, *opt.secondary_opts, type=opt.type, multiple=opt.multiple, default=opt.default,
+                        show_default=opt.show_default, is_flag=opt.is_flag, help=opt.help)
+
+
+@cli.command(name="inspect")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@_like_run("scheme")
+@_like_run("targets")
+@_like_run("ignore")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
+@_like_run("debug")
+def inspect_command(model, scheme, targets, ignore, as_json, debug):
+    """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
+
+    Lists every weight MatMul/Gemm (module, node, torch [out, in] shape, layout, quantized or
+    ignored), the fused groups, the opset the output needs, and the expected size of the
+    written model.onnx.
+
+    \b
+    Example:
+      graphcal inspect models/tiny-llama/model.onnx --scheme FP8
+    """
+    import json
+
+    from graphcal.inspect import format_text, inspect_model, to_dict
+
+    report = _guarded(lambda: inspect_model(model, scheme=scheme, targets=targets, ignore=ignore), debug)
+    for w in report.warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))
+
+
 def _guarded(call, debug: bool):
     """Run ``call``; turn graphcal's errors into one line and an exit code."""
     try:
