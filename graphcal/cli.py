@@ -47,9 +47,14 @@ def cli() -> None:
 @click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where onnxruntime runs; auto picks CUDA when a GPU is usable.")
+@click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+              show_default=True,
+              help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what TensorRT "
+                   "builds: symmetric, static per-tensor int8/fp8 activations, int4 blocks of 64/128, NVFP4 "
+                   "activations through trt::TRT_FP4DynamicQuantize).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_samples, device, quiet, debug):
+def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_samples, device, runtime, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -61,7 +66,7 @@ def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_
     def call():
         return calibrate(
             model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer,
-            device=device, batch_size=batch_size, num_samples=num_samples, progress=not quiet,
+            device=device, target=runtime, batch_size=batch_size, num_samples=num_samples, progress=not quiet,
         )
 
     result = _guarded(call, debug)
@@ -85,7 +90,7 @@ def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_
 def _like_run(name: str):
     """The option ``name`` exactly as `run` declares it (flags, default, help), for another command."""
     opt = next(p for p in run.params if p.name == name)
-    return click.option(*opt.opts, *opt.secondary_opts, type=opt.type, multiple=opt.multiple, default=opt.default,
+    return click.option(opt.name, *opt.opts, *opt.secondary_opts, type=opt.type, multiple=opt.multiple, default=opt.default,
                         show_default=opt.show_default, is_flag=opt.is_flag, help=opt.help)
 
 
@@ -94,9 +99,10 @@ def _like_run(name: str):
 @_like_run("scheme")
 @_like_run("targets")
 @_like_run("ignore")
+@_like_run("runtime")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @_like_run("debug")
-def inspect_command(model, scheme, targets, ignore, as_json, debug):
+def inspect_command(model, scheme, targets, ignore, runtime, as_json, debug):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Lists every weight MatMul/Gemm (module, node, torch [out, in] shape, layout, quantized or
@@ -111,7 +117,7 @@ def inspect_command(model, scheme, targets, ignore, as_json, debug):
 
     from graphcal.inspect import format_text, inspect_model, to_dict
 
-    report = _guarded(lambda: inspect_model(model, scheme=scheme, targets=targets, ignore=ignore), debug)
+    report = _guarded(lambda: inspect_model(model, scheme=scheme, targets=targets, ignore=ignore, target=runtime), debug)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))

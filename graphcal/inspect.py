@@ -75,6 +75,7 @@ def inspect_model(
     config: RunConfig | None = None,
     targets: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
     ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE,
+    target: str = "onnxruntime",
 ) -> Inspection:
     """Describe what ``calibrate(model, ..., scheme=scheme, targets=targets, ignore=ignore)`` would write.
 
@@ -93,7 +94,7 @@ def inspect_model(
     if not chosen:
         raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
     items = [QuantizedTarget(t, config.scheme_for(t)) for t in chosen]
-    need = max(required_opset(item) for item in items)  # raises, as run does, for a scheme with no ONNX form
+    need = max(required_opset(item, target) for item in items)  # raises, as run does, for a scheme with no ONNX form
     groups, fusion_warnings = find_fused_groups(chosen)
     model_opset = default_opset(onnx_model)
     rows = [_row(t, t in chosen, config) for t in found]

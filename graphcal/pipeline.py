@@ -22,7 +22,7 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.io import load_model, save_model
-from graphcal.graph.qdq import emit_qdq, required_opset
+from graphcal.graph.qdq import emit_qdq, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_taps
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
@@ -63,6 +63,7 @@ def calibrate(
     ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE,
     observer: str | None = None,
     device: str = "auto",
+    target: str = "onnxruntime",
     batch_size: int | None = None,
     num_samples: int | None = None,
     progress: bool = False,
@@ -70,7 +71,9 @@ def calibrate(
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
     ``scheme`` is a compressed-tensors preset name, ``W8A8_STATIC``, or JSON scheme fields;
-    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer when given.
+    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer when given. ``target`` is
+    the runtime the QDQ model is written for: "onnxruntime" (standard ONNX) or "tensorrt"
+    (only what TensorRT builds; other schemes fail before calibrating).
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -89,8 +92,9 @@ def calibrate(
         raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
     ignored = [t.name for t in found if t not in chosen]
     schemes = {t.name: config.scheme_for(t) for t in chosen}
-    for t in chosen:  # fail before calibrating if the scheme has no ONNX form yet
-        required_opset(QuantizedTarget(t, schemes[t.name]))
+    for t in chosen:  # fail before calibrating if the scheme has no ONNX form for the target runtime
+        required_opset(QuantizedTarget(t, schemes[t.name]), target)
+    warnings += runtime_notes([QuantizedTarget(t, schemes[t.name]) for t in chosen], target)
     calib = load_data(data, graph_inputs(onnx_model), batch_size=batch_size, num_samples=num_samples)
 
     plan = _ObserverPlan(chosen, schemes)
@@ -115,7 +119,7 @@ def calibrate(
     plan.fuse(groups)
     items = plan.qparams(chosen, schemes)
 
-    qdq_model = emit_qdq(onnx_model, items)
+    qdq_model = emit_qdq(onnx_model, items, target)
     qc_data = build_quantization_config(config, items, ignored)[1]
     tensors = qparam_tensors(items)
 

@@ -229,3 +229,9 @@ def test_errors(tmp_path, llama_dir):
     no_form = '{"weights": {"num_bits": 8, "strategy": "channel"}, "output_activations": {"num_bits": 8, "strategy": "tensor"}}'
     one_line_error(inspect(llama_dir / "model.onnx", "--scheme", no_form), 1, "output_activations")
     assert not list(tmp_path.iterdir())
+
+
+def test_target_tensorrt_checks_the_scheme_as_run_does(llama_dir):
+    one_line_error(inspect(llama_dir / "model.onnx", "--scheme", "W8A8", "--target", "tensorrt"), 1,
+                   "--target tensorrt: TensorRT takes int8/fp8 activations per tensor with a static scale")
+    assert inspect_json(llama_dir / "model.onnx", "--scheme", "NVFP4", "--target", "tensorrt")["opset"]["output"] == 23

@@ -309,3 +309,88 @@ def test_python_dash_m_and_console_script(tmp_path, bert_dir):
     bad = subprocess.run([sys.executable, "-m", "graphcal", "run", str(tmp_path / "missing.onnx"), "--data", "x.npz",
                           "-o", str(tmp_path / "o2")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'missing.onnx'}"]
+
+
+# -- --target tensorrt ----------------------------------------------------------------------
+
+
+def _trt_fp4_dynamic_quantize():
+    """trt::TRT_FP4DynamicQuantize for onnx.reference, as NVIDIA documents it: per block of
+    ``block_size`` along the last axis, scale = fp8(amax / 6 / global), x -> fp4(x / (scale * global));
+    outputs (x fp4, scales fp8). The arithmetic follows compressed-tensors' dynamic "local" scales."""
+    import ml_dtypes
+    from onnx.reference.op_run import OpRun
+
+    class TRT_FP4DynamicQuantize(OpRun):  # noqa: N801 -- the op's name
+        op_domain = "trt"
+
+        def _run(self, x, scale, axis=-1, block_size=16, scale_type=None):
+            blocks = x.reshape(*x.shape[:-1], -1, block_size)
+            gs = np.float32(1.0) / scale.astype(np.float32)
+            s = np.clip(np.abs(blocks).max(-1) / np.float32(6.0) * gs, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+            s_eff = np.where(s.astype(np.float32) == 0, np.float32(0.125), s.astype(np.float32)) / gs
+            q = np.clip(blocks / s_eff[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
+            return q.reshape(x.shape), s
+
+    return TRT_FP4DynamicQuantize
+
+
+def test_tensorrt_nvfp4_form_computes_what_the_standard_form_does(runs, tmp_path, llama_dir):
+    """NVFP4 for TensorRT: fp4 weights [out, in] blocked on the last axis (+ Transpose for MatMul),
+    activations through trt::TRT_FP4DynamicQuantize; same numbers as the standard ONNX form."""
+    from onnx.reference import ReferenceEvaluator
+
+    out = tmp_path / "trt"
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "NVFP4", "--target", "tensorrt", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    model = onnx.load(out / "model.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    assert {o.domain: o.version for o in model.opset_import}["trt"] == 1
+    custom = [n for n in model.graph.node if n.op_type == "TRT_FP4DynamicQuantize"]
+    assert len(custom) == 8 and all(n.domain == "trt" for n in custom)  # 4 distinct activations per layer
+    inits = {t.name: t for t in model.graph.initializer}
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert list(inits[f"{q_proj}.weight_quantized"].dims) == [128, 128] and \
+        list(inits[f"{q_proj}.weight_scale"].dims) == [128, 8]  # [out, in / 16]
+    assert not [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    got = ReferenceEvaluator(model, new_ops=[_trt_fp4_dynamic_quantize()]).run(None, feeds)[0]
+    standard = run_model(onnx.load(runs("tiny-llama", "NVFP4")[1] / "model.onnx"), feeds)["logits"]
+    np.testing.assert_allclose(got, standard, rtol=1e-5, atol=1e-5)
+    _, params = load_written(out)
+    _, params_std = load_written(runs("tiny-llama", "NVFP4")[1])
+    assert params.keys() == params_std.keys() and all(torch.equal(params[k], params_std[k]) for k in params)
+
+
+@pytest.mark.parametrize("scheme", ["W8A8_STATIC", "FP8", "W4A16"])
+def test_tensorrt_forms_that_are_standard_onnx_are_written_as_for_onnxruntime(runs, tmp_path, llama_dir, scheme):
+    out = tmp_path / "trt"
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", scheme, "--target", "tensorrt", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert _digest(out / "model.onnx") == _digest(runs("tiny-llama", scheme)[1] / "model.onnx")
+
+
+@pytest.mark.parametrize("scheme, reason", [
+    ("W8A8", "int8/fp8 activations per tensor with a static scale, not dynamic token; use W8A8_STATIC or FP8"),
+    ("FP8_DYNAMIC", "not dynamic token"),
+    ("FP8_BLOCK", "int8/fp8 weights per tensor or per channel, not per block"),
+    ("W8A16", "int8/fp8 weights per tensor or per channel, not per group"),
+    ("W4A16_ASYM", "symmetric quantization only"),
+    ("W4A8", "int4 as weight-only"),
+    ("MXFP4A16", "fp4 as NVFP4 only"),
+    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32}}', "int4 weights in blocks of 64 or 128"),
+])
+def test_tensorrt_refuses_what_it_cannot_build(llama_dir, tmp_path, scheme, reason):
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", scheme, "--target", "tensorrt", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "--target tensorrt" in lines[0] and reason in lines[0], result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_fp4_for_onnxruntime_warns_that_it_has_no_fp4_kernels(runs):
+    assert "onnxruntime 1.31 has no float4" in runs("tiny-llama", "NVFP4A16")[2]
+    assert "no float4" not in runs("tiny-llama", "W4A16")[2]

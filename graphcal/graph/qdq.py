@@ -57,14 +57,18 @@ from graphcal.graph.targets import torch_weight
 from graphcal.types import QParams, QuantizedTarget, Target
 
 
-def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.ModelProto:
-    """A new model with every item's weight stored quantized and its activations Q/DQ'd."""
-    need = max([required_opset(item) for item in items] + [13])
+RUNTIMES = ("onnxruntime", "tensorrt")
+
+
+def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget], runtime: str = "onnxruntime") -> onnx.ModelProto:
+    """A new model with every item's weight stored quantized and its activations Q/DQ'd, in the
+    forms ``runtime`` builds ("onnxruntime": standard ONNX; "tensorrt": what TensorRT takes)."""
+    need = max([required_opset(item, runtime) for item in items] + [13])
     out = onnx.ModelProto()
     out.CopyFrom(model)
     if default_opset(out) < need:
         out = _upgrade_opset(out, need)
-    writer = _Writer(out)
+    writer = _Writer(out, runtime)
     for item in items:
         writer.quantize_weight(item)
         writer.quantize_input(item)
@@ -72,10 +76,13 @@ def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget]) -> onnx.Model
     return out
 
 
-def required_opset(item: QuantizedTarget) -> int:
-    """The lowest opset that expresses this target's scheme; raises for what has no ONNX form here."""
+def required_opset(item: QuantizedTarget, runtime: str = "onnxruntime") -> int:
+    """The lowest opset that expresses this target's scheme; raises for what has no ONNX form here,
+    or, for ``runtime="tensorrt"``, for what TensorRT does not build."""
     scheme = item.scheme
     where = item.target.name
+    if runtime not in RUNTIMES:
+        raise GraphcalError(f"unknown target runtime {runtime!r}; choose one of: {', '.join(RUNTIMES)}")
     if scheme.output_activations is not None:
         raise GraphcalError(f"{where}: output_activations are not written to ONNX (quantize the next layer's input instead)")
     if scheme.weights is None:
@@ -83,7 +90,53 @@ def required_opset(item: QuantizedTarget) -> int:
     opsets = [_weight_opset(scheme.weights, where)]
     if scheme.input_activations is not None:
         opsets.append(_input_opset(scheme.input_activations, where))
+    if runtime == "tensorrt":
+        problem = tensorrt_problem(scheme)
+        if problem:
+            raise GraphcalError(f"{where}: --target tensorrt: {problem}")
     return max(opsets)
+
+
+def runtime_notes(items: list[QuantizedTarget], runtime: str) -> list[str]:
+    """Warnings about what the chosen runtime can execute of the written model."""
+    fp4 = sorted({_name(i.scheme.weights.type) + "4" for i in items
+                  if i.scheme.weights is not None and i.scheme.weights.num_bits == 4 and _name(i.scheme.weights.type) == "float"})
+    if runtime == "onnxruntime" and fp4:
+        return ["onnxruntime 1.31 has no float4 (or e8m0) Q/DQ kernels: the written model is standard ONNX "
+                "(opset 23+, checked with onnx.reference) for runtimes that have them; for TensorRT use --target tensorrt"]
+    return []
+
+
+def tensorrt_problem(scheme) -> str | None:
+    """Why TensorRT (10.x explicit quantization) cannot build this scheme, or None when it can.
+
+    TensorRT takes symmetric quantization only; int8/fp8 weights per tensor or per channel with
+    static per-tensor activations; int4 weight-only in blocks of 64 or 128; fp4 as NVFP4 (groups
+    of 16 with fp8 scales and a global scale), activations dynamic per block of 16.
+    """
+    w, a = scheme.weights, scheme.input_activations
+    if any(args is not None and not args.symmetric for args in (w, a)):
+        return "TensorRT takes symmetric quantization only (zero points must be 0); use a symmetric scheme"
+    kind = (_name(w.type), w.num_bits)
+    if kind in (("int", 8), ("float", 8)) and _name(w.strategy) not in ("tensor", "channel"):
+        return f"TensorRT takes int8/fp8 weights per tensor or per channel, not per {_name(w.strategy)}"
+    if kind == ("int", 4):
+        if _name(w.strategy) != "group" or w.group_size not in (64, 128):
+            return "TensorRT takes int4 weights in blocks of 64 or 128 (strategy group)"
+        if a is not None:
+            return "TensorRT takes int4 as weight-only quantization; drop the input activations (W4A16)"
+    if kind == ("float", 4):
+        if is_mx(w) or _name(w.strategy) != "tensor_group" or w.group_size != 16 or not _fp8_scales(w):
+            return "TensorRT takes fp4 as NVFP4 only (tensor_group, groups of 16, fp8 scales)"
+    if a is not None:
+        akind = (_name(a.type), a.num_bits)
+        if akind == ("float", 4):
+            if not (a.dynamic == "local" and _name(a.strategy) == "tensor_group" and a.group_size == 16):
+                return "TensorRT takes fp4 activations as NVFP4, dynamic per block of 16"
+        elif a.dynamic is not False or _name(a.strategy) != "tensor":
+            return ("TensorRT takes int8/fp8 activations per tensor with a static scale, not "
+                    f"{'dynamic ' if a.dynamic else ''}{_name(a.strategy)}; use W8A8_STATIC or FP8")
+    return None
 
 
 @dataclass(frozen=True)
@@ -105,6 +158,7 @@ _QTYPES = {
 _FP8 = _QTYPES["float", 8]
 _BLOCKED_OPSET = 21  # block_size on Q/DQ
 _E8M0_OPSET = 24  # float8e8m0 scales
+TRT_DOMAIN = "trt"  # TensorRT's custom ops (TRT_FP4DynamicQuantize)
 FP8_SCALE_EPS = 0.125  # compressed-tensors' eps for fp8 scales (_get_dtype_eps)
 SUPPORTED = "int4/int8 (sym or asym), fp8 e4m3, fp4 e2m1"
 
@@ -163,8 +217,9 @@ def _input_opset(args, where: str) -> int:
 
 
 class _Writer:
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, runtime: str = "onnxruntime"):
         self.model = model
+        self.runtime = runtime
         self.graph = model.graph
         self.opset = default_opset(model)
         self.nodes_before: dict[str, list[onnx.NodeProto]] = {}  # target node name -> nodes to insert before it
@@ -173,6 +228,7 @@ class _Writer:
         self.detached: set[str] = set()  # weight-path node outputs / initializers that may be dead now
         self.names = {n.name for n in self.graph.node} | {t.name for t in self.graph.initializer}
         self.node_by_name = {n.name: n for n in self.graph.node}
+        self.custom_domains: set[str] = set()
 
     # -- weights -----------------------------------------------------------------------------
     def quantize_weight(self, item: QuantizedTarget) -> None:
@@ -184,7 +240,10 @@ class _Writer:
         w = torch.from_numpy(torch_weight(self.model, t))  # torch [out, in]
         strategy = _name(args.strategy)
         q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
-        layout = _WeightLayout(t, strategy, args)
+        # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter
+        # form); a MatMul then reads them through a Transpose.
+        transpose = self.runtime == "tensorrt" and qtype is _QTYPES["float", 4] and t.layout == "in_out"
+        layout = _WeightLayout(t, strategy, args, "out_in" if transpose else t.layout)
         stored = self._const(f"{t.name}.weight_quantized", layout.weight(_as_qtype(q, qtype)))
         scale = self._weight_scale(t, args, qp, w.dtype, layout)
         inputs = [stored, scale]
@@ -197,6 +256,8 @@ class _Writer:
         self._add(t, helper.make_node(
             "DequantizeLinear", inputs, [dq_out], name=self._unique(f"{t.name}/weight/DequantizeLinear"), **attrs
         ))
+        if transpose:
+            dq_out = self._op(t, "Transpose", [dq_out], f"{t.name}/weight/Transpose", perm=[1, 0])
         node = self.node_by_name[t.node]
         old = node.input[1]
         node.input[1] = dq_out
@@ -237,7 +298,10 @@ class _Writer:
             gs = qp.global_scale if qp is not None and args.dynamic == "local" else None
             key = (t.activation, "dynamic", args.model_dump_json(), None if gs is None else gs.numpy().tobytes())
             if key not in self.shared:
-                self.shared[key] = self._dynamic(t, args, qtype, gs)
+                if gs is not None and self.runtime == "tensorrt":
+                    self.shared[key] = self._tensorrt_fp4(t, args, gs)
+                else:
+                    self.shared[key] = self._dynamic(t, args, qtype, gs)
         self.node_by_name[t.node].input[0] = self.shared[key]
 
     def _static(self, t: Target, args, qp: QParams, qtype: _QType) -> str:
@@ -301,6 +365,29 @@ class _Writer:
             return dq
         shape = self._op(t, "Shape", [t.activation], f"{base}/Shape")
         return self._op(t, "Reshape", [dq, shape], f"{base}/Restore")
+
+    def _tensorrt_fp4(self, t: Target, args, global_scale: torch.Tensor) -> str:
+        """NVFP4 activations as TensorRT builds them (NVIDIA's exporter form)::
+
+            x -> trt::TRT_FP4DynamicQuantize(x, 1/global_scale; axis=-1, block_size=16, scale_type=fp8)
+              -> (x fp4, block scales fp8) -> DequantizeLinear(scales, 1/global_scale)
+              -> DequantizeLinear(x fp4, ., axis=-1, block_size=16)
+
+        TensorRT computes the block scales at run time as compressed-tensors does:
+        fp8(amax / 6 * global_scale), each applied divided by global_scale.
+        """
+        dtype = self._act_dtype(t)
+        base = f"{t.name}/input"
+        inv = self._const(f"{t.name}.input_global_scale_inverse",
+                          (1.0 / global_scale.detach().to(torch.float64)).to(torch.float32).numpy().astype(dtype).reshape(()))
+        xq, sq = self._unique(f"{base}/fp4"), self._unique(f"{base}/fp4_scales")
+        self._add(t, helper.make_node(
+            "TRT_FP4DynamicQuantize", [t.activation, inv], [xq, sq], name=self._unique(f"{base}/TRT_FP4DynamicQuantize"),
+            domain=TRT_DOMAIN, axis=-1, block_size=args.group_size, scale_type=_FP8.onnx_type,
+        ))
+        self.custom_domains.add(TRT_DOMAIN)
+        scales = self._op(t, "DequantizeLinear", [sq, inv], f"{base}/ScaleDequantizeLinear")
+        return self._op(t, "DequantizeLinear", [xq, scales], f"{base}/DequantizeLinear", axis=-1, block_size=args.group_size)
 
     def _row_zero_points(self, t: Target, scale: str, qtype: _QType, base: str) -> str:
         shape_of = self._op(t, "Shape", [scale], f"{base}/ScaleShape")
@@ -376,6 +463,9 @@ class _Writer:
         self.graph.node.extend(new_nodes)
         self.graph.initializer.extend(self.inits)
         _drop_dead_weight_paths(self.graph, self.detached)
+        have = {o.domain for o in self.model.opset_import}
+        for domain in sorted(self.custom_domains - have):
+            self.model.opset_import.append(helper.make_opsetid(domain, 1))
 
 
 class _WeightLayout:
@@ -387,8 +477,8 @@ class _WeightLayout:
     input is [in, out] for MatMul, so everything but the scalar is transposed there.
     """
 
-    def __init__(self, t: Target, strategy: str, args):
-        self.t, self.strategy = t, strategy
+    def __init__(self, t: Target, strategy: str, args, stored: str):
+        self.t, self.strategy, self.stored = t, strategy, stored
         self.block = None
         if strategy in ("group", "tensor_group"):
             self.block = args.group_size
@@ -397,7 +487,7 @@ class _WeightLayout:
 
     def weight(self, array: np.ndarray) -> np.ndarray:
         """The quantized weight, torch [out, in], as the node's B input takes it."""
-        return array.T if self.t.layout == "in_out" else array
+        return array.T if self.stored == "in_out" else array
 
     def param(self, array: np.ndarray) -> np.ndarray:
         """A scale or zero point in compressed-tensors' shape, laid out for DequantizeLinear."""
@@ -414,8 +504,8 @@ class _WeightLayout:
         if self.strategy == "tensor":
             return {}
         if self.strategy == "channel":
-            return {"axis": 1 if self.t.layout == "in_out" else 0}
-        return {"axis": 0 if self.t.layout == "in_out" else 1, "block_size": self.block}
+            return {"axis": 1 if self.stored == "in_out" else 0}
+        return {"axis": 0 if self.stored == "in_out" else 1, "block_size": self.block}
 
 
 def _as_qtype(values: torch.Tensor, qtype: _QType) -> np.ndarray:
