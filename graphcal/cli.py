@@ -32,8 +32,9 @@ def cli() -> None:
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for model.onnx, quantization_config.json and qparams.safetensors.")
 @click.option("--scheme", "-s", default="W8A8", show_default=True,
-              help="compressed-tensors preset (W8A8 = int8 per-channel weights + dynamic per-token int8 "
-                   "activations), W8A8_STATIC (int8 static per-tensor activations, for TensorRT), or JSON "
+              help="compressed-tensors preset: W8A8 (int8 per-channel weights + dynamic per-token int8 "
+                   "activations), W8A16, W4A16, W4A16_ASYM, W4A8, FP8, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, NVFP4, "
+                   "MXFP4A16; graphcal's W8A8_STATIC (int8 static per-tensor activations, for TensorRT); or JSON "
                    "QuantizationScheme fields.")
 @click.option("--targets", "targets", multiple=True, default=("Linear",), show_default=True,
               help="What to quantize: module names, 're:' regexes, or Linear (every weight MatMul/Gemm). Repeatable.")

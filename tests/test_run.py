@@ -47,7 +47,7 @@ SCHEMES = {
 # min SQNR (dB) of the written model against fp32 on held-out data (random-init models, so 4-bit
 # schemes sit low); about 3 dB under what `python tools/accuracy.py` measures (README table).
 FP32_SQNR_FLOOR = {
-    "tiny-llama": {"W8A8": 33, "W8A8_STATIC": 30, "W8A16": 35, "W4A16": 11, "W4A16_ASYM": 11, "W4A8": 11,
+    "tiny-llama": {"W8A8": 33, "W8A8_STATIC": 27, "W8A16": 35, "W4A16": 11, "W4A16_ASYM": 11, "W4A8": 11,
                    "FP8": 21, "FP8_DYNAMIC": 21, "FP8_BLOCK": 21, "NVFP4A16": 12, "NVFP4": 10, "MXFP4A16": 11},
     "tiny-bert": {"W8A8": 57, "W8A8_STATIC": 54, "W8A16": 60, "W4A16": 36, "W4A16_ASYM": 37, "W4A8": 36,
                   "FP8": 46, "FP8_DYNAMIC": 46, "FP8_BLOCK": 46, "NVFP4A16": 38, "NVFP4": 35, "MXFP4A16": 36},

@@ -1,10 +1,12 @@
 """How close graphcal's QDQ models are to fp32 on held-out data, for the shipped models.
 
-    python tools/accuracy.py [--schemes W8A8 W8A8_STATIC FP8 FP8_DYNAMIC]
+    python tools/accuracy.py [--schemes W8A8 W8A8_STATIC ...]
 
-Calibrates each shipped model on models/*/calib.npz, runs the fp32 and the QDQ model in
-onnxruntime (CPU, ORT_ENABLE_BASIC) on models/*/heldout.npz, and prints a markdown table of
-SQNR, cosine similarity and max abs error of the first output.
+Calibrates each shipped model on models/*/calib.npz, runs the fp32 and the QDQ model on
+models/*/heldout.npz in onnxruntime (CPU, ORT_ENABLE_BASIC) -- or, for fp4 / e8m0 models, which
+onnxruntime's CPU provider cannot run, in onnx.reference's ReferenceEvaluator -- and prints a
+markdown table of SQNR, cosine similarity and max abs error of the first output, and the size
+of the written model.onnx against the fp32 one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from graphcal.pipeline import calibrate
@@ -21,33 +24,45 @@ from graphcal.pipeline import calibrate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(model: Path, feeds: dict) -> tuple[str, np.ndarray]:
-    """(name, value) of the model's first output, at ORT_ENABLE_BASIC on CPU."""
+SCHEMES = ["W8A8", "W8A8_STATIC", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK",
+           "NVFP4A16", "NVFP4", "MXFP4A16"]
+_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
+
+
+def run(model: Path, feeds: dict) -> tuple[str, np.ndarray, str]:
+    """(name, value, evaluator) of the model's first output, at ORT_ENABLE_BASIC on CPU."""
+    proto = onnx.load(str(model))
+    if any(t.data_type in _NOT_IN_ORT for t in proto.graph.initializer):
+        from onnx.reference import ReferenceEvaluator
+
+        return proto.graph.output[0].name, ReferenceEvaluator(proto).run(None, feeds)[0].astype(np.float64), "onnx.reference"
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     sess = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
-    return sess.get_outputs()[0].name, sess.run(None, feeds)[0].astype(np.float64)
+    return sess.get_outputs()[0].name, sess.run(None, feeds)[0].astype(np.float64), "onnxruntime"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schemes", nargs="+", default=["W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC"])
+    ap.add_argument("--schemes", nargs="+", default=SCHEMES)
     args = ap.parse_args()
-    print("| model | scheme | output | SQNR vs fp32 (dB) | cosine | max abs error | max abs fp32 output |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | scheme | output | SQNR vs fp32 (dB) | cosine | max abs error | max abs fp32 output | size vs fp32 | run by |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for folder in sorted((ROOT / "models").iterdir()):
         if not (folder / "model.onnx").exists():
             continue
         feeds = dict(np.load(folder / "heldout.npz"))
-        output, ref = run(folder / "model.onnx", feeds)
+        output, ref, _ = run(folder / "model.onnx", feeds)
+        size = (folder / "model.onnx").stat().st_size
         for scheme in args.schemes:
             with tempfile.TemporaryDirectory() as tmp:
                 calibrate(folder / "model.onnx", folder / "calib.npz", Path(tmp) / "out", scheme=scheme, device="cpu")
-                got = run(Path(tmp) / "out" / "model.onnx", feeds)[1]
+                _, got, how = run(Path(tmp) / "out" / "model.onnx", feeds)
+                ratio = (Path(tmp) / "out" / "model.onnx").stat().st_size / size
             err = got - ref
             sqnr = 10 * np.log10((ref**2).sum() / (err**2).sum())
             cos = (ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got)
-            print(f"| {folder.name} | {scheme} | {output} | {sqnr:.1f} | {cos:.6f} | {np.abs(err).max():.2e} | {np.abs(ref).max():.2f} |")
+            print(f"| {folder.name} | {scheme} | {output} | {sqnr:.1f} | {cos:.6f} | {np.abs(err).max():.2e} | {np.abs(ref).max():.2f} | {ratio:.2f}x | {how} |")
 
 
 if __name__ == "__main__":
