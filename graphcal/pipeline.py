@@ -21,7 +21,7 @@ from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_co
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
-from graphcal.graph.io import load_model, save_model
+from graphcal.graph.io import has_external_data, load_model, save_model
 from graphcal.graph.qdq import emit_qdq, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_taps
@@ -83,6 +83,7 @@ def calibrate(
     warnings: list[str] = []
 
     onnx_model = load_model(model_path)
+    external = has_external_data(model_path)  # the output keeps external data when the input has it
     found, _skipped = find_targets(onnx_model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
@@ -126,7 +127,7 @@ def calibrate(
     def write(tmp: Path) -> list[Path]:
         from safetensors.torch import save_file
 
-        files = save_model(qdq_model, tmp / MODEL_FILE)
+        files = save_model(qdq_model, tmp / MODEL_FILE, external=external)
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]

@@ -394,3 +394,25 @@ def test_tensorrt_refuses_what_it_cannot_build(llama_dir, tmp_path, scheme, reas
 def test_fp4_for_onnxruntime_warns_that_it_has_no_fp4_kernels(runs):
     assert "onnxruntime 1.31 has no float4" in runs("tiny-llama", "NVFP4A16")[2]
     assert "no float4" not in runs("tiny-llama", "W4A16")[2]
+
+
+def test_external_data_in_gives_external_data_out(runs, tmp_path, llama_dir):
+    """A model whose weights live in external data is written the same way, with the same numbers."""
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save_model(onnx.load(llama_dir / "model.onnx"), src / "model.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=1024)
+    before = _digest(src / "weights.bin")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W4A16", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "qparams.safetensors",
+                                                    "quantization_config.json"]
+    inline_size = (runs("tiny-llama", "W4A16")[1] / "model.onnx").stat().st_size
+    assert (out / "model.onnx").stat().st_size < 0.3 * inline_size < (out / "model.onnx.data").stat().st_size
+    assert _digest(src / "weights.bin") == before
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    got = ort_run(out / "model.onnx", feeds)["logits"]
+    inline = ort_run(runs("tiny-llama", "W4A16")[1] / "model.onnx", feeds)["logits"]
+    np.testing.assert_array_equal(got, inline)

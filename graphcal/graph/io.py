@@ -49,12 +49,19 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Write ``model`` to ``path``; models over 2 GB keep their weights in ``<name>.data``.
+def has_external_data(path: str | os.PathLike) -> bool:
+    """Whether the model file keeps any initializer in external data (reads the graph, not the data)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return any(_uses_external_data(t) for t in model.graph.initializer)
+
+
+def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> list[Path]:
+    """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
+    ``<name>.data`` beside it (one file, tensors over 1 KB).
 
     Returns the files written.
     """
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    if not external and model.ByteSize() < PROTOBUF_LIMIT:
         onnx.save_model(model, str(path))
         return [path]
     data_name = path.name + ".data"
