@@ -43,6 +43,10 @@ def cli() -> None:
 @click.option("--observer", default=None,
               help="Observer for weights and static activations (memoryless_minmax, static_minmax, minmax, "
                    "mse, ...); default: llm-compressor's choice for the scheme.")
+@click.option("--kv-cache-scheme", "kv_cache", default=None,
+              help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
+                   "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "
+                   "'{\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"attn_head\"}'.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples per onnxruntime run (default: the model's fixed batch, else 8).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
@@ -55,7 +59,7 @@ def cli() -> None:
                    "activations through trt::TRT_FP4DynamicQuantize).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_samples, device, runtime, quiet, debug):
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device, runtime, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -66,7 +70,7 @@ def run(model, data, output, scheme, targets, ignore, observer, batch_size, num_
 
     def call():
         return calibrate(
-            model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer,
+            model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer, kv_cache=kv_cache,
             device=device, target=runtime, batch_size=batch_size, num_samples=num_samples, progress=not quiet,
         )
 

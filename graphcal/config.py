@@ -44,6 +44,7 @@ class RunConfig:
     groups: dict[str, "object"]  # group name -> QuantizationScheme
     ignore: list[str] = field(default_factory=lambda: list(DEFAULT_IGNORE))
     scheme_name: str = "custom"
+    kv_cache: "object | None" = None  # QuantizationArgs for the key/value states (kv_cache_scheme)
 
     def scheme_for(self, target: Target):
         """The scheme of the most specific matching target string (exact > regex > class), or None."""
@@ -66,13 +67,51 @@ def build_config(
     targets: list[str] | tuple[str, ...] = DEFAULT_TARGETS,
     ignore: list[str] | tuple[str, ...] = DEFAULT_IGNORE,
     observer: str | None = None,
+    kv_cache: str | None = None,
 ) -> RunConfig:
-    """A one-group config from a preset name or a JSON scheme, with an optional observer override."""
+    """A one-group config from a preset name or a JSON scheme, with an optional observer override
+    and an optional kv_cache_scheme (see :func:`resolve_kv_cache`)."""
     parsed = resolve_scheme(scheme, list(targets))
     if observer is not None:
         parsed = with_observer(parsed, observer)
     name = scheme.upper() if not scheme.lstrip().startswith("{") else "custom"
-    return RunConfig(groups={"group_0": parsed}, ignore=list(ignore), scheme_name=name)
+    kv = resolve_kv_cache(kv_cache) if kv_cache is not None else None
+    if kv is not None and observer is not None:
+        kv = kv.model_copy(update={"observer": observer})
+    return RunConfig(groups={"group_0": parsed}, ignore=list(ignore), scheme_name=name, kv_cache=kv)
+
+
+# kv_cache_scheme shorthands: static, symmetric, per tensor (llm-compressor's usual recipes)
+KV_CACHE_PRESETS = {
+    "FP8": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False},
+    "INT8": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False},
+}
+
+
+def resolve_kv_cache(text: str):
+    """compressed-tensors QuantizationArgs for the key/value states: FP8, INT8, or JSON fields
+    (e.g. ``{"num_bits": 8, "type": "float", "strategy": "attn_head"}``)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from pydantic import ValidationError
+
+    stripped = text.strip()
+    try:
+        if stripped.upper() in KV_CACHE_PRESETS:
+            return QuantizationArgs.model_validate(KV_CACHE_PRESETS[stripped.upper()])
+        if not stripped.startswith("{"):
+            raise UsageError(f"unknown kv-cache scheme {text!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
+        fields = json.loads(stripped)
+        if not isinstance(fields, dict):
+            raise UsageError("--kv-cache-scheme JSON must be an object of QuantizationArgs fields")
+        args = QuantizationArgs.model_validate(fields)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--kv-cache-scheme is neither FP8, INT8 nor valid JSON: {e}") from e
+    except ValidationError as e:
+        raise UsageError(f"invalid kv-cache scheme: {_pydantic_message(e)}") from e
+    if args.strategy not in ("tensor", "attn_head") or args.dynamic is not False:
+        raise UsageError(f"kv-cache scheme: strategy {getattr(args.strategy, 'value', args.strategy)} "
+                         f"dynamic={args.dynamic} is not supported; use static tensor or attn_head")
+    return args
 
 
 def resolve_scheme(scheme: str, targets: list[str]):

@@ -13,14 +13,16 @@ import json
 import torch
 
 from graphcal.config import RunConfig
-from graphcal.types import QuantizedTarget
+from graphcal.types import QuantizedKV, QuantizedTarget
 
 CONFIG_FILE = "quantization_config.json"
 QPARAMS_FILE = "qparams.safetensors"
 
 
-def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], ignored: list[str]):
-    """A compressed-tensors QuantizationConfig for what was quantized (status "frozen")."""
+def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], ignored: list[str],
+                              kv_items: list[QuantizedKV] = ()):
+    """A compressed-tensors QuantizationConfig for what was quantized (status "frozen"); the
+    kv_cache_scheme is recorded when key/value states were quantized."""
     import compressed_tensors
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
@@ -39,6 +41,7 @@ def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], i
         format=fmt,
         quantization_status=QuantizationStatus.FROZEN,
         ignore=sorted(ignored),
+        kv_cache_scheme=config.kv_cache if kv_items else None,
     )
     data = qc.model_dump(mode="json")
     data["version"] = compressed_tensors.__version__
@@ -49,9 +52,15 @@ def config_json(data: dict) -> str:
     return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def qparam_tensors(items: list[QuantizedTarget]) -> dict[str, torch.Tensor]:
-    """``{module}.{base}_{scale|zero_point|global_scale}`` tensors, contiguous, as compressed-tensors names them."""
+def qparam_tensors(items: list[QuantizedTarget], kv_items: list[QuantizedKV] = ()) -> dict[str, torch.Tensor]:
+    """``{module}.{base}_{scale|zero_point|global_scale}`` tensors, contiguous, as compressed-tensors names them;
+    ``{attention}.k_scale`` / ``v_scale`` for key/value states."""
     out: dict[str, torch.Tensor] = {}
+    for kv in kv_items:
+        for base, qp in sorted(kv.qparams.items()):
+            out[f"{kv.state.name}.{base}_scale"] = qp.scale.detach().clone().contiguous()
+            if not kv.args.symmetric:
+                out[f"{kv.state.name}.{base}_zero_point"] = qp.zero_point.detach().clone().contiguous()
     for item in items:
         for base, qp in sorted(item.qparams.items()):
             args = getattr(item.scheme, _SCHEME_PART[base])

@@ -21,14 +21,15 @@ from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_co
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
+from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import has_external_data, load_model, save_model
-from graphcal.graph.qdq import emit_qdq, required_opset, runtime_notes
+from graphcal.graph.qdq import emit_qdq, required_kv_opset, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_taps
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
 from graphcal.runtime import open_runtime
-from graphcal.types import QParams, QuantizedTarget, Target
+from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target
 
 log = logging.getLogger("graphcal")
 
@@ -62,6 +63,7 @@ def calibrate(
     targets: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
     ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE,
     observer: str | None = None,
+    kv_cache: str | None = None,
     device: str = "auto",
     target: str = "onnxruntime",
     batch_size: int | None = None,
@@ -71,7 +73,9 @@ def calibrate(
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
     ``scheme`` is a compressed-tensors preset name, ``W8A8_STATIC``, or JSON scheme fields;
-    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer when given. ``target`` is
+    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer/kv_cache when given.
+    ``kv_cache`` (FP8, INT8 or JSON QuantizationArgs) quantizes the key/value states entering
+    attention, as a kv_cache_scheme does (k_scale / v_scale per attention module). ``target`` is
     the runtime the QDQ model is written for: "onnxruntime" (standard ONNX) or "tensorrt"
     (only what TensorRT builds; other schemes fail before calibrating).
     """
@@ -79,7 +83,7 @@ def calibrate(
     model_path, out_dir = Path(model), Path(output_dir)
     data_paths = [] if isinstance(data, Mapping) else [Path(data)]
     check_output_dir(out_dir, [model_path, *data_paths])
-    config = config or build_config(scheme, list(targets), list(ignore), observer)
+    config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
     warnings: list[str] = []
 
     onnx_model = load_model(model_path)
@@ -96,9 +100,17 @@ def calibrate(
     for t in chosen:  # fail before calibrating if the scheme has no ONNX form for the target runtime
         required_opset(QuantizedTarget(t, schemes[t.name]), target)
     warnings += runtime_notes([QuantizedTarget(t, schemes[t.name]) for t in chosen], target)
+    kv_states: list[KVState] = []
+    if config.kv_cache is not None:
+        required_kv_opset(config.kv_cache, target)
+        kv_states, problems = find_kv_states(onnx_model)
+        warnings += [f"kv-cache scheme: {p}" for p in problems]
+        if not kv_states:
+            warnings.append("kv-cache scheme: no attention module (named like compressed-tensors' kv-cache targets "
+                            "'re:.*(self_attn|attention)$') with recognisable key/value states; no k/v quantized")
     calib = load_data(data, graph_inputs(onnx_model), batch_size=batch_size, num_samples=num_samples)
 
-    plan = _ObserverPlan(chosen, schemes)
+    plan = _ObserverPlan(chosen, schemes, kv_states, config.kv_cache)
     groups, fusion_warnings = find_fused_groups(chosen)
     if plan.uses_tensor_group:
         warnings += fusion_warnings
@@ -119,10 +131,11 @@ def calibrate(
             raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
     plan.fuse(groups)
     items = plan.qparams(chosen, schemes)
+    kv_items = plan.kv_qparams()
 
-    qdq_model = emit_qdq(onnx_model, items, target)
-    qc_data = build_quantization_config(config, items, ignored)[1]
-    tensors = qparam_tensors(items)
+    qdq_model = emit_qdq(onnx_model, items, target, kv_items)
+    qc_data = build_quantization_config(config, items, ignored, kv_items)[1]
+    tensors = qparam_tensors(items, kv_items)
 
     def write(tmp: Path) -> list[Path]:
         from safetensors.torch import save_file
@@ -147,8 +160,10 @@ class _ObserverPlan:
     input observer, so each tap is reduced once per batch.
     """
 
-    def __init__(self, targets: list[Target], schemes: dict):
+    def __init__(self, targets: list[Target], schemes: dict, kv_states: list[KVState] = (), kv_args=None):
         self.weight_observers = {}
+        self.kv_args = kv_args
+        self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
         self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
         self.taps: dict[str, list[tuple[str, object]]] = {}  # tensor -> [(kind, observer)]
         shared: dict[tuple, object] = {}
@@ -170,6 +185,11 @@ class _ObserverPlan:
                 shared[key] = _make_observer(name, "input", iargs.model_copy(deep=True))
                 self.taps.setdefault(t.activation, []).append(("observe", shared[key]))
             self.input_observers[t.name] = shared[key]
+        for state in kv_states:  # attention states, observed as (batch, kv_heads, seq, head_dim)
+            for base, tensor in (("k", state.key), ("v", state.value)):
+                obs = _make_observer(observer_name(kv_args, base), base, kv_args.model_copy(deep=True))
+                self.kv_observers[state, base] = obs
+                self.taps.setdefault(tensor, []).append(("attention", obs))
 
     def fuse(self, groups) -> None:
         from graphcal.observers import fuse_observers
@@ -193,6 +213,15 @@ class _ObserverPlan:
                 qp["input"] = done[id(obs)]
             items.append(QuantizedTarget(t, schemes[t.name], qp))
         return items
+
+
+    def kv_qparams(self) -> list[QuantizedKV]:
+        out: dict[KVState, QuantizedKV] = {}
+        for (state, base), obs in self.kv_observers.items():
+            if not obs.has_statistics:
+                raise GraphcalError(f"{state.name}: no {base} states reached the kv-cache observer")
+            out.setdefault(state, QuantizedKV(state, self.kv_args)).qparams[base] = _to_qparams(obs.get_qparams())
+        return list(out.values())
 
 
 def _make_observer(name: str, base_name: str, args):
@@ -230,6 +259,8 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int
                     try:
                         if kind == "importance":
                             obs.accumulate_importance(x)
+                        elif kind == "attention":
+                            obs(x)
                         else:
                             obs(_as_bsh(x))
                     except ValueError as e:  # e.g. a group size that does not divide the hidden size

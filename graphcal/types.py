@@ -67,3 +67,23 @@ class QuantizedTarget:
     target: Target
     scheme: "object"  # compressed_tensors.quantization.QuantizationScheme (imported lazily)
     qparams: dict[str, QParams] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVState:
+    """The key and value states entering one attention module (``[batch, kv_heads, seq, head_dim]``)."""
+
+    name: str  # attention module, e.g. "model.layers.0.self_attn"
+    key: str  # tensor names
+    value: str
+    scores_node: str
+    context_node: str
+
+
+@dataclass
+class QuantizedKV:
+    """A kv_cache_scheme applied to one attention: its args and the calibrated "k" / "v" qparams."""
+
+    state: KVState
+    args: "object"  # compressed_tensors.quantization.QuantizationArgs
+    qparams: dict[str, QParams] = field(default_factory=dict)

@@ -54,16 +54,19 @@ from onnx import TensorProto, helper, numpy_helper
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import MAX_ORT_IR, default_opset
 from graphcal.graph.targets import torch_weight
-from graphcal.types import QParams, QuantizedTarget, Target
+from graphcal.types import QParams, QuantizedKV, QuantizedTarget, Target
 
 
 RUNTIMES = ("onnxruntime", "tensorrt")
 
 
-def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget], runtime: str = "onnxruntime") -> onnx.ModelProto:
+def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget], runtime: str = "onnxruntime",
+             kv_items: list[QuantizedKV] = ()) -> onnx.ModelProto:
     """A new model with every item's weight stored quantized and its activations Q/DQ'd, in the
-    forms ``runtime`` builds ("onnxruntime": standard ONNX; "tensorrt": what TensorRT takes)."""
-    need = max([required_opset(item, runtime) for item in items] + [13])
+    forms ``runtime`` builds ("onnxruntime": standard ONNX; "tensorrt": what TensorRT takes);
+    ``kv_items`` get static Q/DQ on the key/value states entering attention."""
+    need = max([required_opset(item, runtime) for item in items]
+               + [required_kv_opset(kv.args, runtime) for kv in kv_items] + [13])
     out = onnx.ModelProto()
     out.CopyFrom(model)
     if default_opset(out) < need:
@@ -72,6 +75,8 @@ def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget], runtime: str 
     for item in items:
         writer.quantize_weight(item)
         writer.quantize_input(item)
+    for kv in kv_items:
+        writer.quantize_kv(kv)
     writer.finish()
     return out
 
@@ -95,6 +100,19 @@ def required_opset(item: QuantizedTarget, runtime: str = "onnxruntime") -> int:
         if problem:
             raise GraphcalError(f"{where}: --target tensorrt: {problem}")
     return max(opsets)
+
+
+def required_kv_opset(args, runtime: str = "onnxruntime") -> int:
+    """The opset for static Q/DQ on key/value states (per tensor, or per kv head on axis 1)."""
+    qtype = _qtype(args, "kv-cache scheme", "key/value states")
+    if args.dynamic is not False or _name(args.strategy) not in ("tensor", "attn_head"):
+        raise GraphcalError("kv-cache scheme: key/value states are written as static tensor or attn_head Q/DQ only")
+    if qtype.opset > 19 and _name(args.type) == "float":
+        raise GraphcalError("kv-cache scheme: fp4 key/value states have no ONNX form here; use fp8 or int8")
+    if runtime == "tensorrt" and (not args.symmetric or _name(args.strategy) != "tensor" or args.num_bits != 8):
+        raise GraphcalError("kv-cache scheme: --target tensorrt: TensorRT takes int8/fp8 key/value states "
+                            "per tensor, symmetric")
+    return qtype.opset
 
 
 def runtime_notes(items: list[QuantizedTarget], runtime: str) -> list[str]:
@@ -388,6 +406,41 @@ class _Writer:
         self.custom_domains.add(TRT_DOMAIN)
         scales = self._op(t, "DequantizeLinear", [sq, inv], f"{base}/ScaleDequantizeLinear")
         return self._op(t, "DequantizeLinear", [xq, scales], f"{base}/DequantizeLinear", axis=-1, block_size=args.group_size)
+
+    def quantize_kv(self, kv: QuantizedKV) -> None:
+        """Static Q/DQ on the key and value states, as compressed-tensors fake-quantizes them at the cache."""
+        per_head = _name(kv.args.strategy) == "attn_head"
+        qtype = _qtype(kv.args, kv.state.name, "key/value states")
+        for base, tensor in (("k", kv.state.key), ("v", kv.state.value)):
+            consumers = [n for n in self.graph.node if tensor in n.input]
+            if not consumers:
+                continue
+            qp = kv.qparams[base]
+            scale = qp.scale.detach().to(torch.float32).numpy().astype(self._dtype_of(tensor))
+            scale = scale.reshape(-1) if per_head else scale.reshape(())
+            zp = qp.zero_point if not kv.args.symmetric else torch.zeros(scale.shape)
+            first = consumers[0].name
+            if not first:
+                raise GraphcalError(f"{kv.state.name}: the node reading {tensor!r} has no name; cannot place its Q/DQ")
+            s = self._const(f"{kv.state.name}.{base}_scale", scale)
+            z = self._const(f"{kv.state.name}.{base}_zero_point", _as_qtype(zp, qtype).reshape(scale.shape))
+            attrs = {"axis": 1} if per_head else {}
+            q = self._unique(f"{tensor}_quantized")
+            dq = self._unique(f"{tensor}_dequantized")
+            self.nodes_before.setdefault(first, []).extend([
+                helper.make_node("QuantizeLinear", [tensor, s, z], [q], name=self._unique(f"{kv.state.name}/{base}/QuantizeLinear"), **attrs),
+                helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{kv.state.name}/{base}/DequantizeLinear"), **attrs),
+            ])
+            for node in consumers:
+                for i, name in enumerate(node.input):
+                    if name == tensor:
+                        node.input[i] = dq
+
+    def _dtype_of(self, tensor: str) -> np.dtype:
+        tt = self._value_type(tensor)
+        if tt is not None and tt.elem_type:
+            return np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        return np.dtype(np.float32)
 
     def _row_zero_points(self, t: Target, scale: str, qtype: _QType, base: str) -> str:
         shape_of = self._op(t, "Shape", [scale], f"{base}/ScaleShape")
