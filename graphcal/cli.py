@@ -57,9 +57,15 @@ def cli() -> None:
               help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what TensorRT "
                    "builds: symmetric, static per-tensor int8/fp8 activations, int4 blocks of 64/128, NVFP4 "
                    "activations through trt::TRT_FP4DynamicQuantize).")
+@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
+                   "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
+                   "--kv-cache-scheme given on the command line override it.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-def run(model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device, runtime, quiet, debug):
+@click.pass_context
+def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device, runtime,
+        recipe, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -68,10 +74,25 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, batch_
     """
     from graphcal.pipeline import calibrate
 
+    from click.core import ParameterSource
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
     def call():
+        config = None
+        if recipe is not None:  # the recipe, with the flags given on the command line on top
+            from graphcal.recipe import load_recipe, recipe_config
+
+            config = recipe_config(
+                load_recipe(recipe), scheme=scheme if given("scheme") else None,
+                targets=list(targets) if given("targets") else None, ignore=list(ignore) if given("ignore") else None,
+                observer=observer, kv_cache=kv_cache,
+            )
         return calibrate(
             model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer, kv_cache=kv_cache,
-            device=device, target=runtime, batch_size=batch_size, num_samples=num_samples, progress=not quiet,
+            config=config, device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
+            progress=not quiet,
         )
 
     result = _guarded(call, debug)
@@ -80,7 +101,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, batch_
     if quiet:
         return
     n = len(result.targets)
-    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {_scheme_label(scheme)}"
+    label = f"recipe {recipe.name}" if recipe is not None and not given("scheme") else _scheme_label(scheme)
+    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {label}"
                + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
     if result.provider is None:
         click.echo("calibration pass: not needed (the scheme has no static activations to observe)")

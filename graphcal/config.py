@@ -91,21 +91,27 @@ KV_CACHE_PRESETS = {
 def resolve_kv_cache(text: str):
     """compressed-tensors QuantizationArgs for the key/value states: FP8, INT8, or JSON fields
     (e.g. ``{"num_bits": 8, "type": "float", "strategy": "attn_head"}``)."""
+    stripped = text.strip()
+    if stripped.upper() in KV_CACHE_PRESETS:
+        return resolve_kv_cache_args(KV_CACHE_PRESETS[stripped.upper()])
+    if not stripped.startswith("{"):
+        raise UsageError(f"unknown kv-cache scheme {text!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
+    try:
+        fields = json.loads(stripped)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--kv-cache-scheme is neither FP8, INT8 nor valid JSON: {e}") from e
+    if not isinstance(fields, dict):
+        raise UsageError("--kv-cache-scheme JSON must be an object of QuantizationArgs fields")
+    return resolve_kv_cache_args(fields)
+
+
+def resolve_kv_cache_args(fields: dict):
+    """QuantizationArgs for key/value states from their fields; static tensor or attn_head only."""
     from compressed_tensors.quantization import QuantizationArgs
     from pydantic import ValidationError
 
-    stripped = text.strip()
     try:
-        if stripped.upper() in KV_CACHE_PRESETS:
-            return QuantizationArgs.model_validate(KV_CACHE_PRESETS[stripped.upper()])
-        if not stripped.startswith("{"):
-            raise UsageError(f"unknown kv-cache scheme {text!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
-        fields = json.loads(stripped)
-        if not isinstance(fields, dict):
-            raise UsageError("--kv-cache-scheme JSON must be an object of QuantizationArgs fields")
         args = QuantizationArgs.model_validate(fields)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--kv-cache-scheme is neither FP8, INT8 nor valid JSON: {e}") from e
     except ValidationError as e:
         raise UsageError(f"invalid kv-cache scheme: {_pydantic_message(e)}") from e
     if args.strategy not in ("tensor", "attn_head") or args.dynamic is not False:

@@ -1,0 +1,202 @@
+"""llm-compressor recipes: a QuantizationModifier, as written today, to a graphcal RunConfig.
+
+Accepted layouts (YAML or JSON)::
+
+    quant_stage:                      # any stage name
+      quant_modifiers:                # any "*_modifiers" group
+        QuantizationModifier: {...}
+
+    QuantizationModifier: {...}       # a bare modifier
+
+The modifier's fields are llm-compressor's QuantizationMixin fields: ``scheme`` (a preset name,
+or ``{preset: targets}``), ``config_groups``, ``targets``, ``ignore``, ``kv_cache_scheme``,
+``weight_observer`` / ``input_observer`` / ``output_observer``, ``observer`` (``{weights,
+input, output}``) and ``bypass_divisibility_checks``; the Modifier bookkeeping fields
+(``index``, ``group``, ``start``, ``end``, ``update``) are accepted and have no effect on a
+one-shot calibration. Resolution follows llm-compressor: ``scheme`` and ``config_groups`` are
+exclusive, a preset ``scheme`` takes the modifier's ``targets``, and observer fields override
+what the schemes say. Anything else is refused with a one-line error naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from graphcal.config import RunConfig, resolve_kv_cache_args
+from graphcal.errors import UsageError
+
+MODIFIER = "QuantizationModifier"
+FIELDS = {"config_groups", "targets", "ignore", "scheme", "kv_cache_scheme", "weight_observer", "input_observer",
+          "output_observer", "observer", "bypass_divisibility_checks"}
+NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
+STAGE_KEYS = {"run_type"}  # stage-level settings that do not change a one-shot calibration
+_OTHER_MODIFIERS = {
+    "GPTQModifier": "GPTQ updates the weights from Hessians; graphcal calibrates observers only",
+    "AWQModifier": "AWQ rescales weights; graphcal calibrates observers only",
+    "SmoothQuantModifier": "SmoothQuant rescales weights and activations; graphcal calibrates observers only",
+}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """The QuantizationModifier's fields from a recipe file (validated keys, raw values)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"recipe file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read recipe {path}: {e}") from e
+    return parse_recipe(text, str(path))
+
+
+def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
+    """Find the one QuantizationModifier in a recipe's text and check its keys."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: a recipe is a mapping of stages or a {MODIFIER}")
+    found = []
+    for key, value in data.items():
+        if key in (MODIFIER, *_OTHER_MODIFIERS):
+            found.append((key, value, str(key)))
+        elif isinstance(value, dict):
+            for group, modifiers in value.items():
+                if group in STAGE_KEYS:
+                    continue
+                if not (isinstance(group, str) and group.endswith("_modifiers")) or not isinstance(modifiers, dict):
+                    raise UsageError(f"{where}: unknown key {key}.{group} (a stage holds '*_modifiers' groups)")
+                found += [(name, args, f"{key}.{group}.{name}") for name, args in modifiers.items()]
+        else:
+            raise UsageError(f"{where}: unknown top-level key {key!r} (expected a stage or {MODIFIER})")
+    for name, _, at in found:
+        if name != MODIFIER:
+            why = _OTHER_MODIFIERS.get(name, "graphcal runs QuantizationModifier only")
+            raise UsageError(f"{where}: {at} is not supported ({why}); use a {MODIFIER}")
+    if len(found) != 1:
+        raise UsageError(f"{where}: expected one {MODIFIER}, found {len(found)}")
+    _, args, at = found[0]
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise UsageError(f"{where}: {at} must be a mapping of its fields")
+    unknown = sorted(str(k) for k in args if k not in FIELDS | NO_EFFECT)
+    if unknown:
+        raise UsageError(f"{where}: unknown {MODIFIER} key(s) {', '.join(repr(k) for k in unknown)} at {at}; "
+                         f"known: {', '.join(sorted(FIELDS))}")
+    return {k: v for k, v in args.items() if k in FIELDS}
+
+
+def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets: list[str] | None = None,
+                  ignore: list[str] | None = None, observer: str | None = None,
+                  kv_cache: str | None = None) -> RunConfig:
+    """A RunConfig from a QuantizationModifier's fields; the keyword arguments (CLI flags) override them."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
+    from pydantic import ValidationError
+
+    from graphcal.config import GRAPHCAL_PRESETS, resolve_scheme
+
+    fields = dict(fields)
+    if targets is not None:
+        if fields.get("config_groups") and scheme is None:
+            raise UsageError("--targets cannot override a recipe's config_groups (their targets are per group); "
+                             "edit the recipe or give --scheme")
+        fields["targets"] = targets
+    if ignore is not None:
+        fields["ignore"] = ignore
+    mod_targets = _string_list(fields.get("targets", ["Linear"]), "targets")
+    if scheme is not None:  # a CLI scheme replaces the recipe's scheme / config_groups
+        fields.pop("config_groups", None)
+        groups = {"group_0": resolve_scheme(scheme, mod_targets)}
+        name = scheme.upper() if not scheme.lstrip().startswith("{") else "custom"
+    elif fields.get("scheme") is not None and fields.get("config_groups") is not None:
+        raise UsageError("recipe: give either scheme or config_groups, not both (as llm-compressor requires)")
+    elif fields.get("scheme") is not None:
+        value = fields["scheme"]
+        presets = {value: mod_targets} if isinstance(value, str) else value
+        if not isinstance(presets, dict) or not presets:
+            raise UsageError("recipe: scheme must be a preset name or a mapping of preset names to targets")
+        groups = {}
+        for i, (preset, preset_targets) in enumerate(presets.items()):
+            preset_targets = _string_list(preset_targets, f"scheme.{preset}")
+            key = str(preset).upper()
+            if not (is_preset_scheme(key) or key in GRAPHCAL_PRESETS):
+                raise UsageError(f"recipe: unknown preset scheme {preset!r}")
+            groups[f"group_{i}"] = (preset_name_to_scheme(key, preset_targets) if is_preset_scheme(key)
+                                    else resolve_scheme(key, preset_targets))
+        name = "+".join(str(p).upper() for p in presets)
+    elif fields.get("config_groups"):
+        raw = fields["config_groups"]
+        if not isinstance(raw, dict):
+            raise UsageError("recipe: config_groups must be a mapping of group names to schemes")
+        groups = {}
+        for group, body in raw.items():
+            if not isinstance(body, dict):
+                raise UsageError(f"recipe: config_groups.{group} must be a mapping of QuantizationScheme fields")
+            try:
+                groups[str(group)] = QuantizationScheme.model_validate({"targets": mod_targets, **body})
+            except ValidationError as e:
+                raise UsageError(f"recipe: config_groups.{group}: {_first_error(e)}") from e
+        name = "recipe"
+    else:  # llm-compressor's default: QuantizationScheme(targets) with its default args (W8 per tensor)
+        groups = {"group_0": QuantizationScheme(targets=mod_targets)}
+        name = "recipe"
+    groups = {g: _with_observers(s, fields, observer) for g, s in groups.items()}
+    kv = fields.get("kv_cache_scheme")
+    if kv_cache is not None:
+        from graphcal.config import resolve_kv_cache
+
+        kv_args = resolve_kv_cache(kv_cache)
+    elif kv is not None:
+        if not isinstance(kv, dict):
+            raise UsageError("recipe: kv_cache_scheme must be a mapping of QuantizationArgs fields")
+        kv_args = resolve_kv_cache_args(kv)
+    else:
+        kv_args = None
+    if kv_args is not None and observer is not None:
+        kv_args = kv_args.model_copy(update={"observer": observer})
+    ignore_list = _string_list(fields.get("ignore", []), "ignore")
+    return RunConfig(groups=groups, ignore=ignore_list, scheme_name=name, kv_cache=kv_args)
+
+
+def _with_observers(scheme, fields: dict, cli_observer: str | None):
+    """llm-compressor's observer overrides: weight_/input_/output_observer, or the observer dict."""
+    individual = {k: fields.get(f"{k}_observer") for k in ("weight", "input", "output")}
+    mapping = fields.get("observer")
+    if mapping is not None:
+        if any(v is not None for v in individual.values()):
+            raise UsageError("recipe: give either weight_/input_/output_observer or the observer mapping, not both")
+        if not isinstance(mapping, dict) or set(mapping) - {"weights", "input", "output"}:
+            raise UsageError("recipe: observer must map weights / input / output to observer names")
+        individual = {"weight": mapping.get("weights"), "input": mapping.get("input"), "output": mapping.get("output")}
+    if cli_observer is not None:
+        individual = {"weight": cli_observer, "input": cli_observer, "output": cli_observer}
+    updates = {}
+    for key, part in (("weight", "weights"), ("input", "input_activations"), ("output", "output_activations")):
+        args, name = getattr(scheme, part), individual[key]
+        if args is None or name is None:
+            continue
+        if not isinstance(name, str):
+            raise UsageError(f"recipe: {key} observer must be a name, not {name!r}")
+        if args.dynamic is not True:
+            updates[part] = args.model_copy(update={"observer": name})
+    return scheme.model_copy(update=updates)
+
+
+def _string_list(value, what: str) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"recipe: {what} must be a name or a list of names")
+    return list(value)
+
+
+def _first_error(e) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{where}: {err.get('msg', str(e))}" if where else err.get("msg", str(e))
