@@ -416,3 +416,17 @@ def test_external_data_in_gives_external_data_out(runs, tmp_path, llama_dir):
     got = ort_run(out / "model.onnx", feeds)["logits"]
     inline = ort_run(runs("tiny-llama", "W4A16")[1] / "model.onnx", feeds)["logits"]
     np.testing.assert_array_equal(got, inline)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "NVFP4"])
+def test_fused_groups_share_the_written_global_scale(runs, scheme):
+    """q/k/v and gate/up store one weight_global_scale, 448 * 6 / joint absmax of the torch weights."""
+    _, params = load_written(runs("tiny-llama", scheme)[1])
+    weights = {n: m.weight.detach() for n, m in _builder("tiny-llama")()[0].named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    for layer in (0, 1):
+        for members in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+            names = [f"model.layers.{layer}.{members[0]}.{m}" for m in members[1]]
+            joint = max(weights[n].abs().max() for n in names)
+            for n in names:
+                torch.testing.assert_close(params[f"{n}.weight_global_scale"], (2688.0 / joint).reshape(1))
