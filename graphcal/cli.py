@@ -96,6 +96,8 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
         )
 
     result = _guarded(call, debug)
+    if result.rank != 0:
+        return  # under torchrun, rank 0 reports
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     if quiet:
@@ -107,7 +109,8 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
     if result.provider is None:
         click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
     else:
-        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches "
+        ranks = f" across {result.world} ranks" if result.world > 1 else ""
+        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
                    f"with onnxruntime {result.provider}")
     click.echo(f"done in {result.seconds:.1f} s; wrote:")
     for f in result.files:

@@ -19,6 +19,7 @@ import torch
 
 from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_config, observer_name
 from graphcal.data import graph_inputs, load_data
+from graphcal.distributed import from_env, gather_statistics
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
@@ -47,6 +48,8 @@ class CalibrationResult:
     num_batches: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    rank: int = 0  # under torchrun: this process's rank (only rank 0 writes)
+    world: int = 1
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -114,16 +117,31 @@ def calibrate(
     groups, fusion_warnings = find_fused_groups(chosen)
     if plan.uses_tensor_group:
         warnings += fusion_warnings
+    dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the loop
     provider, batches = None, 0
     if plan.taps:
         tapped, fetch = add_taps(onnx_model, list(plan.taps))
-        runtime = open_runtime(tapped, fetch, device)
-        provider = runtime.provider
+        error = None
         try:
-            batches = _run_activations(runtime, calib, plan, progress)
-        finally:
-            runtime.close()
+            runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0)
+            provider = runtime.provider
+            try:
+                batches = _run_activations(runtime, calib, plan, progress and (dist is None or dist.is_main), dist)
+            finally:
+                runtime.close()
+        except Exception as e:  # noqa: BLE001 -- under torchrun every rank must hear of it
+            if dist is None:
+                raise
+            error = e
         del tapped
+        if dist is not None:
+            gather_statistics(dist, plan.activation_observers(), error)
+    if dist is not None and not dist.is_main:
+        return CalibrationResult(
+            output_dir=out_dir, files=[], targets=[], ignored=ignored, provider=provider,
+            num_samples=0, num_batches=batches, seconds=time.perf_counter() - start, warnings=warnings,
+            rank=dist.rank, world=dist.world,
+        )
     for t in chosen:
         try:
             plan.weight_observers[t.name](torch.from_numpy(torch_weight(onnx_model, t)))
@@ -148,8 +166,9 @@ def calibrate(
     files = write_atomically(out_dir, write)
     return CalibrationResult(
         output_dir=out_dir, files=files, targets=items, ignored=ignored, provider=provider,
-        num_samples=calib.num_samples if plan.taps else 0, num_batches=batches,
+        num_samples=calib.num_samples if plan.taps else 0, num_batches=calib.num_batches if plan.taps else 0,
         seconds=time.perf_counter() - start, warnings=warnings,
+        rank=0, world=dist.world if dist else 1,
     )
 
 
@@ -215,6 +234,16 @@ class _ObserverPlan:
         return items
 
 
+    def activation_observers(self) -> list:
+        """Every observer a tap feeds, once each, in the same order on every rank."""
+        seen, out = set(), []
+        for consumers in self.taps.values():
+            for _kind, obs in consumers:
+                if id(obs) not in seen:
+                    seen.add(id(obs))
+                    out.append(obs)
+        return out
+
     def kv_qparams(self) -> list[QuantizedKV]:
         out: dict[KVState, QuantizedKV] = {}
         for (state, base), obs in self.kv_observers.items():
@@ -239,14 +268,18 @@ def _make_observer(name: str, base_name: str, args):
         raise UsageError(f"{e} (for the {base_name} observer)") from e
 
 
-def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool) -> int:
+def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=None) -> int:
+    """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
     from tqdm import tqdm
 
     count = 0
+    total = calib.num_batches if dist is None else len(range(dist.rank, calib.num_batches, dist.world))
     # disable=None: a bar only on a terminal, so logs and pipes stay clean
-    bar = tqdm(total=calib.num_batches, desc="calibrating", unit="batch", disable=None if progress else True, leave=False)
+    bar = tqdm(total=total, desc="calibrating", unit="batch", disable=None if progress else True, leave=False)
     with torch.no_grad(), bar:
         for index, batch in enumerate(calib.batches()):
+            if dist is not None and index % dist.world != dist.rank:
+                continue
             values = runtime.run(batch)
             for tensor, consumers in plan.taps.items():
                 x = values[tensor]

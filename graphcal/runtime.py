@@ -48,8 +48,9 @@ def open_runtime(
     outputs: list[str],
     device: str = "auto",
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    device_id: int = 0,
 ) -> Runtime:
-    """Create the session on ``device`` ("auto" | "cpu" | "cuda") and check which provider runs."""
+    """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs."""
     if device not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
@@ -57,7 +58,7 @@ def open_runtime(
         raise GraphcalError(
             "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
         )
-    providers = [_CUDA, _CPU] if want_cuda else [_CPU]
+    providers = [(_CUDA, {"device_id": device_id}), _CPU] if want_cuda else [_CPU]
     if want_cuda and hasattr(ort, "preload_dlls"):
         try:
             ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip packages, when present

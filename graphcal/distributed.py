@@ -1,0 +1,118 @@
+"""Data-parallel calibration under torchrun: shard the batches, gather the statistics.
+
+    torchrun --nproc-per-node N -m graphcal run model.onnx --data calib.npz ... -o out/
+
+Every rank builds the same plan from the same model and options, runs its own onnxruntime
+session (on ``cuda:LOCAL_RANK`` when CUDA is used) over batches ``rank, rank + N, ...`` of the
+same batching a single process uses, and observes them locally. After the loop the ranks
+exchange their activation statistics once (all_gather of a few KB per observer, over gloo) and
+fold them in rank order with each observer's reduce op (min/max for static_minmax, sum for
+imatrix, avg for moving averages); every rank also learns whether another failed, so a failure
+ends all ranks with an error instead of a hang. Weights are not synced: rank 0 observes them
+and alone writes the outputs. Collectives time out after ``GRAPHCAL_DIST_TIMEOUT`` seconds
+(default 600).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+from graphcal.errors import GraphcalError
+
+TIMEOUT_ENV = "GRAPHCAL_DIST_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in a torchrun job."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_env() -> Dist | None:
+    """Join the torchrun job described by the environment (WORLD_SIZE > 1), or None for one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds()))
+        except Exception as e:  # noqa: BLE001 -- rendezvous failures come in many types
+            raise GraphcalError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0]})") from e
+    return Dist(rank=rank, world=world, local_rank=local_rank)
+
+
+def timeout_seconds() -> int:
+    value = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        seconds = int(value)
+    except ValueError:
+        raise GraphcalError(f"{TIMEOUT_ENV} must be a whole number of seconds, got {value!r}") from None
+    if seconds <= 0:
+        raise GraphcalError(f"{TIMEOUT_ENV} must be positive, got {seconds}")
+    return seconds
+
+
+def shard(batches: Iterable, d: Dist | None) -> Iterator:
+    """This rank's share of the batches: every world-th one, starting at its rank."""
+    for index, batch in enumerate(batches):
+        if d is None or index % d.world == d.rank:
+            yield batch
+
+
+def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> None:
+    """Fold every rank's activation statistics into ``observers`` (the same list, in the same
+    order, on every rank), or raise on every rank if any rank failed before this point."""
+    import torch.distributed as dist
+
+    payload = {
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "stats": None if error is not None else [
+            {k: v.detach().cpu() for k, v in obs.state_dict_stats().items() if k in obs.sync_ops}
+            for obs in observers
+        ],
+    }
+    gathered: list = [None] * d.world
+    try:
+        dist.all_gather_object(gathered, payload)
+    except Exception as e:  # noqa: BLE001 -- gloo raises RuntimeError and friends on timeouts
+        raise GraphcalError(f"rank {d.rank}: the other ranks did not answer within {timeout_seconds()} s "
+                            f"({str(e).splitlines()[0]}); a rank died or is stuck") from e
+    if error is not None:
+        raise error
+    failed = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
+    if failed:
+        rank, message = failed[0]
+        raise GraphcalError(f"rank {rank} failed: {message}")
+    if not d.is_main:
+        return  # only rank 0 computes qparams and writes
+    for i, obs in enumerate(observers):  # fold in rank order, as merge() documents
+        peers = []
+        for r in range(1, d.world):
+            stats = gathered[r]["stats"][i]
+            if stats:
+                peer = copy.deepcopy(obs)
+                peer.reset()
+                peer.load_stats({k: v.to(_device_of(obs)) for k, v in stats.items()})
+                peers.append(peer)
+        if peers:
+            obs.merge(*peers)
+
+
+def _device_of(obs):
+    for value in obs.state_dict_stats().values():
+        return value.device
+    return "cpu"

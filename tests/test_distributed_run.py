@@ -1,0 +1,114 @@
+"""graphcal under torchrun: 2 gloo ranks on this machine, against a single process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.torch import load_file
+
+from graphcal.errors import GraphcalError
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def _torchrun(nproc: int, *args, env=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "graphcal", "run", *map(str, args), "--device", "cpu"],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+def _single(*args):
+    return subprocess.run([sys.executable, "-m", "graphcal", "run", *map(str, args), "--device", "cpu", "-q"],
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("scheme", [
+    "W8A8_STATIC",  # static_minmax activations: MIN/MAX over ranks
+    '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}',  # SUM
+])
+def test_two_ranks_write_what_one_process_writes(llama_dir, tmp_path, scheme):
+    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme]
+    two = _torchrun(2, *common, "-o", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "calibrated on 64 samples in 8 batches across 2 ranks" in two.stdout
+    assert two.stdout.count("wrote:") == 1  # rank 0 alone reports and writes
+    one = _single(*common, "-o", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_moving_average_observers_average_the_ranks(llama_dir, tmp_path):
+    """minmax (EMA) statistics are averaged over ranks (llm-compressor's AVG): each rank's EMA
+    covers its own batches, so the result is not the single-process EMA (README says so)."""
+    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+              "--observer", "minmax"]
+    assert _torchrun(2, *common, "-o", tmp_path / "two").returncode == 0
+    assert _single(*common, "-o", tmp_path / "one").returncode == 0
+    two, one = load_file(tmp_path / "two" / "qparams.safetensors"), load_file(tmp_path / "one" / "qparams.safetensors")
+    assert two.keys() == one.keys()
+    weights = [k for k in one if k.endswith("weight_scale")]
+    assert all(torch.equal(two[k], one[k]) for k in weights)  # weights are not synced: identical
+    assert any(not torch.equal(two[k], one[k]) for k in one if k.endswith("input_scale"))
+
+
+def _log_model(path):
+    """y = log(x) @ W: finite for positive inputs, NaN for negative ones."""
+    w = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Log", ["x"], ["lx"], name="/log/Log"),
+         helper.make_node("MatMul", ["lx", "w"], ["y"], name="/fc/MatMul")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+
+
+def test_a_failure_on_one_rank_ends_every_rank_with_an_error(tmp_path):
+    _log_model(tmp_path / "m.onnx")
+    x = np.random.default_rng(1).uniform(0.5, 2.0, (16, 8)).astype(np.float32)
+    x[4:8] *= -1  # batch 1 (of 4 samples) only: rank 1 sees NaN inside the graph, rank 0 does not
+    np.savez(tmp_path / "d.npz", x=x)
+    result = _torchrun(2, tmp_path / "m.onnx", "--data", tmp_path / "d.npz", "--scheme", "W8A8_STATIC",
+                       "--batch-size", "4", "-o", tmp_path / "o", env={"GRAPHCAL_DIST_TIMEOUT": "60"}, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert any("holds NaN or Inf in batch 1" in e for e in errors), result.stderr[-2000:]  # rank 1's own error
+    assert any(e.startswith("error: rank 1 failed:") for e in errors), result.stderr[-2000:]  # rank 0 hears of it
+    assert "Traceback" not in "\n".join(errors) and not (tmp_path / "o").exists()
+
+
+def _gather_worker(rank, world, init, results):
+    import torch.distributed as dist
+
+    from graphcal.distributed import Dist, gather_statistics
+    from graphcal.observers import Observer
+    from compressed_tensors.quantization import QuantizationArgs
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    obs = Observer.load_from_registry("static_minmax", base_name="input", args=QuantizationArgs(num_bits=8))
+    obs(torch.full((1, 2, 3), float(rank + 1)))
+    try:
+        gather_statistics(Dist(rank, world, rank), [obs], ValueError("boom") if rank == 2 else None)
+        results[rank] = "ok"
+    except (GraphcalError, ValueError) as e:
+        results[rank] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+
+
+def test_gather_statistics_reports_the_failing_rank_everywhere(tmp_path):
+    import torch.multiprocessing as mp
+
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_gather_worker, args=(3, f"file://{tmp_path / 'rdzv'}", results), nprocs=3, join=True)
+    assert results[2] == "ValueError: boom"
+    assert results[0] == results[1] == "GraphcalError: rank 2 failed: ValueError: boom"
