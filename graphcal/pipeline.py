@@ -26,7 +26,7 @@ from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import has_external_data, load_model, save_model
 from graphcal.graph.qdq import emit_qdq, required_kv_opset, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
-from graphcal.graph.taps import add_taps
+from graphcal.graph.taps import add_reductions, add_taps
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
 from graphcal.runtime import open_runtime
@@ -72,6 +72,7 @@ def calibrate(
     batch_size: int | None = None,
     num_samples: int | None = None,
     progress: bool = False,
+    reduce_in_graph: bool = True,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -80,7 +81,9 @@ def calibrate(
     ``kv_cache`` (FP8, INT8 or JSON QuantizationArgs) quantizes the key/value states entering
     attention, as a kv_cache_scheme does (k_scale / v_scale per attention module). ``target`` is
     the runtime the QDQ model is written for: "onnxruntime" (standard ONNX) or "tensorrt"
-    (only what TensorRT builds; other schemes fail before calibrating).
+    (only what TensorRT builds; other schemes fail before calibrating). With ``reduce_in_graph``
+    (the default), min/max observers get their batch extrema from ReduceMin/ReduceMax in the
+    tapped graph, so whole activations leave onnxruntime only for observers that need them.
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -120,7 +123,10 @@ def calibrate(
     dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the loop
     provider, batches = None, 0
     if plan.taps:
-        tapped, fetch = add_taps(onnx_model, list(plan.taps))
+        full, reduced = plan.fetches(reduce_in_graph)
+        tapped, fetch = add_taps(onnx_model, full)
+        plan.reduction_outputs = add_reductions(tapped, reduced)
+        fetch += [name for names in plan.reduction_outputs.values() for name in names]
         error = None
         try:
             runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0)
@@ -184,7 +190,9 @@ class _ObserverPlan:
         self.kv_args = kv_args
         self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
         self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
-        self.taps: dict[str, list[tuple[str, object]]] = {}  # tensor -> [(kind, observer)]
+        # tensor -> [(kind, observer, reduction mode or None)]; kinds: observe, attention, importance
+        self.taps: dict[str, list[tuple[str, object, tuple | None]]] = {}
+        self.reduction_outputs: dict[tuple, tuple[str, ...]] = {}
         shared: dict[tuple, object] = {}
         self.uses_tensor_group = False
         for t in targets:
@@ -194,7 +202,7 @@ class _ObserverPlan:
             wobs = _make_observer(observer_name(wargs, "weight"), "weight", wargs)
             self.weight_observers[t.name] = wobs
             if getattr(wobs, "needs_activations", False):
-                self.taps.setdefault(t.activation, []).append(("importance", wobs))
+                self.taps.setdefault(t.activation, []).append(("importance", wobs, None))
             iargs = scheme.input_activations
             name = observer_name(iargs, "input")
             if name is None:
@@ -202,13 +210,14 @@ class _ObserverPlan:
             key = (t.activation, name, iargs.model_dump_json())
             if key not in shared:
                 shared[key] = _make_observer(name, "input", iargs.model_copy(deep=True))
-                self.taps.setdefault(t.activation, []).append(("observe", shared[key]))
+                self.taps.setdefault(t.activation, []).append(("observe", shared[key], _input_mode(iargs, t)))
             self.input_observers[t.name] = shared[key]
         for state in kv_states:  # attention states, observed as (batch, kv_heads, seq, head_dim)
             for base, tensor in (("k", state.key), ("v", state.value)):
                 obs = _make_observer(observer_name(kv_args, base), base, kv_args.model_copy(deep=True))
                 self.kv_observers[state, base] = obs
-                self.taps.setdefault(tensor, []).append(("attention", obs))
+                mode = ("head",) if str(getattr(kv_args.strategy, "value", kv_args.strategy)) == "attn_head" else ("all",)
+                self.taps.setdefault(tensor, []).append(("attention", obs, mode))
 
     def fuse(self, groups) -> None:
         from graphcal.observers import fuse_observers
@@ -234,11 +243,22 @@ class _ObserverPlan:
         return items
 
 
+    def fetches(self, in_graph: bool) -> tuple[list[str], list[tuple[str, tuple]]]:
+        """(tensors to fetch whole, (tensor, mode) extrema to reduce in the graph)."""
+        full, reduced = [], []
+        for tensor, consumers in self.taps.items():
+            for _kind, obs, mode in consumers:
+                if in_graph and mode is not None and obs.takes_extrema:
+                    reduced.append((tensor, mode))
+                elif tensor not in full:
+                    full.append(tensor)
+        return full, reduced
+
     def activation_observers(self) -> list:
         """Every observer a tap feeds, once each, in the same order on every rank."""
         seen, out = set(), []
         for consumers in self.taps.values():
-            for _kind, obs in consumers:
+            for _kind, obs, _mode in consumers:
                 if id(obs) not in seen:
                     seen.add(id(obs))
                     out.append(obs)
@@ -282,15 +302,23 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=N
                 continue
             values = runtime.run(batch)
             for tensor, consumers in plan.taps.items():
-                x = values[tensor]
-                if x.is_floating_point() and not torch.isfinite(x).all():
+                x = values.get(tensor)
+                probe = plan.reduction_outputs.get((tensor, "finite"))
+                finite = (torch.isfinite(x).all() if x is not None and x.is_floating_point()
+                          else probe is None or torch.isfinite(values[probe[0]]).all())
+                if not finite:
                     raise GraphcalError(
                         f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
                         f"{consumers[0][1].observer_name}); the model or the data produce non-finite activations"
                     )
-                for kind, obs in consumers:
+                for kind, obs, mode in consumers:
                     try:
-                        if kind == "importance":
+                        extrema = plan.reduction_outputs.get((tensor, mode)) if mode is not None else None
+                        if extrema is not None and obs.takes_extrema:
+                            lo, hi = (values[name] for name in extrema)
+                            shape = _QPARAM_SHAPE[mode[0]](lo)
+                            obs.observe_extrema(lo.reshape(shape), hi.reshape(shape))
+                        elif kind == "importance":
                             obs.accumulate_importance(x)
                         elif kind == "attention":
                             obs(x)
@@ -301,6 +329,20 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=N
             count += 1
             bar.update(1)
     return count
+
+
+# reduced extrema -> the observers' qparam shapes (flatten_for_calibration's reduce over dims 0, -1)
+_QPARAM_SHAPE = {"all": lambda v: (1,), "group": lambda v: (v.numel(),), "head": lambda v: (v.numel(), 1, 1)}
+
+
+def _input_mode(args, t: Target) -> tuple | None:
+    """How an input observer's batch extrema can be reduced in the graph (None: whole tensor)."""
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if strategy == "tensor":
+        return ("all",)
+    if strategy in ("group", "tensor_group") and args.group_size and t.in_features % args.group_size == 0:
+        return ("group", t.in_features // args.group_size, args.group_size)
+    return None
 
 
 def _as_bsh(x: torch.Tensor) -> torch.Tensor:

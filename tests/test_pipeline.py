@@ -48,3 +48,34 @@ def test_q_k_v_share_one_input_observer_per_activation(llama_dir):
     assert len(plan.taps) == 8 and all(len(c) == 1 for c in plan.taps.values())
     q, k = (plan.input_observers[f"model.layers.0.self_attn.{p}_proj"] for p in "qk")
     assert q is k
+
+
+def test_in_graph_reductions_give_the_same_files(llama_dir, tmp_path):
+    """Min/max observers fed ReduceMin/ReduceMax from the graph write what whole tensors write;
+    for static per-tensor inputs no whole activation leaves onnxruntime."""
+    import hashlib
+
+    from graphcal.pipeline import calibrate
+
+    def digests(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+    cases = [("W8A8_STATIC", None), ("NVFP4", None),
+             ("FP8", '{"num_bits": 8, "type": "float", "strategy": "attn_head"}')]
+    for i, (scheme, kv) in enumerate(cases):
+        a = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / f"a{i}", scheme=scheme,
+                      kv_cache=kv, device="cpu")
+        calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / f"b{i}", scheme=scheme,
+                  kv_cache=kv, device="cpu", reduce_in_graph=False)
+        assert digests(tmp_path / f"a{i}") == digests(tmp_path / f"b{i}"), scheme
+        assert a.num_batches == 8
+
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
+    scheme = resolve_scheme("W8A8_STATIC", ["Linear"])
+    full, reduced = _ObserverPlan(targets, {t.name: scheme for t in targets}).fetches(True)
+    assert full == [] and len(reduced) == 8
+    mse = resolve_scheme('{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "observer": "mse"}}',
+                         ["Linear"])
+    full, reduced = _ObserverPlan(targets, {t.name: mse for t in targets}).fetches(True)
+    assert len(full) == 8 and reduced == []  # MSE needs whole tensors

@@ -43,3 +43,82 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
         except Exception:  # inference is best effort; onnxruntime infers output types itself
             pass
     return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+
+
+# -- in-graph reductions ------------------------------------------------------------------------
+#
+# For min/max observers only the batch extrema matter, so the tapped graph computes them and
+# only a few numbers leave onnxruntime. ``mode`` says over what:
+#   ("all",)           every element -> one min / max                 (tensor strategy)
+#   ("group", g, gs)   x viewed as [-1, g, gs], over dims 0 and 2 -> g   (group / tensor_group)
+#   ("head",)          x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
+# Each reduced tensor also gets a finiteness probe, ReduceSum(x * 0): 0, or NaN if any
+# element is NaN or infinite (ReduceMin/Max need not propagate NaN).
+
+
+def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) -> dict[tuple, tuple[str, str]]:
+    """Add ReduceMin/ReduceMax outputs to ``model`` (in place; pass the tapped copy) for each
+    (tensor, mode); returns {(tensor, mode): (min output, max output)} and, under (tensor, "finite"),
+    the probe."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+    types = _elem_types(model)
+    names: set[str] = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
+        t.name for t in graph.initializer}
+    out: dict[tuple, tuple[str, ...]] = {}
+
+    def unique(base: str) -> str:
+        candidate, i = base, 1
+        while candidate in names:
+            candidate, i = f"{base}_{i}", i + 1
+        names.add(candidate)
+        return candidate
+
+    def const(base: str, array) -> str:
+        name = unique(base)
+        graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def node(op: str, inputs: list[str], base: str, **attrs) -> str:
+        output = unique(base)
+        graph.node.append(helper.make_node(op, inputs, [output], name=unique(f"{base}/{op}"), **attrs))
+        return output
+
+    def reduce(op: str, x: str, axes: list[int] | None, base: str) -> str:
+        if axes is None:
+            return node(op, [x], base, keepdims=0)
+        if opset >= 18 or op == "ReduceSum":
+            return node(op, [x, const(f"{base}/axes", np.array(axes, dtype=np.int64))], base, keepdims=0)
+        return node(op, [x], base, axes=axes, keepdims=0)
+
+    def expose(name: str, elem: int) -> None:
+        graph.output.append(helper.make_tensor_value_info(name, elem, None))
+
+    for tensor, mode in dict.fromkeys(requests):
+        if tensor not in known:
+            raise GraphcalError(f"cannot tap {tensor!r}: no such tensor in the graph")
+        elem = types.get(tensor, onnx.TensorProto.FLOAT)
+        base = f"graphcal_tap/{tensor}"
+        if (tensor, "finite") not in out:
+            zero = const(f"{base}/zero", np.array(0, dtype=helper.tensor_dtype_to_np_dtype(elem)))
+            probe = reduce("ReduceSum", node("Mul", [tensor, zero], f"{base}/times_zero"), None, f"{base}/finite")
+            expose(probe, elem)
+            out[tensor, "finite"] = (probe,)
+        x, axes = tensor, None
+        if mode[0] == "group":
+            x = node("Reshape", [tensor, const(f"{base}/groups", np.array([-1, mode[1], mode[2]], dtype=np.int64))],
+                     f"{base}/grouped")
+            axes = [0, 2]
+        elif mode[0] == "head":
+            axes = [0, 2, 3]
+        label = "_".join(map(str, mode))
+        lo = reduce("ReduceMin", x, axes, f"{base}/min_{label}")
+        hi = reduce("ReduceMax", x, axes, f"{base}/max_{label}")
+        expose(lo, elem)
+        expose(hi, elem)
+        out[tensor, mode] = (lo, hi)
+    return out

@@ -229,6 +229,22 @@ class Observer(RegistryMixin):
 
     forward = __call__
 
+    @torch.no_grad()
+    def observe_extrema(self, min_vals: torch.Tensor, max_vals: torch.Tensor) -> None:
+        """Fold in one batch's min/max, already reduced to the qparam shape (in-graph reductions).
+
+        Only observers whose statistics are the batch extrema take this (``takes_extrema``);
+        the result is the same as observing the batch itself.
+        """
+        if not self.takes_extrema:
+            raise TypeError(f"observer {self.observer_name!r} needs whole tensors, not extrema")
+        self._combine(min_vals, max_vals)
+
+    @property
+    def takes_extrema(self) -> bool:
+        """Whether the statistics are exactly the batch min/max (min/max observers on activations)."""
+        return False
+
     def _update(self, observed: torch.Tensor) -> None:
         self._combine(*self._batch_min_max(observed))
 

@@ -28,6 +28,10 @@ class _MinMaxFamily(Observer):
     def _validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return validate_averaging_constant(kwargs)
 
+    @property
+    def takes_extrema(self) -> bool:
+        return not self.is_weight
+
 
 @Observer.register_observer("memoryless_minmax")
 class MemorylessMinMaxObserver(_MinMaxFamily):
