@@ -24,7 +24,7 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import has_external_data, load_model, save_model
-from graphcal.graph.qdq import emit_qdq, required_kv_opset, required_opset, runtime_notes
+from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_reductions, add_taps
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
@@ -148,16 +148,31 @@ def calibrate(
             num_samples=0, num_batches=batches, seconds=time.perf_counter() - start, warnings=warnings,
             rank=dist.rank, world=dist.world,
         )
-    for t in chosen:
-        try:
-            plan.weight_observers[t.name](torch.from_numpy(torch_weight(onnx_model, t)))
-        except ValueError as e:  # e.g. a group size that does not divide in_features
-            raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
-    plan.fuse(groups)
-    items = plan.qparams(chosen, schemes)
+    # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
+    writer = QDQWriter(onnx_model, items_opset([QuantizedTarget(t, schemes[t.name]) for t in chosen],
+                                               [QuantizedKV(s, config.kv_cache) for s in kv_states], target), target)
+    del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
+    by_name: dict[str, QuantizedTarget] = {}
+    for unit in _weight_units(chosen, groups):
+        weights = {}
+        for t in unit:
+            weights[t.name] = torch.from_numpy(torch_weight(writer.model, t))
+            try:
+                plan.weight_observers[t.name](weights[t.name])
+            except ValueError as e:  # e.g. a group size that does not divide in_features
+                raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
+        plan.fuse(g for g in groups if set(g.members) == {t.name for t in unit})
+        for t in unit:
+            item = plan.qparams(t, schemes[t.name])
+            writer.quantize_weight(item, weights.pop(t.name))
+            by_name[t.name] = item
+    items = [by_name[t.name] for t in chosen]
     kv_items = plan.kv_qparams()
-
-    qdq_model = emit_qdq(onnx_model, items, target, kv_items)
+    for item in items:
+        writer.quantize_input(item)
+    for kv in kv_items:
+        writer.quantize_kv(kv)
+    qdq_model = writer.finish()
     qc_data = build_quantization_config(config, items, ignored, kv_items)[1]
     tensors = qparam_tensors(items, kv_items)
 
@@ -193,6 +208,7 @@ class _ObserverPlan:
         # tensor -> [(kind, observer, reduction mode or None)]; kinds: observe, attention, importance
         self.taps: dict[str, list[tuple[str, object, tuple | None]]] = {}
         self.reduction_outputs: dict[tuple, tuple[str, ...]] = {}
+        self._input_qparams: dict[int, QParams] = {}
         shared: dict[tuple, object] = {}
         self.uses_tensor_group = False
         for t in targets:
@@ -227,21 +243,17 @@ class _ObserverPlan:
             if all(m.args.strategy == "tensor_group" for m in members):
                 fuse_observers(members)
 
-    def qparams(self, targets: list[Target], schemes: dict) -> list[QuantizedTarget]:
-        done: dict[int, QParams] = {}
-        items = []
-        for t in targets:
-            qp = {"weight": _to_qparams(self.weight_observers[t.name].get_qparams())}
-            obs = self.input_observers.get(t.name)
-            if obs is not None:
-                if id(obs) not in done:
-                    if not obs.has_statistics:
-                        raise GraphcalError(f"{t.name}: no activation reached its input observer")
-                    done[id(obs)] = _to_qparams(obs.get_qparams())
-                qp["input"] = done[id(obs)]
-            items.append(QuantizedTarget(t, schemes[t.name], qp))
-        return items
-
+    def qparams(self, t: Target, scheme) -> QuantizedTarget:
+        """The target's weight qparams (its weight observed) and its input's (shared ones computed once)."""
+        qp = {"weight": _to_qparams(self.weight_observers[t.name].get_qparams())}
+        obs = self.input_observers.get(t.name)
+        if obs is not None:
+            if id(obs) not in self._input_qparams:
+                if not obs.has_statistics:
+                    raise GraphcalError(f"{t.name}: no activation reached its input observer")
+                self._input_qparams[id(obs)] = _to_qparams(obs.get_qparams())
+            qp["input"] = self._input_qparams[id(obs)]
+        return QuantizedTarget(t, scheme, qp)
 
     def fetches(self, in_graph: bool) -> tuple[list[str], list[tuple[str, tuple]]]:
         """(tensors to fetch whole, (tensor, mode) extrema to reduce in the graph)."""
@@ -329,6 +341,24 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=N
             count += 1
             bar.update(1)
     return count
+
+
+def _weight_units(targets: list[Target], groups) -> list[list[Target]]:
+    """Targets in order, fused groups (all members chosen) kept together so they share a global scale."""
+    index = {t.name: t for t in targets}
+    unit_of: dict[str, list[Target]] = {}
+    for g in groups:
+        if all(m in index for m in g.members):
+            unit = [index[m] for m in g.members]
+            for m in g.members:
+                unit_of[m] = unit
+    units, seen = [], set()
+    for t in targets:
+        unit = unit_of.get(t.name, [t])
+        if id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units
 
 
 # reduced extrema -> the observers' qparam shapes (flatten_for_calibration's reduce over dims 0, -1)

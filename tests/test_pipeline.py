@@ -22,7 +22,7 @@ def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir)
         plan.weight_observers[t.name](torch.from_numpy(torch_weight(model, t)))
     groups, _ = find_fused_groups(targets)
     plan.fuse(groups)
-    items = {i.target.name: i for i in plan.qparams(targets, {t.name: scheme for t in targets})}
+    items = {t.name: plan.qparams(t, scheme) for t in targets}
 
     torch_model = build_tiny_llama()[0]
     weights = {n: m.weight.detach() for n, m in torch_model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -79,3 +79,24 @@ def test_in_graph_reductions_give_the_same_files(llama_dir, tmp_path):
                          ["Linear"])
     full, reduced = _ObserverPlan(targets, {t.name: mse for t in targets}).fetches(True)
     assert len(full) == 8 and reduced == []  # MSE needs whole tensors
+
+
+def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
+    """The weight phase reads a weight, observes it, quantizes it into the output and drops it."""
+    from collections import Counter
+
+    import graphcal.graph.qdq
+    import graphcal.pipeline
+    from graphcal.pipeline import calibrate
+
+    reads = Counter()
+    real = graphcal.pipeline.torch_weight
+
+    def counting(model, target):
+        reads[target.name] += 1
+        return real(model, target)
+
+    monkeypatch.setattr(graphcal.pipeline, "torch_weight", counting)
+    monkeypatch.setattr(graphcal.graph.qdq, "torch_weight", counting)
+    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu")
+    assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}

@@ -64,21 +64,24 @@ def emit_qdq(model: onnx.ModelProto, items: list[QuantizedTarget], runtime: str 
              kv_items: list[QuantizedKV] = ()) -> onnx.ModelProto:
     """A new model with every item's weight stored quantized and its activations Q/DQ'd, in the
     forms ``runtime`` builds ("onnxruntime": standard ONNX; "tensorrt": what TensorRT takes);
-    ``kv_items`` get static Q/DQ on the key/value states entering attention."""
-    need = max([required_opset(item, runtime) for item in items]
-               + [required_kv_opset(kv.args, runtime) for kv in kv_items] + [13])
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    if default_opset(out) < need:
-        out = _upgrade_opset(out, need)
-    writer = _Writer(out, runtime)
+    ``kv_items`` get static Q/DQ on the key/value states entering attention. ``model`` is not
+    modified (see :class:`QDQWriter` to write in place, one weight at a time)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    writer = QDQWriter(copy, items_opset(items, kv_items, runtime), runtime)
     for item in items:
         writer.quantize_weight(item)
+    for item in items:
         writer.quantize_input(item)
     for kv in kv_items:
         writer.quantize_kv(kv)
-    writer.finish()
-    return out
+    return writer.finish()
+
+
+def items_opset(items: list[QuantizedTarget], kv_items: list[QuantizedKV] = (), runtime: str = "onnxruntime") -> int:
+    """The opset a model with these targets needs (never below 13)."""
+    return max([required_opset(item, runtime) for item in items]
+               + [required_kv_opset(kv.args, runtime) for kv in kv_items] + [13])
 
 
 def required_opset(item: QuantizedTarget, runtime: str = "onnxruntime") -> int:
@@ -234,8 +237,14 @@ def _input_opset(args, where: str) -> int:
     raise GraphcalError(f"{where}: dynamic={dynamic} input activations with strategy {strategy} are not written to ONNX")
 
 
-class _Writer:
-    def __init__(self, model: onnx.ModelProto, runtime: str = "onnxruntime"):
+class QDQWriter:
+    """Writes Q/DQ into ``model`` in place: weights one at a time (so a caller can read each
+    weight once, observe it, quantize it and let it go), then activations, then ``finish()``.
+    A model below ``opset`` is converted first (``self.model`` is then the converted copy)."""
+
+    def __init__(self, model: onnx.ModelProto, opset: int, runtime: str = "onnxruntime"):
+        if default_opset(model) < opset:
+            model = _upgrade_opset(model, opset)
         self.model = model
         self.runtime = runtime
         self.graph = model.graph
@@ -249,13 +258,15 @@ class _Writer:
         self.custom_domains: set[str] = set()
 
     # -- weights -----------------------------------------------------------------------------
-    def quantize_weight(self, item: QuantizedTarget) -> None:
+    def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor | None = None) -> None:
+        """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
+        [out, in] value when the caller has read it already."""
         from compressed_tensors.quantization.lifecycle.forward import quantize
 
         t, args = item.target, item.scheme.weights
         qtype = _qtype(args, t.name, "weights")
         qp = item.qparams["weight"]
-        w = torch.from_numpy(torch_weight(self.model, t))  # torch [out, in]
+        w = weight if weight is not None else torch.from_numpy(torch_weight(self.model, t))  # torch [out, in]
         strategy = _name(args.strategy)
         q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
         # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter
@@ -507,7 +518,8 @@ class _Writer:
             return len(tt.shape.dim)
         return None
 
-    def finish(self) -> None:
+    def finish(self) -> onnx.ModelProto:
+        """Place the new nodes, drop what nothing reads any more; returns the model."""
         new_nodes = []
         for node in self.graph.node:
             new_nodes.extend(self.nodes_before.get(node.name, []))
@@ -519,6 +531,7 @@ class _Writer:
         have = {o.domain for o in self.model.opset_import}
         for domain in sorted(self.custom_domains - have):
             self.model.opset_import.append(helper.make_opsetid(domain, 1))
+        return self.model
 
 
 class _WeightLayout:
