@@ -216,6 +216,28 @@ def build_tiny_llama(seed: int = 0):
     return model, inputs, output_names, dynamic_axes
 
 
+def build_bench_decoder(seed: int = 0, seq: int = 512):
+    """A random-initialised ``LlamaForCausalLM`` sized for benchmarks, not shipped: hidden 1024,
+    8 layers, intermediate 2816, GQA 16/4 heads, vocab 1024 (about 95M parameters, 380 MB fp32).
+
+    Returns ``(model, example_inputs, output_names, dynamic_axes)`` like :func:`build_tiny_llama`.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 512), use_cache=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    ids = _example_ids(config.vocab_size, 1, seq, seed)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    axes = {"input_ids": dict(BATCH_SEQ_AXES), "attention_mask": dict(BATCH_SEQ_AXES), "logits": dict(BATCH_SEQ_AXES)}
+    return model, inputs, ["logits"], axes
+
+
 def build_tiny_bert(seed: int = 0):
     """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 128, 4 heads, with pooler).
 

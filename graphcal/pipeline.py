@@ -23,10 +23,10 @@ from graphcal.distributed import from_env, gather_statistics
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
-from graphcal.graph.io import has_external_data, load_model, save_model
+from graphcal.graph.io import load_model_info, save_model, value_types
 from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
-from graphcal.graph.taps import add_reductions, add_taps
+from graphcal.graph.taps import add_reductions, add_taps, mark, restore
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
 from graphcal.runtime import open_runtime
@@ -92,8 +92,7 @@ def calibrate(
     config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
     warnings: list[str] = []
 
-    onnx_model = load_model(model_path)
-    external = has_external_data(model_path)  # the output keeps external data when the input has it
+    onnx_model, external = load_model_info(model_path)  # the output keeps external data when the input has it
     found, _skipped = find_targets(onnx_model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
@@ -117,6 +116,7 @@ def calibrate(
     calib = load_data(data, graph_inputs(onnx_model), batch_size=batch_size, num_samples=num_samples)
 
     plan = _ObserverPlan(chosen, schemes, kv_states, config.kv_cache)
+    types = value_types(onnx_model)  # once: element types and shapes for taps and the writer
     groups, fusion_warnings = find_fused_groups(chosen)
     if plan.uses_tensor_group:
         warnings += fusion_warnings
@@ -124,12 +124,16 @@ def calibrate(
     provider, batches = None, 0
     if plan.taps:
         full, reduced = plan.fetches(reduce_in_graph)
-        tapped, fetch = add_taps(onnx_model, full)
-        plan.reduction_outputs = add_reductions(tapped, reduced)
+        before = mark(onnx_model)  # taps and reductions go in place and come out once the session exists
+        tapped, fetch = add_taps(onnx_model, full, types, in_place=True)
+        plan.reduction_outputs = add_reductions(tapped, reduced, types)
         fetch += [name for names in plan.reduction_outputs.values() for name in names]
         error = None
         try:
-            runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0)
+            try:
+                runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0)
+            finally:
+                restore(onnx_model, before)
             provider = runtime.provider
             try:
                 batches = _run_activations(runtime, calib, plan, progress and (dist is None or dist.is_main), dist)
@@ -150,7 +154,8 @@ def calibrate(
         )
     # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
     writer = QDQWriter(onnx_model, items_opset([QuantizedTarget(t, schemes[t.name]) for t in chosen],
-                                               [QuantizedKV(s, config.kv_cache) for s in kv_states], target), target)
+                                               [QuantizedKV(s, config.kv_cache) for s in kv_states], target),
+                        target, types)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}
     for unit in _weight_units(chosen, groups):

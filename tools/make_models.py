@@ -114,6 +114,23 @@ def make_model(name: str, out_dir: str | Path) -> list[Path]:
     return written
 
 
+BENCH_SEQ = 512
+
+
+def make_bench_decoder(out_dir: str | Path) -> Path:
+    """The benchmark decoder (graphcal.export.build_bench_decoder), not shipped: ``out_dir/model.onnx``.
+
+    Its data comes from :func:`make_data` with ``BENCH_SEQ`` tokens (tools/bench.py makes it).
+    """
+    from graphcal import export
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, inputs, output_names, dynamic_axes = export.build_bench_decoder(seed=0, seq=BENCH_SEQ)
+    return export.export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
+                               dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
+
+
 def make_all(root: str | Path, names=None) -> list[Path]:
     written = []
     for name in names or MODELS:
@@ -140,12 +157,18 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temp dir and exit 1 if any byte differs from models/")
     ap.add_argument("--out", type=Path, default=MODELS_DIR, help="output root (default: models/)")
+    ap.add_argument("--bench-decoder", type=Path, metavar="DIR",
+                    help="write the (not shipped) benchmark decoder's model.onnx into DIR and exit")
     ap.add_argument("names", nargs="*", metavar="NAME",
                     help=f"models to build (default: all of {', '.join(MODELS)})")
     args = ap.parse_args(argv)
     # Known, harmless exporter chatter (HF mask code under the tracer, aten::index).
     warnings.filterwarnings("ignore", message="Converting a tensor to a Python boolean")
     warnings.filterwarnings("ignore", message="Exporting aten::index operator")
+    if args.bench_decoder is not None:
+        path = make_bench_decoder(args.bench_decoder)
+        print(f"wrote {path} ({path.stat().st_size} bytes)")
+        return 0
     names = args.names or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown:

@@ -17,6 +17,11 @@ PROTOBUF_LIMIT = 2**31 - 1
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load an ONNX model with its external data; raise GraphcalError for anything unreadable."""
+    return load_model_info(path)[0]
+
+
+def load_model_info(path: str | os.PathLike) -> tuple[onnx.ModelProto, bool]:
+    """(model with its external data loaded, whether the file kept weights in external data)."""
     path = Path(path)
     if not path.exists():
         raise GraphcalError(f"model file not found: {path}")
@@ -30,7 +35,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise GraphcalError(f"{path} is not a readable ONNX model ({_first_line(e)})") from e
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
-    if any(_uses_external_data(t) for t in model.graph.initializer):
+    external = any(_uses_external_data(t) for t in model.graph.initializer)
+    if external:
         try:
             onnx.load_external_data_for_model(model, str(path.parent))
         except (OSError, ValueError, RuntimeError, onnx.checker.ValidationError) as e:
@@ -38,7 +44,35 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
                 f"{path}: external data could not be read ({_first_line(e)}); "
                 "keep the data files next to the model"
             ) from e
-    return model
+    return model, external
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """Element type and shape of every graph value, by name, from onnx shape inference.
+
+    Inference runs on a hollow copy whose initializers carry dims and types but no data, so a
+    big model is neither serialized nor copied. Best effort: values it cannot type are absent.
+    """
+    hollow = onnx.ModelProto()
+    hollow.ir_version = model.ir_version
+    hollow.opset_import.extend(model.opset_import)
+    hollow.functions.extend(model.functions)
+    g = hollow.graph
+    g.name = model.graph.name
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    g.value_info.extend(model.graph.value_info)
+    for t in model.graph.initializer:
+        g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
+    values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    try:
+        values += list(onnx.shape_inference.infer_shapes(hollow).graph.value_info)
+    except Exception:  # noqa: BLE001 -- inference is best effort; onnxruntime types outputs itself
+        pass
+    for t in model.graph.initializer:
+        values.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return {v.name: v.type.tensor_type for v in values if v.type.HasField("tensor_type")}
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -47,12 +81,6 @@ def default_opset(model: onnx.ModelProto) -> int:
         if op.domain in ("", "ai.onnx"):
             return op.version
     return 0
-
-
-def has_external_data(path: str | os.PathLike) -> bool:
-    """Whether the model file keeps any initializer in external data (reads the graph, not the data)."""
-    model = onnx.load(str(path), load_external_data=False)
-    return any(_uses_external_data(t) for t in model.graph.initializer)
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> list[Path]:

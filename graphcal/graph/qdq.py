@@ -242,7 +242,10 @@ class QDQWriter:
     weight once, observe it, quantize it and let it go), then activations, then ``finish()``.
     A model below ``opset`` is converted first (``self.model`` is then the converted copy)."""
 
-    def __init__(self, model: onnx.ModelProto, opset: int, runtime: str = "onnxruntime"):
+    def __init__(self, model: onnx.ModelProto, opset: int, runtime: str = "onnxruntime", types: dict | None = None):
+        from graphcal.graph.io import value_types
+
+        self.types = value_types(model) if types is None else types  # activation dtypes and ranks
         if default_opset(model) < opset:
             model = _upgrade_opset(model, opset)
         self.model = model
@@ -494,15 +497,7 @@ class QDQWriter:
         return candidate
 
     def _value_type(self, name: str):
-        for v in list(self.graph.value_info) + list(self.graph.input) + list(self.graph.output):
-            if v.name == name:
-                return v.type.tensor_type
-        if not hasattr(self, "_inferred"):
-            try:
-                self._inferred = {v.name: v.type.tensor_type for v in onnx.shape_inference.infer_shapes(self.model).graph.value_info}
-            except Exception:
-                self._inferred = {}
-        return self._inferred.get(name)
+        return self.types.get(name)
 
     def _act_dtype(self, t: Target) -> np.dtype:
         tt = self._value_type(t.activation)

@@ -11,16 +11,24 @@ import onnx
 from graphcal.errors import GraphcalError
 
 
-def add_taps(model: onnx.ModelProto, tensors: list[str]) -> tuple[onnx.ModelProto, list[str]]:
-    """Return (tapped copy, output names to fetch); ``tensors`` are names of graph values."""
-    tapped = onnx.ModelProto()
-    tapped.CopyFrom(model)
+def add_taps(model: onnx.ModelProto, tensors: list[str], types: dict | None = None,
+             in_place: bool = False) -> tuple[onnx.ModelProto, list[str]]:
+    """Return (tapped model, output names to fetch); ``tensors`` are names of graph values.
+
+    A copy unless ``in_place`` (then undo with :func:`restore` after a :func:`mark`); ``types``
+    is :func:`graphcal.graph.io.value_types` of the model when the caller has it.
+    """
+    if in_place:
+        tapped = model
+    else:
+        tapped = onnx.ModelProto()
+        tapped.CopyFrom(model)
     graph = tapped.graph
     existing = {o.name for o in graph.output}
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {
         t.name for t in graph.initializer
     }
-    types = _elem_types(model)
+    types = _elem_types(model, types)
     fetch: list[str] = []
     for name in dict.fromkeys(tensors):  # dedupe, keep order
         if name not in known:
@@ -33,16 +41,32 @@ def add_taps(model: onnx.ModelProto, tensors: list[str]) -> tuple[onnx.ModelProt
     return tapped, fetch
 
 
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element types of graph values, from shape inference where the model lacks value_info."""
-    values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
-    if not model.graph.value_info and model.ByteSize() < 2**31 - 1:
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model)
-            values += list(inferred.graph.value_info)
-        except Exception:  # inference is best effort; onnxruntime infers output types itself
-            pass
-    return {v.name: v.type.tensor_type.elem_type for v in values if v.type.tensor_type.elem_type}
+def _elem_types(model: onnx.ModelProto, types: dict | None = None) -> dict[str, int]:
+    """Element types of graph values (shape inference on a hollow copy where not given)."""
+    from graphcal.graph.io import value_types
+
+    types = value_types(model) if types is None else types
+    return {name: t.elem_type for name, t in types.items() if t.elem_type}
+
+
+TAP_PREFIX = "graphcal_tap/"  # names of the reduction nodes and their constants
+
+
+def mark(model: onnx.ModelProto) -> tuple[int, int]:
+    """How many outputs and initializers the graph has now (see :func:`restore`)."""
+    g = model.graph
+    return len(g.output), len(g.initializer)
+
+
+def restore(model: onnx.ModelProto, marks: tuple[int, int]) -> None:
+    """Drop the outputs, initializers and reduction nodes added since :func:`mark`."""
+    g = model.graph
+    del g.output[marks[0]:]
+    del g.initializer[marks[1]:]
+    keep = [n for n in g.node if not n.name.startswith(TAP_PREFIX)]
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
 
 
 # -- in-graph reductions ------------------------------------------------------------------------
@@ -53,10 +77,12 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 #   ("group", g, gs)   x viewed as [-1, g, gs], over dims 0 and 2 -> g   (group / tensor_group)
 #   ("head",)          x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
 # Each reduced tensor also gets a finiteness probe, ReduceSum(x * 0): 0, or NaN if any
-# element is NaN or infinite (ReduceMin/Max need not propagate NaN).
+# element is NaN or infinite (ReduceMin/Max need not propagate NaN). The nodes are placed right
+# after the tensor's producer, so onnxruntime frees each activation as early as it would anyway.
 
 
-def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) -> dict[tuple, tuple[str, str]]:
+def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]],
+                   types: dict | None = None) -> dict[tuple, tuple[str, str]]:
     """Add ReduceMin/ReduceMax outputs to ``model`` (in place; pass the tapped copy) for each
     (tensor, mode); returns {(tensor, mode): (min output, max output)} and, under (tensor, "finite"),
     the probe."""
@@ -66,7 +92,7 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) ->
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
-    types = _elem_types(model)
+    types = _elem_types(model, types)
     names: set[str] = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
         t.name for t in graph.initializer}
     out: dict[tuple, tuple[str, ...]] = {}
@@ -83,9 +109,12 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) ->
         graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
         return name
 
+    added: dict[str, list] = {}  # tapped tensor -> its reduction nodes, placed after its producer
+    current: list = []
+
     def node(op: str, inputs: list[str], base: str, **attrs) -> str:
         output = unique(base)
-        graph.node.append(helper.make_node(op, inputs, [output], name=unique(f"{base}/{op}"), **attrs))
+        current.append(helper.make_node(op, inputs, [output], name=unique(f"{base}/{op}"), **attrs))
         return output
 
     def reduce(op: str, x: str, axes: list[int] | None, base: str) -> str:
@@ -102,7 +131,8 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) ->
         if tensor not in known:
             raise GraphcalError(f"cannot tap {tensor!r}: no such tensor in the graph")
         elem = types.get(tensor, onnx.TensorProto.FLOAT)
-        base = f"graphcal_tap/{tensor}"
+        base = f"{TAP_PREFIX}{tensor}"
+        current = added.setdefault(tensor, [])
         if (tensor, "finite") not in out:
             zero = const(f"{base}/zero", np.array(0, dtype=helper.tensor_dtype_to_np_dtype(elem)))
             probe = reduce("ReduceSum", node("Mul", [tensor, zero], f"{base}/times_zero"), None, f"{base}/finite")
@@ -121,4 +151,14 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]]) ->
         expose(lo, elem)
         expose(hi, elem)
         out[tensor, mode] = (lo, hi)
+    if added:
+        order = []
+        for n in graph.node:
+            order.append(n)
+            for produced in n.output:
+                order.extend(added.pop(produced, []))
+        for nodes in added.values():  # graph inputs: at the front
+            order[:0] = nodes
+        del graph.node[:]
+        graph.node.extend(order)
     return out

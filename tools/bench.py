@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Calibration cost against plain inference, side by side in one script run.
+
+    python tools/bench.py                                   # shipped tiny-llama and the bench decoder
+    python tools/bench.py --models tiny-llama --samples 64 512 --device cpu
+    python tools/bench.py --markdown docs/benchmarks.md     # also write the results there
+
+For each model and sample count it runs, each in a fresh child process (so each peak is its own):
+
+- ``onnxruntime`` inference over the same batches: the floor (ORT_ENABLE_BASIC, as graphcal's pass);
+- ``graphcal run`` with W8A8_STATIC and static_minmax (in-graph min/max reductions), the same with
+  whole tensors fetched (``reduce_in_graph=False``), with ``mse`` observers, and with
+  ``imatrix_mse`` weights (W4A16);
+- onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with
+  MinMax, Percentile and Entropy calibration;
+
+and reports wall time (the work: session, pass, observers, writing; imports are reported apart as
+startup), the ratio to the floor, and peak host memory
+(the child's maximum resident set); with ``--device cuda``, peak GPU memory from nvidia-smi. A child
+whose memory passes ``--mem-limit-gb`` is stopped and reported as such. Data: seeded random token
+ids (models/tiny-llama: seq 32; bench decoder: seq 512, made by
+``tools/make_models.py --bench-decoder``), batch 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+IMATRIX = '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}'
+CONFIGS = {
+    "onnxruntime inference (floor)": {"kind": "floor"},
+    "graphcal minmax": {"kind": "graphcal", "scheme": "W8A8_STATIC"},
+    "graphcal minmax, whole tensors": {"kind": "graphcal", "scheme": "W8A8_STATIC", "reduce_in_graph": False},
+    "graphcal mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "mse"},
+    "graphcal imatrix_mse (W4A16)": {"kind": "graphcal", "scheme": IMATRIX},
+    "quantize_static MinMax": {"kind": "ort", "method": "MinMax"},
+    "quantize_static Percentile": {"kind": "ort", "method": "Percentile"},
+    "quantize_static Entropy": {"kind": "ort", "method": "Entropy"},
+}
+MODELS = {"tiny-llama": (REPO / "models" / "tiny-llama" / "model.onnx", 256, 32),
+          "bench-decoder": (None, 1024, 512)}  # path filled from --decoder-dir
+BATCH = 8
+
+
+# -- child: one configuration ------------------------------------------------------------------
+
+def child(spec: dict) -> dict:
+    import resource
+
+    t0 = time.perf_counter()
+    import numpy as np
+    import onnxruntime as ort
+    import torch  # noqa: F401 -- every child pays the same imports
+
+    kind = spec["kind"]
+    if kind == "graphcal":  # its imports (compressed-tensors pulls in transformers: ~2 s) are not the pass
+        import compressed_tensors.quantization.lifecycle.forward  # noqa: F401
+
+        import graphcal.observers  # noqa: F401
+        from graphcal.pipeline import calibrate
+    elif kind == "ort":
+        import onnxruntime.quantization  # noqa: F401
+    startup = time.perf_counter() - t0
+    data = dict(np.load(spec["data"]))
+    out = Path(spec["out"])
+    start = time.perf_counter()
+    if kind == "floor":
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if spec["device"] == "cuda" else ["CPUExecutionProvider"]
+        session = ort.InferenceSession(spec["model"], opts, providers=providers)
+        n = len(next(iter(data.values())))
+        for i in range(0, n, BATCH):
+            session.run(None, {k: v[i:i + BATCH] for k, v in data.items()})
+    elif kind == "graphcal":
+        calibrate(spec["model"], spec["data"], out, scheme=spec["scheme"], observer=spec.get("observer"),
+                  device=spec["device"], batch_size=BATCH, reduce_in_graph=spec.get("reduce_in_graph", True))
+    elif kind == "ort":
+        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                              quantize_static)
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                n = len(next(iter(data.values())))
+                self.batches = iter([{k: v[i:i + BATCH] for k, v in data.items()} for i in range(0, n, BATCH)])
+
+            def get_next(self):
+                return next(self.batches, None)
+
+        out.mkdir(parents=True, exist_ok=True)
+        quantize_static(
+            spec["model"], out / "model.onnx", Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+            calibrate_method=getattr(CalibrationMethod, spec["method"]),
+            calibration_providers=["CUDAExecutionProvider"] if spec["device"] == "cuda" else None,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+        )
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "startup": startup,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+# -- parent ------------------------------------------------------------------------------------
+
+def run_child(spec: dict, mem_limit_mb: float, device: str) -> dict:
+    """Run one configuration in a child process; stop it if its memory passes the limit."""
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak_gpu, killed = 0.0, False
+    while proc.poll() is None:
+        rss = _rss_mb(proc.pid)
+        if rss > mem_limit_mb:
+            proc.kill()
+            killed = True
+            break
+        if device == "cuda":
+            peak_gpu = max(peak_gpu, _gpu_used_mb())
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate()
+    if killed:
+        return {"error": f"stopped: host memory passed {mem_limit_mb / 1024:.0f} GB"}
+    if proc.returncode != 0:
+        return {"error": (stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if device == "cuda":
+        result["peak_gpu_mb"] = peak_gpu
+    return result
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _gpu_used_mb() -> float:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return max(float(v) for v in out.split())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0.0
+
+
+def make_data(path: Path, vocab: int, n: int, seq: int) -> None:
+    from tools.make_models import make_data as synth
+    from tools.make_models import save_npz
+
+    save_npz(path, synth(["input_ids", "attention_mask"], vocab, n, seq, seed=4242))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import onnxruntime
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; Python {platform.python_version()}, "
+            f"onnxruntime {onnxruntime.__version__}, torch {torch.__version__}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--samples", nargs="+", type=int, default=None,
+                    help="sample counts (default: 64 512)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--decoder-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-bench-decoder",
+                    help="where the bench decoder is (made there by tools/make_models.py if missing)")
+    ap.add_argument("--mem-limit-gb", type=float, default=16.0)
+    ap.add_argument("--markdown", type=Path, help="also write the results table to this file")
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="graphcal-bench-") as tmp:
+        for name in args.models:
+            path, vocab, seq = MODELS[name]
+            if path is None:
+                path = args.decoder_dir / "model.onnx"
+                if not path.exists():
+                    subprocess.run([sys.executable, str(REPO / "tools" / "make_models.py"), "--bench-decoder",
+                                    str(args.decoder_dir)], check=True)
+            for n in args.samples or [64, 512]:
+                data = Path(tmp) / f"{name}-{n}.npz"
+                make_data(data, vocab, n, seq)
+                floor = None
+                for label in args.configs:
+                    spec = {**CONFIGS[label], "model": str(path), "data": str(data), "device": args.device,
+                            "out": str(Path(tmp) / f"out-{len(rows)}")}
+                    result = run_child(spec, args.mem_limit_gb * 1024, args.device)
+                    if label.endswith("(floor)") and "seconds" in result:
+                        floor = result["seconds"]
+                    rows.append((name, n, label, result, floor))
+                    print(_row(rows[-1]), flush=True)
+    table = _table(rows, args.device)
+    print()
+    print(table)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(f"Machine: {machine()}\n\n{table}\n")
+    return 0
+
+
+def _row(row) -> str:
+    name, n, label, r, floor = row
+    if "error" in r:
+        return f"| {name} | {n} | {label} | {r['error']} | | | |" + (" |" if "peak_gpu_mb" in r else "")
+    ratio = f"{r['seconds'] / floor:.2f}x" if floor else "-"
+    gpu = f" {r['peak_gpu_mb']:.0f} |" if "peak_gpu_mb" in r else ""
+    return (f"| {name} | {n} | {label} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} "
+            f"| {r['startup']:.1f} |{gpu}")
+
+
+def _table(rows, device: str) -> str:
+    head = "| model | samples | run | wall time (s) | vs floor | peak host memory (MB) | startup (s) |"
+    rule = "|---|---|---|---|---|---|---|"
+    if device == "cuda":
+        head += " peak GPU memory (MB) |"
+        rule += "---|"
+    return "\n".join([head, rule] + [_row(r) for r in rows])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
