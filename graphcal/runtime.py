@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 
 from graphcal.errors import GraphcalError, UsageError
-from graphcal.graph.io import PROTOBUF_LIMIT
+from graphcal.graph import io as graph_io
 
 DEVICES = ("auto", "cpu", "cuda")
 _CUDA = "CUDAExecutionProvider"
@@ -71,10 +71,10 @@ def open_runtime(
     opts.enable_mem_pattern = False
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp = None
-    if model.ByteSize() >= PROTOBUF_LIMIT:
+    if model.ByteSize() >= graph_io.PROTOBUF_LIMIT:  # over 2 GB: a hollow graph + one data file, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
-        onnx.save_model(model, str(path), save_as_external_data=True, location="tapped.onnx.data")
+        graph_io.save_with_external_data(model, path)
         source: str | bytes = str(path)
     else:
         source = model.SerializeToString()

@@ -55,3 +55,26 @@ def test_killed_runs_leave_the_previous_output_or_none(tmp_path, bert_dir):
         elif state is None:
             _run(bert_dir, out, "W8A8_STATIC")
     assert "old" in seen  # at least one kill landed before the swap
+
+
+def test_models_past_the_protobuf_limit_go_through_external_data(llama_dir, tmp_path, monkeypatch):
+    """The >2 GB path, forced with a tiny limit: onnxruntime gets a hollow graph plus one data
+    file (the in-memory model is left whole), and the output keeps external data; numbers as usual."""
+    import numpy as np
+
+    import graphcal.graph.io
+    from graphcal.pipeline import calibrate
+    from tests.helpers import ort_run
+
+    normal = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "normal", scheme="W8A8_STATIC",
+                       device="cpu")
+    monkeypatch.setattr(graphcal.graph.io, "PROTOBUF_LIMIT", 1)
+    big = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "big", scheme="W8A8_STATIC",
+                    device="cpu")
+    assert sorted(p.name for p in big.files) == ["model.onnx", "model.onnx.data", "qparams.safetensors",
+                                                 "quantization_config.json"]
+    assert (tmp_path / "big" / "qparams.safetensors").read_bytes() == (tmp_path / "normal" / "qparams.safetensors").read_bytes()
+    feeds = {k: v[:2] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    np.testing.assert_array_equal(ort_run(tmp_path / "big" / "model.onnx", feeds)["logits"],
+                                  ort_run(tmp_path / "normal" / "model.onnx", feeds)["logits"])
+    assert normal.num_batches == big.num_batches == 8

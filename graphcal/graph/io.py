@@ -83,6 +83,54 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> list[Path]:
+    """Write ``model`` to ``path`` with tensors over ``threshold`` bytes in ``<name>.data``,
+    without modifying ``model`` or copying it whole (onnx's own saver rewrites the tensors in place).
+
+    Tensors are written one at a time; the graph file holds a hollow copy that references them.
+    """
+    from onnx import numpy_helper
+
+    data_path = path.with_name(path.name + ".data")
+    hollow = onnx.ModelProto()
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(hollow, field, getattr(model, field))
+    hollow.opset_import.extend(model.opset_import)
+    hollow.metadata_props.extend(model.metadata_props)
+    hollow.functions.extend(model.functions)
+    g = hollow.graph
+    g.name, g.doc_string = model.graph.name, model.graph.doc_string
+    for name in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(g, name).extend(getattr(model.graph, name))
+    offset = 0
+    with open(data_path, "wb") as data:
+        for t in model.graph.initializer:
+            raw = t.raw_data if t.HasField("raw_data") else None
+            if raw is None and t.data_location != onnx.TensorProto.EXTERNAL:
+                raw = numpy_helper.to_array(t).tobytes() if _numel(t) * 4 >= threshold else None
+            if raw is None or len(raw) < threshold:
+                g.initializer.append(t)
+                continue
+            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type,
+                                    data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = stub.external_data.add()
+                entry.key, entry.value = key, value
+            data.write(raw)
+            offset += len(raw)
+            g.initializer.append(stub)
+    with open(path, "wb") as f:
+        f.write(hollow.SerializeToString())
+    return [path, data_path]
+
+
+def _numel(t: onnx.TensorProto) -> int:
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n
+
+
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
     ``<name>.data`` beside it (one file, tensors over 1 KB).
@@ -92,12 +140,7 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> li
     if not external and model.ByteSize() < PROTOBUF_LIMIT:
         onnx.save_model(model, str(path))
         return [path]
-    data_name = path.name + ".data"
-    onnx.save_model(
-        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-        location=data_name, size_threshold=1024,
-    )
-    return [path, path.parent / data_name]
+    return save_with_external_data(model, path)
 
 
 def _uses_external_data(t: onnx.TensorProto) -> bool:
