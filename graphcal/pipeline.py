@@ -30,7 +30,7 @@ from graphcal.graph.taps import add_reductions, add_taps, mark, restore
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
 from graphcal.runtime import open_runtime
-from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target
+from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
 
@@ -237,7 +237,7 @@ class _ObserverPlan:
             for base, tensor in (("k", state.key), ("v", state.value)):
                 obs = _make_observer(observer_name(kv_args, base), base, kv_args.model_copy(deep=True))
                 self.kv_observers[state, base] = obs
-                mode = ("head",) if str(getattr(kv_args.strategy, "value", kv_args.strategy)) == "attn_head" else ("all",)
+                mode = ("head",) if enum_value(kv_args.strategy) == "attn_head" else ("all",)
                 self.taps.setdefault(tensor, []).append(("attention", obs, mode))
 
     def fuse(self, groups) -> None:
@@ -372,7 +372,7 @@ _QPARAM_SHAPE = {"all": lambda v: (1,), "group": lambda v: (v.numel(),), "head":
 
 def _input_mode(args, t: Target) -> tuple | None:
     """How an input observer's batch extrema can be reduced in the graph (None: whole tensor)."""
-    strategy = str(getattr(args.strategy, "value", args.strategy))
+    strategy = enum_value(args.strategy)
     if strategy == "tensor":
         return ("all",)
     if strategy in ("group", "tensor_group") and args.group_size and t.in_features % args.group_size == 0:

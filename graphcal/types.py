@@ -15,6 +15,11 @@ import torch
 Layout = Literal["in_out", "out_in"]
 
 
+def enum_value(value) -> str:
+    """A compressed-tensors enum field (QuantizationType, QuantizationStrategy, ...) as its plain value."""
+    return str(getattr(value, "value", value))
+
+
 @dataclass(frozen=True)
 class Target:
     """One MatMul/Gemm whose B input is a weight.

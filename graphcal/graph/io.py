@@ -53,18 +53,9 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     Inference runs on a hollow copy whose initializers carry dims and types but no data, so a
     big model is neither serialized nor copied. Best effort: values it cannot type are absent.
     """
-    hollow = onnx.ModelProto()
-    hollow.ir_version = model.ir_version
-    hollow.opset_import.extend(model.opset_import)
-    hollow.functions.extend(model.functions)
-    g = hollow.graph
-    g.name = model.graph.name
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
+    hollow = _hollow_copy(model)
     for t in model.graph.initializer:
-        g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
+        hollow.graph.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
     values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
     try:
         values += list(onnx.shape_inference.infer_shapes(hollow).graph.value_info)
@@ -88,26 +79,15 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     without modifying ``model`` or copying it whole (onnx's own saver rewrites the tensors in place).
 
     Tensors are written one at a time; the graph file holds a hollow copy that references them.
+    Tensors kept in typed fields instead of raw bytes (rare, and small) stay in the graph file.
     """
-    from onnx import numpy_helper
-
     data_path = path.with_name(path.name + ".data")
-    hollow = onnx.ModelProto()
-    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        setattr(hollow, field, getattr(model, field))
-    hollow.opset_import.extend(model.opset_import)
-    hollow.metadata_props.extend(model.metadata_props)
-    hollow.functions.extend(model.functions)
+    hollow = _hollow_copy(model)
     g = hollow.graph
-    g.name, g.doc_string = model.graph.name, model.graph.doc_string
-    for name in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(g, name).extend(getattr(model.graph, name))
     offset = 0
     with open(data_path, "wb") as data:
         for t in model.graph.initializer:
             raw = t.raw_data if t.HasField("raw_data") else None
-            if raw is None and t.data_location != onnx.TensorProto.EXTERNAL:
-                raw = numpy_helper.to_array(t).tobytes() if _numel(t) * 4 >= threshold else None
             if raw is None or len(raw) < threshold:
                 g.initializer.append(t)
                 continue
@@ -124,11 +104,19 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     return [path, data_path]
 
 
-def _numel(t: onnx.TensorProto) -> int:
-    n = 1
-    for d in t.dims:
-        n *= d
-    return n
+def _hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without its initializers (graph, opsets, metadata): cheap for any size."""
+    hollow = onnx.ModelProto()
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(hollow, field, getattr(model, field))
+    hollow.opset_import.extend(model.opset_import)
+    hollow.metadata_props.extend(model.metadata_props)
+    hollow.functions.extend(model.functions)
+    g = hollow.graph
+    g.name, g.doc_string = model.graph.name, model.graph.doc_string
+    for name in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(g, name).extend(getattr(model.graph, name))
+    return hollow
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> list[Path]:

@@ -55,6 +55,7 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.io import MAX_ORT_IR, default_opset
 from graphcal.graph.targets import torch_weight
 from graphcal.types import QParams, QuantizedKV, QuantizedTarget, Target
+from graphcal.types import enum_value as _name
 
 
 RUNTIMES = ("onnxruntime", "tensorrt")
@@ -500,10 +501,7 @@ class QDQWriter:
         return self.types.get(name)
 
     def _act_dtype(self, t: Target) -> np.dtype:
-        tt = self._value_type(t.activation)
-        if tt is not None and tt.elem_type:
-            return np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        return np.dtype(np.float32)
+        return self._dtype_of(t.activation)
 
     def _act_rank(self, t: Target) -> int | None:
         if t.op_type == "Gemm":
@@ -575,11 +573,6 @@ def _as_qtype(values: torch.Tensor, qtype: _QType) -> np.ndarray:
     if qtype.np_dtype.kind in "iu" or qtype.np_dtype == np.dtype(ml_dtypes.int4):
         array = np.rint(array).astype(np.int8)
     return array.astype(qtype.np_dtype)
-
-
-def _name(value) -> str:
-    """An enum field of QuantizationArgs (QuantizationType, QuantizationStrategy) as its plain value."""
-    return str(getattr(value, "value", value))
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
