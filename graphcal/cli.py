@@ -61,11 +61,13 @@ def cli() -> None:
               help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
                    "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
                    "--kv-cache-scheme given on the command line override it.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 @click.pass_context
 def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device, runtime,
-        recipe, quiet, debug):
+        recipe, as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -92,7 +94,7 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
         return calibrate(
             model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer, kv_cache=kv_cache,
             config=config, device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
-            progress=not quiet,
+            progress=not (quiet or as_json),
         )
 
     result = _guarded(call, debug)
@@ -100,6 +102,16 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
         return  # under torchrun, rank 0 reports
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
+    if as_json:
+        import json
+
+        click.echo(json.dumps({
+            "quantized": [i.target.name for i in result.targets], "ignored": result.ignored,
+            "provider": result.provider, "samples": result.num_samples, "batches": result.num_batches,
+            "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
+            "warnings": result.warnings,
+        }, sort_keys=True))
+        return
     if quiet:
         return
     n = len(result.targets)

@@ -430,3 +430,15 @@ def test_fused_groups_share_the_written_global_scale(runs, scheme):
             joint = max(weights[n].abs().max() for n in names)
             for n in names:
                 torch.testing.assert_close(params[f"{n}.weight_global_scale"], (2688.0 / joint).reshape(1))
+
+
+def test_json_summary_for_scripts(llama_dir, tmp_path):
+    import json
+
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["ignored"] == ["lm_head"] and len(summary["quantized"]) == 14
+    assert (summary["samples"], summary["batches"], summary["ranks"]) == (64, 8, 1)
+    assert sorted(summary["files"]) == sorted(str(p) for p in (tmp_path / "o").iterdir())
