@@ -1,4 +1,4 @@
-"""Calibration data: .npz files (or a folder of them) -> validated batches ``{input_name: array}``.
+"""Calibration data: .npz files (or a folder of them, or a CalibrationDataReader) -> validated batches.
 
 An .npz holds one array per model input, keyed by input name, whose first dimension is the
 sample dimension and doubles as the model's batch dimension: ``input_ids`` of shape
@@ -105,6 +105,50 @@ class CalibrationData:
             left -= n
 
 
+class ReaderData:
+    """Batches from an onnxruntime ``CalibrationDataReader`` (anything with ``get_next()``), as
+    quantize_static users have them: streamed once, each batch checked like an .npz file before
+    it runs. The reader's batches are used as they come; ``num_samples`` caps the total."""
+
+    def __init__(self, reader, inputs: list[InputSpec], num_samples: int | None):
+        self._reader = reader
+        self._inputs = inputs
+        self._cap = num_samples
+        self._fixed_batch = _fixed_batch(inputs)
+        self.num_samples = 0  # counted while streaming
+        self.num_batches = 0
+        self._used = False
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        if self._used:
+            raise GraphcalError("a CalibrationDataReader can be read once; make a new one for another run")
+        self._used = True
+        while self._cap is None or self.num_samples < self._cap:
+            try:
+                batch = self._reader.get_next()
+            except Exception as e:  # noqa: BLE001 -- the user's reader: report it as one line
+                raise GraphcalError(f"the CalibrationDataReader failed on batch {self.num_batches}: "
+                                    f"{type(e).__name__}: {e}") from e
+            if batch is None:
+                break
+            if not isinstance(batch, Mapping):
+                raise GraphcalError(f"the CalibrationDataReader's batch {self.num_batches} is a "
+                                    f"{type(batch).__name__}, not a mapping of input names to arrays")
+            arrays = {k: np.asarray(v) for k, v in batch.items()}
+            source = _Source(f"CalibrationDataReader batch {self.num_batches}", _check_arrays(arrays), arrays=arrays)
+            _validate(source, self._inputs, self._fixed_batch)
+            n = source.num_samples
+            if self._cap is not None and self.num_samples + n > self._cap:
+                n = self._cap - self.num_samples
+                arrays = {k: _slice(v, 0, n) for k, v in arrays.items()}
+            _check_finite(arrays, source.label, 0)
+            self.num_samples += n
+            self.num_batches += 1
+            yield {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in self._inputs}
+        if self.num_batches == 0:
+            raise GraphcalError("the CalibrationDataReader gave no batches (get_next() returned None at once)")
+
+
 def load_data(
     data: str | Path | Mapping[str, np.ndarray],
     inputs: list[InputSpec],
@@ -114,13 +158,18 @@ def load_data(
 ) -> CalibrationData:
     """Open and validate calibration data for a model with ``inputs``.
 
-    ``data`` is an .npz path, a folder of .npz files, or a mapping of arrays. ``batch_size``
-    defaults to the model's fixed batch dimension, else 8.
+    ``data`` is an .npz path, a folder of .npz files, a mapping of arrays, or an onnxruntime
+    CalibrationDataReader (streamed; see :class:`ReaderData`). ``batch_size`` defaults to the
+    model's fixed batch dimension, else 8.
     """
     if batch_size is not None and batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     if num_samples is not None and num_samples <= 0:
         raise UsageError(f"--num-samples must be positive, got {num_samples}")
+    if hasattr(data, "get_next"):  # an onnxruntime CalibrationDataReader
+        if batch_size is not None:
+            raise UsageError("batch_size does not apply to a CalibrationDataReader: its batches are used as they come")
+        return ReaderData(data, inputs, num_samples)
     fixed_batch = _fixed_batch(inputs)
     if batch_size is None:
         batch_size = fixed_batch or DEFAULT_BATCH_SIZE

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_config, observer_name
@@ -58,7 +57,7 @@ class CalibrationResult:
 
 def calibrate(
     model: str | Path,
-    data: str | Path | Mapping[str, np.ndarray],
+    data,  # .npz path, folder of .npz, mapping of arrays, or an onnxruntime CalibrationDataReader
     output_dir: str | Path,
     *,
     scheme: str = "W8A8",
@@ -87,7 +86,7 @@ def calibrate(
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
-    data_paths = [] if isinstance(data, Mapping) else [Path(data)]
+    data_paths = [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
     check_output_dir(out_dir, [model_path, *data_paths])
     config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
     warnings: list[str] = []
@@ -310,7 +309,8 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=N
     from tqdm import tqdm
 
     count = 0
-    total = calib.num_batches if dist is None else len(range(dist.rank, calib.num_batches, dist.world))
+    known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
+    total = known if dist is None or known is None else len(range(dist.rank, known, dist.world))
     # disable=None: a bar only on a terminal, so logs and pipes stay clean
     bar = tqdm(total=total, desc="calibrating", unit="batch", disable=None if progress else True, leave=False)
     with torch.no_grad(), bar:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -132,3 +133,65 @@ def test_batches_are_the_data_truncated_to_num_samples(tmp_path_factory, sizes, 
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
     assert all(len(b["input_ids"]) <= batch for b in batches)
+
+
+# -- onnxruntime CalibrationDataReader ---------------------------------------------------------
+
+
+class _Reader:
+    """A quantize_static-style reader: get_next() returns a batch dict, then None."""
+
+    def __init__(self, batches):
+        self._it = iter(batches)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def _llama_batches(llama_dir, size):
+    data = dict(np.load(llama_dir / "calib.npz"))
+    return [{k: v[i:i + size] for k, v in data.items()} for i in range(0, 64, size)]
+
+
+def test_reader_gives_the_same_files_as_the_npz(llama_dir, tmp_path):
+    from graphcal.pipeline import calibrate
+
+    via_reader = calibrate(llama_dir / "model.onnx", _Reader(_llama_batches(llama_dir, 4)), tmp_path / "r",
+                           scheme="W8A8_STATIC", device="cpu")
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "n", scheme="W8A8_STATIC",
+              device="cpu", batch_size=4)
+    assert (via_reader.num_samples, via_reader.num_batches) == (64, 16)
+    for name in ("model.onnx", "qparams.safetensors"):
+        assert (tmp_path / "r" / name).read_bytes() == (tmp_path / "n" / name).read_bytes()
+
+
+def test_reader_num_samples_cap_and_errors(llama_dir):
+    import onnx
+
+    from graphcal.data import graph_inputs
+
+    inputs = graph_inputs(onnx.load(llama_dir / "model.onnx"))
+    capped = load_data(_Reader(_llama_batches(llama_dir, 8)), inputs, num_samples=20)
+    assert [len(b["input_ids"]) for b in capped.batches()] == [8, 8, 4] and capped.num_samples == 20
+    with pytest.raises(GraphcalError, match="can be read once"):
+        list(capped.batches())
+    with pytest.raises(UsageError, match="batch_size does not apply to a CalibrationDataReader"):
+        load_data(_Reader([]), inputs, batch_size=4)
+    cases = [
+        ([], "gave no batches"),
+        ([{"input_ids": np.zeros((2, 8), np.int64)}], "CalibrationDataReader batch 0: no array for model input(s) attention_mask"),
+        ([[1, 2]], "is a list, not a mapping"),
+        (_llama_batches(llama_dir, 8)[:1] + [{"input_ids": np.zeros((2, 8), np.int32),
+                                               "attention_mask": np.ones((2, 8), np.int64)}],
+         "CalibrationDataReader batch 1: input 'input_ids' is int32"),
+    ]
+    for batches, message in cases:
+        with pytest.raises(GraphcalError, match=re.escape(message)):
+            list(load_data(_Reader(batches), inputs).batches())
+
+    class Broken:
+        def get_next(self):
+            raise RuntimeError("disk gone")
+
+    with pytest.raises(GraphcalError, match="CalibrationDataReader failed on batch 0: RuntimeError: disk gone"):
+        list(load_data(Broken(), inputs).batches())
