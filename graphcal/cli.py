@@ -165,6 +165,37 @@ def inspect_command(model, scheme, targets, ignore, runtime, as_json, debug):
     click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))
 
 
+@cli.command(name="eval")
+@click.argument("reference", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("quantized", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--data", "-d", required=True, type=click.Path(path_type=Path),
+              help="Evaluation data, as for run: an .npz keyed by input names, or a folder of them.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Samples per run (default: as run).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write an HTML page with the tables and a per-layer SQNR chart.")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+def eval_command(reference, quantized, data, batch_size, num_samples, as_json, html_path, debug):
+    """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
+    output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
+    that would keep them in float.
+
+    \b
+    Example:
+      graphcal eval models/tiny-llama/model.onnx out/model.onnx --data models/tiny-llama/heldout.npz
+    """
+    import json
+
+    from graphcal.evaluate import evaluate, format_html, format_text
+
+    report = _guarded(lambda: evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples),
+                      debug)
+    if html_path is not None:
+        _guarded(lambda: html_path.write_text(format_html(report, f"{quantized} vs {reference}")), debug)
+    click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report))
+
+
 def _guarded(call, debug: bool):
     """Run ``call``; turn graphcal's errors into one line and an exit code."""
     try:

@@ -1,0 +1,209 @@
+"""graphcal eval: how far a quantized model is from its fp32 original, output by output and layer by layer.
+
+Both models run over the same data, one batch at a time, with every weight MatMul/Gemm output
+of the fp32 model tapped in both (graphcal's writer keeps those nodes and their output names).
+Statistics stream in float64 (sums of squares, products and the max error), so memory stays
+flat whatever the data size. Models with fp4 / e8m0 types, which onnxruntime 1.31 cannot run,
+go through onnx.reference.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from graphcal.data import graph_inputs, load_data
+from graphcal.errors import GraphcalError
+from graphcal.graph.io import load_model
+from graphcal.graph.targets import find_targets
+from graphcal.graph.taps import add_taps
+
+_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
+
+
+@dataclass
+class Agreement:
+    """Streaming agreement between a reference tensor and a candidate one."""
+
+    name: str
+    ref_sq: float = 0.0
+    cand_sq: float = 0.0
+    dot: float = 0.0
+    err_sq: float = 0.0
+    max_abs_err: float = 0.0
+    max_abs_ref: float = 0.0
+
+    def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
+        ref, cand = np.asarray(ref, np.float64), np.asarray(cand, np.float64)
+        if ref.shape != cand.shape:
+            raise GraphcalError(f"{self.name}: shapes differ between the models ({ref.shape} vs {cand.shape})")
+        err = cand - ref
+        self.ref_sq += float((ref * ref).sum())
+        self.cand_sq += float((cand * cand).sum())
+        self.dot += float((ref * cand).sum())
+        self.err_sq += float((err * err).sum())
+        if err.size:
+            self.max_abs_err = max(self.max_abs_err, float(np.abs(err).max()))
+            self.max_abs_ref = max(self.max_abs_ref, float(np.abs(ref).max()))
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.err_sq == 0:
+            return math.inf
+        return 10 * math.log10(self.ref_sq / self.err_sq) if self.ref_sq > 0 else -math.inf
+
+    @property
+    def cosine(self) -> float:
+        denom = math.sqrt(self.ref_sq * self.cand_sq)
+        return self.dot / denom if denom > 0 else 1.0
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "sqnr_db": _finite(self.sqnr_db), "cosine": self.cosine,
+                "max_abs_error": self.max_abs_err, "max_abs_reference": self.max_abs_ref}
+
+
+@dataclass
+class EvalReport:
+    outputs: list[Agreement]
+    layers: list[Agreement]  # named by torch module, in graph order
+    samples: int
+    batches: int
+    runner: str  # "onnxruntime" or "onnx.reference"
+    skipped_layers: list[str] = field(default_factory=list)
+
+    def worst(self, count: int = 3) -> list[Agreement]:
+        return sorted(self.layers, key=lambda a: a.sqnr_db)[:count]
+
+    def suggested_ignore(self, margin_db: float = 6.0) -> list[str]:
+        """Layers more than ``margin_db`` under the median layer SQNR (else none)."""
+        if len(self.layers) < 2:
+            return []
+        median = float(np.median([a.sqnr_db for a in self.layers]))
+        return [a.name for a in sorted(self.layers, key=lambda a: a.sqnr_db) if a.sqnr_db < median - margin_db]
+
+    def as_dict(self) -> dict:
+        return {"samples": self.samples, "batches": self.batches, "runner": self.runner,
+                "outputs": [a.as_dict() for a in self.outputs], "layers": [a.as_dict() for a in self.layers],
+                "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
+                "skipped_layers": self.skipped_layers}
+
+
+def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
+             num_samples: int | None = None) -> EvalReport:
+    """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output."""
+    ref_model, cand_model = load_model(reference), load_model(candidate)
+    inputs = graph_inputs(ref_model)
+    if {s.name for s in graph_inputs(cand_model)} != {s.name for s in inputs}:
+        raise GraphcalError(f"{candidate} takes other inputs than {reference}; compare a model with its own quantized form")
+    outputs = [o.name for o in ref_model.graph.output]
+    missing = [o for o in outputs if o not in {x.name for x in cand_model.graph.output}]
+    if missing:
+        raise GraphcalError(f"{candidate} lacks output(s) {', '.join(missing)} of {reference}")
+    cand_nodes = {n.name: n for n in cand_model.graph.node}
+    layers, skipped = [], []
+    for t in find_targets(ref_model)[0]:
+        ref_node = next(n for n in ref_model.graph.node if n.name == t.node)
+        cand_node = cand_nodes.get(t.node)
+        if cand_node is None or cand_node.output[0] != ref_node.output[0]:
+            skipped.append(t.name)
+            continue
+        layers.append((t.name, ref_node.output[0]))
+    fetch = outputs + [tensor for _, tensor in layers]
+    ref_run, runner = _runner(add_taps(ref_model, fetch)[0], fetch)
+    cand_run, cand_runner = _runner(add_taps(cand_model, fetch)[0], fetch)
+    del ref_model, cand_model
+    out_agree = [Agreement(o) for o in outputs]
+    layer_agree = [Agreement(name) for name, _ in layers]
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+    batches = 0
+    for batch in calib.batches():
+        ref_values, cand_values = ref_run(batch), cand_run(batch)
+        for agreement, name in zip(out_agree, outputs):
+            agreement.add(ref_values[name], cand_values[name])
+        for agreement, (_, tensor) in zip(layer_agree, layers):
+            agreement.add(ref_values[tensor], cand_values[tensor])
+        batches += 1
+    return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
+                      cand_runner if cand_runner != runner else runner, skipped)
+
+
+def _runner(model: onnx.ModelProto, fetch: list[str]):
+    """A function batch -> {name: array} over ``model``: onnxruntime at ORT_ENABLE_BASIC, or onnx.reference."""
+    if any(t.data_type in _NOT_IN_ORT for t in model.graph.initializer):
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return (lambda feeds: dict(zip(fetch, evaluator.run(fetch, feeds)))), "onnx.reference"
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own types
+        raise GraphcalError(f"onnxruntime cannot load the model: {str(e).strip().splitlines()[0]}") from e
+    return (lambda feeds: dict(zip(fetch, session.run(fetch, feeds)))), "onnxruntime"
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _fmt_db(value: float) -> str:
+    return "exact" if value == math.inf else f"{value:.1f}"
+
+
+def format_text(report: EvalReport) -> str:
+    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}, ORT_ENABLE_BASIC)", "",
+             "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
+    for a in report.outputs:
+        lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")
+    lines += ["", "layer (MatMul/Gemm output)" + " " * 30 + "SQNR (dB)  max abs error"]
+    width = max([len(a.name) for a in report.layers] + [50])
+    for a in report.layers:
+        lines.append(f"{a.name:<{width}}  {_fmt_db(a.sqnr_db):>9}  {a.max_abs_err:.3e}")
+    if report.layers:
+        lines += ["", "worst layers: " + ", ".join(f"{a.name} ({_fmt_db(a.sqnr_db)} dB)" for a in report.worst())]
+        ignore = report.suggested_ignore()
+        if ignore:
+            lines.append("more than 6 dB under the median layer; to keep them in float add: "
+                         + " ".join(f"--ignore {name}" for name in ignore))
+        else:
+            lines.append("no layer is more than 6 dB under the median layer")
+    if report.skipped_layers:
+        lines.append(f"not compared (node missing or renamed in the quantized model): {', '.join(report.skipped_layers)}")
+    return "\n".join(lines)
+
+
+def format_html(report: EvalReport, title: str) -> str:
+    """A self-contained page: the tables and an SVG bar chart of per-layer SQNR."""
+    finite = [a.sqnr_db for a in report.layers if math.isfinite(a.sqnr_db)]
+    top = max(finite + [1.0])
+    bar_h, label_w, chart_w = 16, 340, 420
+    height = bar_h * len(report.layers) + 30
+    bars = []
+    for i, a in enumerate(report.layers):
+        value = a.sqnr_db if math.isfinite(a.sqnr_db) else top
+        width = max(value, 0) / top * chart_w
+        y = 20 + i * bar_h
+        bars.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end" font-size="11">{html.escape(a.name)}</text>'
+                    f'<rect x="{label_w}" y="{y + 2}" width="{width:.1f}" height="{bar_h - 4}" fill="#4a7ab5"/>'
+                    f'<text x="{label_w + width + 4:.1f}" y="{y + 12}" font-size="11">{_fmt_db(a.sqnr_db)}</text>')
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 60}" height="{height}">'
+           f'<text x="{label_w}" y="12" font-size="12">per-layer SQNR (dB), higher is closer to fp32</text>'
+           + "".join(bars) + "</svg>")
+    rows = "".join(f"<tr><td>{html.escape(a.name)}</td><td>{_fmt_db(a.sqnr_db)}</td><td>{a.cosine:.6f}</td>"
+                   f"<td>{a.max_abs_err:.3e}</td></tr>" for a in report.outputs)
+    ignore = report.suggested_ignore()
+    advice = (" ".join(f"--ignore {html.escape(n)}" for n in ignore) if ignore
+              else "no layer is more than 6 dB under the median layer")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+            f"<h1>{html.escape(title)}</h1><p>{report.samples} samples, {report.runner}</p>"
+            f"<h2>Outputs</h2><table border='1' cellpadding='4'><tr><th>output</th><th>SQNR (dB)</th><th>cosine</th>"
+            f"<th>max abs error</th></tr>{rows}</table><h2>Layers</h2>{svg}"
+            f"<p>Worst: {', '.join(html.escape(a.name) for a in report.worst())}</p><p>{advice}</p></body></html>")

@@ -1,0 +1,81 @@
+"""graphcal eval: agreement numbers checked against onnxruntime runs made here."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from graphcal.cli import cli
+from graphcal.graph.targets import find_targets
+from graphcal.graph.taps import add_taps
+from tests.helpers import ort_run, sqnr_db
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, llama_dir):
+    out = tmp_path_factory.mktemp("q")
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    return out / "model.onnx"
+
+
+def _eval(*args):
+    return CliRunner().invoke(cli, ["eval", *map(str, args)])
+
+
+def test_numbers_match_onnxruntime_runs(llama_dir, quantized):
+    result = _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    feeds = dict(np.load(llama_dir / "heldout.npz"))
+    original = onnx.load(llama_dir / "model.onnx")
+    targets = find_targets(original)[0]
+    nodes = {n.name: n for n in original.graph.node}
+    tensors = ["logits"] + [nodes[t.node].output[0] for t in targets]
+    ref = ort_run(add_taps(original, tensors)[0], feeds, tensors)
+    got = ort_run(add_taps(onnx.load(quantized), tensors)[0], feeds, tensors)
+    out = report["outputs"][0]
+    assert out["name"] == "logits" and report["samples"] == 16
+    assert out["sqnr_db"] == pytest.approx(sqnr_db(ref["logits"], got["logits"]), abs=1e-9)
+    assert out["max_abs_error"] == pytest.approx(float(np.abs(got["logits"] - ref["logits"]).max()), rel=1e-6)
+    layers = {layer["name"]: layer for layer in report["layers"]}
+    assert list(layers) == [t.name for t in targets]
+    for t, tensor in zip(targets, tensors[1:]):
+        assert layers[t.name]["sqnr_db"] == pytest.approx(sqnr_db(ref[tensor], got[tensor]), abs=1e-9), t.name
+    by_sqnr = sorted(report["layers"], key=lambda layer: layer["sqnr_db"])
+    assert report["worst_layers"] == [layer["name"] for layer in by_sqnr[:3]]
+    median = float(np.median([layer["sqnr_db"] for layer in report["layers"]]))
+    assert report["suggested_ignore"] == [layer["name"] for layer in by_sqnr if layer["sqnr_db"] < median - 6]
+
+
+def test_text_and_html(llama_dir, quantized, tmp_path):
+    page = tmp_path / "report.html"
+    result = _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--html", page)
+    assert result.exit_code == 0, result.output
+    assert "worst layers: " in result.output and "model.layers.0.self_attn.q_proj" in result.output
+    text = page.read_text()
+    assert "<svg" in text and text.count("<rect") == 15 and "model.layers.1.mlp.down_proj" in text
+
+
+def test_fp4_models_run_in_onnx_reference(llama_dir, tmp_path):
+    out = tmp_path / "nv"
+    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                    "--scheme", "NVFP4A16", "-o", str(out), "-q"]).exit_code == 0
+    result = _eval(llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
+                   "--num-samples", "2", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["runner"] == "onnx.reference" and report["samples"] == 2
+    assert 5 < report["outputs"][0]["sqnr_db"] < 40
+
+
+def test_models_that_do_not_pair_fail_in_one_line(llama_dir, bert_dir, tmp_path):
+    result = _eval(llama_dir / "model.onnx", bert_dir / "model.onnx", "--data", llama_dir / "heldout.npz")
+    assert result.exit_code == 1 and "takes other inputs" in result.output and "Traceback" not in result.output
+    result = _eval(llama_dir / "model.onnx", tmp_path / "missing.onnx", "--data", llama_dir / "heldout.npz")
+    assert result.exit_code == 1 and "model file not found" in result.output
