@@ -165,6 +165,35 @@ def inspect_command(model, scheme, targets, ignore, runtime, as_json, debug):
     click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))
 
 
+@cli.command(name="export")
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for model.onnx (and calib.npz with --text).")
+@click.option("--dynamo", is_flag=True, help="Use torch's dynamo exporter (opset >= 18) instead of the legacy one.")
+@click.option("--opset", type=click.IntRange(min=13), default=None, help="ONNX opset (default: 17 legacy, 18 dynamo).")
+@click.option("--text", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="A text file, one calibration sample per line, tokenized into calib.npz.")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens per sample in calib.npz (padded or truncated).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many lines of --text.")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, debug):
+    """Export a local transformers model folder to ONNX, ready for graphcal run (nothing is downloaded).
+
+    \b
+    Example:
+      graphcal export ./my-llama -o exported/ --text calib.txt --seq 256
+      graphcal run exported/model.onnx --data exported/calib.npz --scheme W8A8 -o out/
+    """
+    from graphcal.export import export_pretrained
+
+    files = _guarded(lambda: export_pretrained(model_dir, output, dynamo=dynamo, opset=opset, text=text, seq=seq,
+                                                num_samples=num_samples), debug)
+    click.echo("wrote:")
+    for f in files:
+        click.echo(f"  {f}")
+
+
 @cli.command(name="eval")
 @click.argument("reference", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("quantized", type=click.Path(dir_okay=False, path_type=Path))

@@ -1,6 +1,6 @@
 """Export torch modules to ONNX, and build the tiny reference models shipped in ``models/``.
 
-This is the foundation of a later ``graphcal export`` command and of ``tools/make_models.py``.
+It serves ``graphcal export`` (:func:`export_pretrained`) and ``tools/make_models.py``.
 torch and transformers are imported lazily inside the functions, so importing this module is cheap
 and does not need either package.
 
@@ -146,9 +146,90 @@ def export_torch(
         module.train(was_training)
 
     _normalise(model)
+    if model.ByteSize() >= 2**31 - 1:  # past protobuf's limit: weights in <name>.data beside the graph
+        from graphcal.graph.io import save_with_external_data
+
+        save_with_external_data(model, path)
+        return path
     data = model.SerializeToString(deterministic=True)
     path.write_bytes(data)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# graphcal export: a transformers model folder -> model.onnx (+ calib.npz from a text file).
+# --------------------------------------------------------------------------------------------
+
+
+def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
+                      opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
+                      num_samples: int | None = None) -> list[Path]:
+    """Export a local transformers model folder to ``out_dir/model.onnx``, ready to calibrate.
+
+    Reads the folder only (``local_files_only``: nothing is downloaded). A causal LM exports its
+    ``logits``, any other model its first output (``last_hidden_state``), with eager attention
+    (plain MatMul/Softmax, which graphcal's kv-cache finder recognises) and dynamic batch and
+    sequence axes. ``text`` (one sample per non-empty line) becomes ``out_dir/calib.npz``
+    through the folder's tokenizer, padded or truncated to ``seq`` tokens. Models past 2 GB are
+    written with external data. Returns the files written.
+    """
+    import numpy as np
+    import torch
+
+    from graphcal.errors import GraphcalError, UsageError
+
+    try:
+        import transformers
+    except ImportError:
+        raise GraphcalError("graphcal export needs transformers: pip install 'graphcal[export]'") from None
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"{model_dir} is not a transformers model folder (no config.json)")
+    opset = opset or (18 if dynamo else 17)
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+        auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+        model = auto.from_pretrained(model_dir, local_files_only=True, attn_implementation="eager").eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise GraphcalError(f"cannot load the model in {model_dir}: {str(e).splitlines()[0]}") from e
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    tokenizer = None
+    if text is not None:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise GraphcalError(f"--text needs the model folder's tokenizer: {str(e).splitlines()[0]}") from e
+    names = list(tokenizer.model_input_names) if tokenizer is not None else ["input_ids", "attention_mask"]
+    accepted = inspect.signature(model.forward).parameters
+    names = [n for n in names if n in accepted]
+    vocab = getattr(config, "vocab_size", 256)
+    ids = _example_ids(vocab, 2, min(seq, 16), 0)
+    examples = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+    inputs = {n: examples[n] for n in names}
+    output = "logits" if causal else "last_hidden_state"
+    axes = {n: dict(BATCH_SEQ_AXES) for n in [*names, output]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = export_torch(model, inputs, out_dir / "model.onnx", output_names=[output], dynamic_axes=axes,
+                        dynamo=dynamo, constant_folding=True, opset=opset)
+    written = [path] + ([path.with_name(path.name + ".data")] if path.with_name(path.name + ".data").exists() else [])
+    if text is not None:
+        lines = [line.strip() for line in Path(text).read_text().splitlines() if line.strip()]
+        if num_samples is not None:
+            lines = lines[:num_samples]
+        if not lines:
+            raise GraphcalError(f"{text} holds no non-empty lines")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
+        arrays = {n: np.asarray(encoded[n], dtype=np.int64) for n in names if n in encoded}
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
+        np.savez(out_dir / "calib.npz", **arrays)
+        written.append(out_dir / "calib.npz")
+    return written
 
 
 def _normalise(model) -> None:

@@ -1,0 +1,67 @@
+"""graphcal export: a local transformers folder (random weights, a tokenizer built here) to ONNX + calib.npz."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from graphcal.cli import cli
+from graphcal.graph.targets import find_targets
+from tests.helpers import ort_run
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """build_tiny_llama's model saved with save_pretrained, plus a word-level tokenizer (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from graphcal.export import build_tiny_llama
+
+    path = tmp_path_factory.mktemp("llama")
+    model = build_tiny_llama()[0]
+    model.save_pretrained(path)
+    words = ["<unk>", "<pad>"] + [f"w{i}" for i in range(254)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                            model_input_names=["input_ids", "attention_mask"]).save_pretrained(path)
+    text = path / "calib.txt"
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(f"w{i}" for i in rng.integers(0, 254, 20)) for _ in range(12)) + "\n")
+    return path, model
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_export_then_run(folder, tmp_path, dynamo):
+    path, model = folder
+    out = tmp_path / "exported"
+    args = ["export", str(path), "-o", str(out), "--text", str(path / "calib.txt"), "--seq", "24"]
+    result = CliRunner().invoke(cli, args + (["--dynamo"] if dynamo else []))
+    assert result.exit_code == 0, result.output
+    exported = onnx.load(out / "model.onnx")
+    onnx.checker.check_model(exported, full_check=True)
+    data = dict(np.load(out / "calib.npz"))
+    assert sorted(data) == ["attention_mask", "input_ids"] and data["input_ids"].shape == (12, 24)
+    assert (data["input_ids"][:, 20:] == 1).all() and (data["attention_mask"][:, :20] == 1).all()  # padded to 24
+    feeds = {k: v[:2] for k, v in data.items()}
+    with torch.no_grad():
+        ref = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
+    np.testing.assert_allclose(ort_run(exported, feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
+    names = {t.name for t in find_targets(exported)[0]}
+    assert "model.layers.0.self_attn.q_proj" in names and "lm_head" in names  # module names survive
+    run = CliRunner().invoke(cli, ["run", str(out / "model.onnx"), "--data", str(out / "calib.npz"),
+                                   "--scheme", "W8A8_STATIC", "--batch-size", "4", "-o", str(tmp_path / "q"), "-q"])
+    assert run.exit_code == 0, run.output
+
+
+def test_export_errors(tmp_path, folder):
+    result = CliRunner().invoke(cli, ["export", str(tmp_path), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "not a transformers model folder (no config.json)" in result.output
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(tmp_path / "o2"), "--text", str(empty)])
+    assert result.exit_code == 1 and "holds no non-empty lines" in result.output
