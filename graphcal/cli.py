@@ -14,7 +14,8 @@ EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/ca
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphcal")
-def cli() -> None:
+@click.option("--verbose", "-v", is_flag=True, help="Log each stage (loading, targets, pass, weights, writing) to stderr.")
+def cli(verbose: bool) -> None:
     """Calibrate ONNX models for quantization with llm-compressor's observers and write
     QDQ ONNX plus compressed-tensors metadata.
 
@@ -22,6 +23,14 @@ def cli() -> None:
     Start with:
       graphcal run model.onnx --data calib.npz --scheme W8A8 -o out/
     """
+    if verbose:
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("graphcal: %(message)s"))
+        logger = logging.getLogger("graphcal")
+        logger.handlers = [handler]  # one handler, however many times the group runs in a process
+        logger.setLevel(logging.INFO)
 
 
 @cli.command()

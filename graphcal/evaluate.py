@@ -120,8 +120,11 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+    from tqdm import tqdm
+
     batches = 0
-    for batch in calib.batches():
+    for batch in tqdm(calib.batches(), total=calib.num_batches or None, desc="evaluating", unit="batch",
+                      leave=False, disable=None):
         ref_values, cand_values = ref_run(batch), cand_run(batch)
         for agreement, name in zip(out_agree, outputs):
             agreement.add(ref_values[name], cand_values[name])

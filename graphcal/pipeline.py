@@ -22,7 +22,7 @@ from graphcal.distributed import from_env, gather_statistics
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
-from graphcal.graph.io import load_model_info, save_model, value_types
+from graphcal.graph.io import default_opset, load_model_info, save_model, value_types
 from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, required_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_reductions, add_taps, mark, restore
@@ -66,6 +66,7 @@ def calibrate(
     ignore: tuple[str, ...] | list[str] = DEFAULT_IGNORE,
     observer: str | None = None,
     kv_cache: str | None = None,
+    recipe: str | Path | None = None,
     device: str = "auto",
     target: str = "onnxruntime",
     batch_size: int | None = None,
@@ -76,7 +77,8 @@ def calibrate(
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
     ``scheme`` is a compressed-tensors preset name, ``W8A8_STATIC``, or JSON scheme fields;
-    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer/kv_cache when given.
+    ``config`` (a RunConfig) replaces scheme/targets/ignore/observer/kv_cache when given;
+    ``recipe`` (an llm-compressor recipe file) does the same (see graphcal.recipe for overrides).
     ``kv_cache`` (FP8, INT8 or JSON QuantizationArgs) quantizes the key/value states entering
     attention, as a kv_cache_scheme does (k_scale / v_scale per attention module). ``target`` is
     the runtime the QDQ model is written for: "onnxruntime" (standard ONNX) or "tensorrt"
@@ -88,10 +90,16 @@ def calibrate(
     model_path, out_dir = Path(model), Path(output_dir)
     data_paths = [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
     check_output_dir(out_dir, [model_path, *data_paths])
+    if config is None and recipe is not None:  # the recipe with nothing on top, as `run --recipe` without flags
+        from graphcal.recipe import load_recipe, recipe_config
+
+        config = recipe_config(load_recipe(recipe))
     config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
     warnings: list[str] = []
 
     onnx_model, external = load_model_info(model_path)  # the output keeps external data when the input has it
+    log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(onnx_model),
+             len(onnx_model.graph.node), len(onnx_model.graph.initializer))
     found, _skipped = find_targets(onnx_model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
@@ -100,6 +108,7 @@ def calibrate(
     if not chosen:
         raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
     ignored = [t.name for t in found if t not in chosen]
+    log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float", len(found), len(chosen), len(ignored))
     schemes = {t.name: config.scheme_for(t) for t in chosen}
     for t in chosen:  # fail before calibrating if the scheme has no ONNX form for the target runtime
         required_opset(QuantizedTarget(t, schemes[t.name]), target)
@@ -134,6 +143,8 @@ def calibrate(
             finally:
                 restore(onnx_model, before)
             provider = runtime.provider
+            log.info("calibration pass on onnxruntime %s: %d whole tensors and %d reductions fetched per batch",
+                     provider, len(full), len(reduced))
             try:
                 batches = _run_activations(runtime, calib, plan, progress and (dist is None or dist.is_main), dist)
             finally:
@@ -157,6 +168,11 @@ def calibrate(
                         target, types)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}
+    from tqdm import tqdm
+
+    log.info("observing and quantizing %d weights", len(chosen))
+    weight_bar = tqdm(total=len(chosen), desc="weights", unit="weight", leave=False,
+                      disable=None if progress and (dist is None or dist.is_main) else True)
     for unit in _weight_units(chosen, groups):
         weights = {}
         for t in unit:
@@ -170,6 +186,8 @@ def calibrate(
             item = plan.qparams(t, schemes[t.name])
             writer.quantize_weight(item, weights.pop(t.name))
             by_name[t.name] = item
+            weight_bar.update(1)
+    weight_bar.close()
     items = [by_name[t.name] for t in chosen]
     kv_items = plan.kv_qparams()
     for item in items:
@@ -189,6 +207,7 @@ def calibrate(
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]
 
     files = write_atomically(out_dir, write)
+    log.info("wrote %s", ", ".join(str(f) for f in files))
     return CalibrationResult(
         output_dir=out_dir, files=files, targets=items, ignored=ignored, provider=provider,
         num_samples=calib.num_samples if plan.taps else 0, num_batches=calib.num_batches if plan.taps else 0,

@@ -172,3 +172,13 @@ def test_any_text_parses_or_fails_with_a_usage_error(text):
         recipe_config(parse_recipe(text))
     except UsageError as e:
         assert str(e)
+
+
+def test_python_api_takes_a_recipe(llama_dir, tmp_path):
+    from graphcal.pipeline import calibrate
+
+    recipe = _recipe(tmp_path, STAGED)
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "api", recipe=recipe, device="cpu")
+    assert _run(llama_dir, tmp_path / "cli", "--recipe", str(recipe)).exit_code == 0
+    for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
+        assert _digest(tmp_path / "api" / name) == _digest(tmp_path / "cli" / name), name

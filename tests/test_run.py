@@ -442,3 +442,13 @@ def test_json_summary_for_scripts(llama_dir, tmp_path):
     assert summary["ignored"] == ["lm_head"] and len(summary["quantized"]) == 14
     assert (summary["samples"], summary["batches"], summary["ranks"]) == (64, 8, 1)
     assert sorted(summary["files"]) == sorted(str(p) for p in (tmp_path / "o").iterdir())
+
+
+def test_verbose_logs_each_stage(llama_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["-v", "run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output
+    for line in ("graphcal: loaded", "graphcal: 15 weight MatMul/Gemm found, 14 to quantize",
+                 "0 whole tensors and 8 reductions fetched per batch", "graphcal: observing and quantizing 14 weights",
+                 "graphcal: wrote"):
+        assert line in result.output, line
