@@ -146,10 +146,10 @@ def export_torch(
         module.train(was_training)
 
     _normalise(model)
-    if model.ByteSize() >= 2**31 - 1:  # past protobuf's limit: weights in <name>.data beside the graph
-        from graphcal.graph.io import save_with_external_data
+    from graphcal.graph import io as graph_io
 
-        save_with_external_data(model, path)
+    if model.ByteSize() >= graph_io.PROTOBUF_LIMIT:  # past protobuf's 2 GB: weights in <name>.data beside the graph
+        graph_io.save_with_external_data(model, path)
         return path
     data = model.SerializeToString(deterministic=True)
     path.write_bytes(data)

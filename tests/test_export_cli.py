@@ -65,3 +65,19 @@ def test_export_errors(tmp_path, folder):
     empty.write_text("\n\n")
     result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(tmp_path / "o2"), "--text", str(empty)])
     assert result.exit_code == 1 and "holds no non-empty lines" in result.output
+
+
+def test_export_past_the_protobuf_limit_writes_external_data(folder, tmp_path, monkeypatch):
+    import graphcal.graph.io
+
+    monkeypatch.setattr(graphcal.graph.io, "PROTOBUF_LIMIT", 1)  # as if the model were over 2 GB
+    out = tmp_path / "big"
+    result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert "model.onnx.data" in result.output
+    ids = np.arange(16, dtype=np.int64).reshape(2, 8)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    with torch.no_grad():
+        ref = folder[1](**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
+    np.testing.assert_allclose(ort_run(out / "model.onnx", feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
