@@ -53,7 +53,7 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     Inference runs on a hollow copy whose initializers carry dims and types but no data, so a
     big model is neither serialized nor copied. Best effort: values it cannot type are absent.
     """
-    hollow = _hollow_copy(model)
+    hollow = hollow_copy(model)
     for t in model.graph.initializer:
         hollow.graph.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
     values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
@@ -82,7 +82,7 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     Tensors kept in typed fields instead of raw bytes (rare, and small) stay in the graph file.
     """
     data_path = path.with_name(path.name + ".data")
-    hollow = _hollow_copy(model)
+    hollow = hollow_copy(model)
     g = hollow.graph
     offset = 0
     with open(data_path, "wb") as data:
@@ -104,7 +104,7 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     return [path, data_path]
 
 
-def _hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without its initializers (graph, opsets, metadata): cheap for any size."""
     hollow = onnx.ModelProto()
     for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):

@@ -603,14 +603,39 @@ def ir_for_opset(opset: int) -> int:
 
 
 def _upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """``model`` converted to ``opset`` in place: onnx's version converter runs on a hollow copy
+    (weights as dims-only stubs), and its graph replaces the model's while the weights stay put,
+    so a big model is never copied. Falls back to converting the whole model if the hollow one
+    cannot be converted (an adapter that reads weight values)."""
     from onnx import version_converter
 
+    from graphcal.graph.io import hollow_copy
+
+    hollow = hollow_copy(model)
+    hollow.graph.initializer.extend(
+        onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type) for t in model.graph.initializer)
     try:
-        upgraded = version_converter.convert_version(model, opset)
-    except Exception as e:
-        raise GraphcalError(
-            f"the scheme needs opset {opset} but the model (opset {default_opset(model)}) could not be converted: "
-            f"{str(e).strip().splitlines()[0]}; re-export the model at opset {opset}"
-        ) from e
-    upgraded.ir_version = max(upgraded.ir_version, ir_for_opset(opset))
-    return upgraded
+        converted = version_converter.convert_version(hollow, opset)
+    except Exception:  # noqa: BLE001 -- retried below on the whole model, which reports the real error
+        converted = None
+    if converted is None:
+        try:
+            upgraded = version_converter.convert_version(model, opset)
+        except Exception as e:
+            raise GraphcalError(
+                f"the scheme needs opset {opset} but the model (opset {default_opset(model)}) could not be converted: "
+                f"{str(e).strip().splitlines()[0]}; re-export the model at opset {opset}"
+            ) from e
+        upgraded.ir_version = max(upgraded.ir_version, ir_for_opset(opset))
+        return upgraded
+    kept = {t.name for t in model.graph.initializer}
+    graph = model.graph
+    for name in ("node", "input", "output", "value_info"):
+        field = getattr(graph, name)
+        del field[:]
+        field.extend(getattr(converted.graph, name))
+    graph.initializer.extend(t for t in converted.graph.initializer if t.name not in kept)  # constants it added
+    del model.opset_import[:]
+    model.opset_import.extend(converted.opset_import)
+    model.ir_version = max(converted.ir_version, ir_for_opset(opset))
+    return model

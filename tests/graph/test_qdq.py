@@ -241,3 +241,23 @@ def test_schemes_without_an_onnx_form_fail_clearly(rng, weights, inputs, message
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     with pytest.raises(GraphcalError, match=message):
         emit_qdq(model, [QuantizedTarget(t, scheme, {})])
+
+
+@pytest.mark.parametrize("opset", [19, 21, 23])
+def test_opset_upgrade_in_place_equals_onnx_converting_the_whole_model(llama_dir, opset):
+    """The converter runs on a weightless copy and its graph replaces the model's, weights untouched."""
+    from onnx import version_converter
+
+    from graphcal.graph.qdq import _upgrade_opset
+
+    full = version_converter.convert_version(onnx.load(llama_dir / "model.onnx"), opset)
+    model = onnx.load(llama_dir / "model.onnx")
+    weights = {t.name: t for t in model.graph.initializer}
+    upgraded = _upgrade_opset(model, opset)
+    assert upgraded is model  # in place
+    assert [n.SerializeToString() for n in upgraded.graph.node] == [n.SerializeToString() for n in full.graph.node]
+    assert sorted(t.SerializeToString() for t in upgraded.graph.initializer) == \
+        sorted(t.SerializeToString() for t in full.graph.initializer)
+    assert [t.name for t in upgraded.graph.initializer][:len(weights)] == list(weights)  # weights kept, in order
+    assert next(o.version for o in upgraded.opset_import if o.domain == "") == opset
+    onnx.checker.check_model(upgraded, full_check=True)
