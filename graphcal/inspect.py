@@ -18,7 +18,7 @@ import onnx
 from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_config
 from graphcal.errors import GraphcalError
 from graphcal.fusion import find_fused_groups
-from graphcal.graph.io import default_opset, load_model
+from graphcal.graph.io import default_opset, load_model_info
 from graphcal.graph.qdq import required_opset
 from graphcal.graph.targets import find_targets, matches, select
 from graphcal.types import FusedGroup, QuantizedTarget, Target
@@ -84,7 +84,7 @@ def inspect_model(
     """
     model_path = Path(model)
     config = config or build_config(scheme, list(targets), list(ignore))
-    onnx_model = load_model(model_path)
+    onnx_model = load_model_info(model_path, lazy=True)[0]  # no weight data needed
     found, skipped = find_targets(onnx_model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")

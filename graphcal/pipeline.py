@@ -97,7 +97,9 @@ def calibrate(
     config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
     warnings: list[str] = []
 
-    onnx_model, external = load_model_info(model_path)  # the output keeps external data when the input has it
+    # External data stays on disk: onnxruntime reads it from the model's folder, weights are read one at a time.
+    onnx_model, external = load_model_info(model_path, lazy=True)  # the output keeps external data too
+    base_dir = str(model_path.parent) if external else None
     log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(onnx_model),
              len(onnx_model.graph.node), len(onnx_model.graph.initializer))
     found, _skipped = find_targets(onnx_model)
@@ -139,7 +141,8 @@ def calibrate(
         error = None
         try:
             try:
-                runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0)
+                runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0,
+                                       external_folder=base_dir)
             finally:
                 restore(onnx_model, before)
             provider = runtime.provider
@@ -165,7 +168,7 @@ def calibrate(
     # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
     writer = QDQWriter(onnx_model, items_opset([QuantizedTarget(t, schemes[t.name]) for t in chosen],
                                                [QuantizedKV(s, config.kv_cache) for s in kv_states], target),
-                        target, types)
+                        target, types, base_dir)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}
     from tqdm import tqdm
@@ -176,7 +179,7 @@ def calibrate(
     for unit in _weight_units(chosen, groups):
         weights = {}
         for t in unit:
-            weights[t.name] = torch.from_numpy(torch_weight(writer.model, t))
+            weights[t.name] = torch.from_numpy(torch_weight(writer.model, t, base_dir))
             try:
                 plan.weight_observers[t.name](weights[t.name])
             except ValueError as e:  # e.g. a group size that does not divide in_features
@@ -201,7 +204,7 @@ def calibrate(
     def write(tmp: Path) -> list[Path]:
         from safetensors.torch import save_file
 
-        files = save_model(qdq_model, tmp / MODEL_FILE, external=external)
+        files = save_model(qdq_model, tmp / MODEL_FILE, external=external, base_dir=base_dir)
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]

@@ -49,6 +49,7 @@ def open_runtime(
     device: str = "auto",
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     device_id: int = 0,
+    external_folder: str | os.PathLike | None = None,
 ) -> Runtime:
     """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs."""
     if device not in DEVICES:
@@ -69,12 +70,14 @@ def open_runtime(
     # The memory pattern planner keeps a tapped graph's activations apart (extra consumers):
     # measured on the bench decoder, off is both faster and 0.9 GB smaller (docs/benchmarks.md).
     opts.enable_mem_pattern = False
+    if external_folder is not None:  # weights stay in the model's own data files: onnxruntime reads them there
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp = None
     if model.ByteSize() >= graph_io.PROTOBUF_LIMIT:  # over 2 GB: a hollow graph + one data file, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
-        graph_io.save_with_external_data(model, path)
+        graph_io.save_with_external_data(model, path, base_dir=external_folder)
         source: str | bytes = str(path)
     else:
         source = model.SerializeToString()

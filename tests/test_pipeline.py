@@ -92,9 +92,9 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
     reads = Counter()
     real = graphcal.pipeline.torch_weight
 
-    def counting(model, target):
+    def counting(model, target, base_dir=None):
         reads[target.name] += 1
-        return real(model, target)
+        return real(model, target, base_dir)
 
     monkeypatch.setattr(graphcal.pipeline, "torch_weight", counting)
     monkeypatch.setattr(graphcal.graph.qdq, "torch_weight", counting)

@@ -452,3 +452,32 @@ def test_verbose_logs_each_stage(llama_dir, tmp_path):
                  "0 whole tensors and 8 reductions fetched per batch", "graphcal: observing and quantizing 14 weights",
                  "graphcal: wrote"):
         assert line in result.output, line
+
+
+def test_external_weights_stay_on_disk_until_read(tmp_path, llama_dir, runs, monkeypatch):
+    """With external data, the model in memory keeps only references for big tensors (1 MB; 30 KB
+    here, so the tiny model's weights count as big); with every tensor external (threshold 0,
+    shape constants included) the numbers are the inline run's."""
+    from graphcal.graph import io as graph_io
+
+    monkeypatch.setattr(graph_io, "LAZY_MIN_BYTES", 30_000)
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save_model(onnx.load(llama_dir / "model.onnx"), src / "model.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="all.bin", size_threshold=0)
+    model, external = graph_io.load_model_info(src / "model.onnx", lazy=True)
+    assert external
+    for t in model.graph.initializer:
+        on_disk = t.data_location == onnx.TensorProto.EXTERNAL
+        assert on_disk == (graph_io._external_length(t) >= graph_io.LAZY_MIN_BYTES), t.name
+        assert on_disk != bool(t.raw_data)
+    assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer) == 16  # weights, embeddings
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8_STATIC", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    inline = runs("tiny-llama", "W8A8_STATIC")[1]
+    assert (out / "qparams.safetensors").read_bytes() == (inline / "qparams.safetensors").read_bytes()
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    np.testing.assert_array_equal(ort_run(out / "model.onnx", feeds)["logits"],
+                                  ort_run(inline / "model.onnx", feeds)["logits"])

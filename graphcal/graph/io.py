@@ -13,6 +13,7 @@ from graphcal.errors import GraphcalError
 # onnxruntime 1.31 refuses IR > 13; onnx.helper picks IR from the opset with this table.
 MAX_ORT_IR = 13
 PROTOBUF_LIMIT = 2**31 - 1
+LAZY_MIN_BYTES = 1 << 20  # external tensors under 1 MB are loaded at once; larger ones when read
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -20,8 +21,13 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return load_model_info(path)[0]
 
 
-def load_model_info(path: str | os.PathLike) -> tuple[onnx.ModelProto, bool]:
-    """(model with its external data loaded, whether the file kept weights in external data)."""
+def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.ModelProto, bool]:
+    """(model, whether the file keeps weights in external data).
+
+    External data is loaded into the model unless ``lazy``: then the tensors keep their
+    references, and readers pass the model's folder as ``base_dir`` (each weight is read when
+    needed, once). The files are checked to exist either way.
+    """
     path = Path(path)
     if not path.exists():
         raise GraphcalError(f"model file not found: {path}")
@@ -36,7 +42,22 @@ def load_model_info(path: str | os.PathLike) -> tuple[onnx.ModelProto, bool]:
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     external = any(_uses_external_data(t) for t in model.graph.initializer)
-    if external:
+    if external and lazy:
+        missing = sorted({e.value for t in model.graph.initializer if _uses_external_data(t)
+                          for e in t.external_data if e.key == "location" and not (path.parent / e.value).is_file()})
+        if missing:
+            raise GraphcalError(f"{path}: external data could not be read (missing {', '.join(missing)}); "
+                                "keep the data files next to the model")
+        for t in model.graph.initializer:  # small constants (shapes, norms) inline; weights stay on disk
+            if _uses_external_data(t) and _external_length(t) < LAZY_MIN_BYTES:
+                try:
+                    raw = read_external(t, path.parent)
+                except (OSError, KeyError, ValueError) as e:
+                    raise GraphcalError(f"{path}: external data of {t.name!r} could not be read ({_first_line(e)})") from e
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+                t.raw_data = raw
+    elif external:
         try:
             onnx.load_external_data_for_model(model, str(path.parent))
         except (OSError, ValueError, RuntimeError, onnx.checker.ValidationError) as e:
@@ -74,12 +95,33 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024) -> list[Path]:
+def _external_length(t: onnx.TensorProto) -> int:
+    info = {e.key: e.value for e in t.external_data}
+    if "length" in info:
+        return int(info["length"])
+    size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * size
+
+
+def read_external(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
+    """The raw bytes of one tensor kept in external data under ``base_dir``."""
+    info = {e.key: e.value for e in t.external_data}
+    with open(Path(base_dir) / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"])) if "length" in info else f.read()
+
+
+def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024,
+                            base_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write ``model`` to ``path`` with tensors over ``threshold`` bytes in ``<name>.data``,
     without modifying ``model`` or copying it whole (onnx's own saver rewrites the tensors in place).
 
     Tensors are written one at a time; the graph file holds a hollow copy that references them.
     Tensors kept in typed fields instead of raw bytes (rare, and small) stay in the graph file.
+    Tensors still in the source model's external data (``base_dir``) are copied over one by one.
     """
     data_path = path.with_name(path.name + ".data")
     hollow = hollow_copy(model)
@@ -88,6 +130,11 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     with open(data_path, "wb") as data:
         for t in model.graph.initializer:
             raw = t.raw_data if t.HasField("raw_data") else None
+            if raw is None and _uses_external_data(t) and base_dir is not None:
+                raw = read_external(t, base_dir)
+                if len(raw) < threshold:  # small: inline, no longer pointing at the source's file
+                    g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, raw_data=raw))
+                    continue
             if raw is None or len(raw) < threshold:
                 g.initializer.append(t)
                 continue
@@ -119,7 +166,8 @@ def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return hollow
 
 
-def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> list[Path]:
+def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
+               base_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
     ``<name>.data`` beside it (one file, tensors over 1 KB).
 
@@ -128,7 +176,7 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False) -> li
     if not external and model.ByteSize() < PROTOBUF_LIMIT:
         onnx.save_model(model, str(path))
         return [path]
-    return save_with_external_data(model, path)
+    return save_with_external_data(model, path, base_dir=base_dir)
 
 
 def _uses_external_data(t: onnx.TensorProto) -> bool:

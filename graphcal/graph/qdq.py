@@ -243,7 +243,8 @@ class QDQWriter:
     weight once, observe it, quantize it and let it go), then activations, then ``finish()``.
     A model below ``opset`` is converted first (``self.model`` is then the converted copy)."""
 
-    def __init__(self, model: onnx.ModelProto, opset: int, runtime: str = "onnxruntime", types: dict | None = None):
+    def __init__(self, model: onnx.ModelProto, opset: int, runtime: str = "onnxruntime", types: dict | None = None,
+                 base_dir: str | None = None):
         from graphcal.graph.io import value_types
 
         self.types = value_types(model) if types is None else types  # activation dtypes and ranks
@@ -251,6 +252,7 @@ class QDQWriter:
             model = _upgrade_opset(model, opset)
         self.model = model
         self.runtime = runtime
+        self.base_dir = base_dir  # folder of the model's external data, for weights not yet read
         self.graph = model.graph
         self.opset = default_opset(model)
         self.nodes_before: dict[str, list[onnx.NodeProto]] = {}  # target node name -> nodes to insert before it
@@ -270,7 +272,7 @@ class QDQWriter:
         t, args = item.target, item.scheme.weights
         qtype = _qtype(args, t.name, "weights")
         qp = item.qparams["weight"]
-        w = weight if weight is not None else torch.from_numpy(torch_weight(self.model, t))  # torch [out, in]
+        w = weight if weight is not None else torch.from_numpy(torch_weight(self.model, t, self.base_dir))  # [out, in]
         strategy = _name(args.strategy)
         q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
         # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter

@@ -85,11 +85,15 @@ def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
     return targets, skipped
 
 
-def torch_weight(model: onnx.ModelProto, target: Target) -> np.ndarray:
-    """The target's weight in torch's [out, in] layout, as the node computes with it."""
+def torch_weight(model: onnx.ModelProto, target: Target, base_dir: str | None = None) -> np.ndarray:
+    """The target's weight in torch's [out, in] layout, as the node computes with it.
+
+    A weight the model keeps in external data is read from its file under ``base_dir`` (the
+    model's folder), this one tensor only.
+    """
     inits = {t.name: t for t in model.graph.initializer}
     path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
-    b = weight_as_consumed(inits[target.weight], path_nodes, inits)
+    b = weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir)
     return np.array(b.T if target.layout == "in_out" else b, order="C", copy=True)
 
 
@@ -148,10 +152,11 @@ def producers_by_name(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
 
 
 def weight_as_consumed(
-    init: onnx.TensorProto, path: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto]
+    init: onnx.TensorProto, path: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
+    base_dir: str | None = None,
 ) -> np.ndarray:
     """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
-    value = numpy_helper.to_array(init)
+    value = numpy_helper.to_array(init, base_dir or "")
     for node in path:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Transpose":
