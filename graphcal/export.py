@@ -148,7 +148,7 @@ def export_torch(
     _normalise(model)
     from graphcal.graph import io as graph_io
 
-    if model.ByteSize() >= graph_io.PROTOBUF_LIMIT:  # past protobuf's 2 GB: weights in <name>.data beside the graph
+    if graph_io.past_protobuf_limit(model):  # past protobuf's 2 GB: weights in <name>.data beside the graph
         graph_io.save_with_external_data(model, path)
         return path
     data = model.SerializeToString(deterministic=True)

@@ -38,9 +38,24 @@ class Runtime:
         return {name: torch.from_numpy(np.asarray(v)) for name, v in zip(self.outputs, values)}
 
     def close(self) -> None:
+        """Drop the session (and its copy of the weights) and hand the memory back before the weight phase."""
+        self.session = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def open_runtime(
@@ -74,7 +89,7 @@ def open_runtime(
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp = None
-    if model.ByteSize() >= graph_io.PROTOBUF_LIMIT:  # over 2 GB: a hollow graph + one data file, model untouched
+    if graph_io.past_protobuf_limit(model):  # over 2 GB: a hollow graph + one data file, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
         graph_io.save_with_external_data(model, path, base_dir=external_folder)

@@ -166,6 +166,16 @@ def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return hollow
 
 
+def past_protobuf_limit(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` cannot be one protobuf (2 GB); upb refuses to even size such a message."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() >= PROTOBUF_LIMIT
+    except (EncodeError, ValueError):
+        return True
+
+
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
                base_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
@@ -173,7 +183,7 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
 
     Returns the files written.
     """
-    if not external and model.ByteSize() < PROTOBUF_LIMIT:
+    if not external and not past_protobuf_limit(model):
         onnx.save_model(model, str(path))
         return [path]
     return save_with_external_data(model, path, base_dir=base_dir)
