@@ -162,3 +162,24 @@ def test_full_disk_leaves_no_output(tmp_path, llama, monkeypatch):
     monkeypatch.setattr(graphcal.pipeline, "save_model", full)
     assert_one_line_error(*invoke(llama[0], llama[1], tmp_path / "o"), 1, "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("scheme, fragment", [
+    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 96}}',
+     "model.layers.0.self_attn.q_proj weight [128, 128]: weight: last dimension 128 is not divisible by group_size 96"),
+    ('{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "strategy": "group", "group_size": 96, '
+     '"dynamic": true}}', "group size 96 does not divide the input's 128 features"),
+])
+def test_group_size_that_does_not_divide(tmp_path, llama, scheme, fragment):
+    assert_one_line_error(*invoke(*llama, tmp_path / "o", "--scheme", scheme), 1, fragment)
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_folder_not_writable(tmp_path, llama, monkeypatch):
+    """As root every folder is writable, so the permission check is made to say no."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if mode == os.W_OK else real(path, mode))
+    assert_one_line_error(*invoke(*llama, tmp_path / "o"), 1, f"cannot write to {tmp_path}: permission denied")
+    assert not (tmp_path / "o").exists()
