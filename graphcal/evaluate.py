@@ -19,11 +19,9 @@ import onnx
 
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError
-from graphcal.graph.io import load_model
+from graphcal.graph.io import load_model, runs_in_onnxruntime
 from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
-
-_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
 
 
 @dataclass
@@ -137,7 +135,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
 
 def _runner(model: onnx.ModelProto, fetch: list[str]):
     """A function batch -> {name: array} over ``model``: onnxruntime at ORT_ENABLE_BASIC, or onnx.reference."""
-    if any(t.data_type in _NOT_IN_ORT for t in model.graph.initializer):
+    if not runs_in_onnxruntime(model):
         from onnx.reference import ReferenceEvaluator
 
         evaluator = ReferenceEvaluator(model)

@@ -10,6 +10,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from graphcal.graph.io import runs_in_onnxruntime  # picks the runner; the numbers come from the runners
+
 
 def ort_run(model: onnx.ModelProto | str | Path, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
     """Run at ORT_ENABLE_BASIC (no QDQ fusions, so Q/DQ numerics are the ONNX spec's)."""
@@ -82,14 +84,6 @@ def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, n
         s = params[f"{name}.input_scale"]
         xq = fake_quantize(x, s, zp("input", s), a, global_scale=gs)
     return xq @ wq.T
-
-
-# types onnxruntime 1.31's CPU provider cannot run (reference/onnx_qdq.md): checked with onnx.reference
-_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
-
-
-def runs_in_onnxruntime(model: onnx.ModelProto) -> bool:
-    return not any(t.data_type in _NOT_IN_ORT for t in model.graph.initializer)
 
 
 def run_model(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from graphcal.graph.io import runs_in_onnxruntime
 from graphcal.pipeline import calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,13 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCHEMES = ["W8A8", "W8A8_STATIC", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK",
            "NVFP4A16", "NVFP4", "MXFP4A16"]
-_NOT_IN_ORT = {onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0}
 
 
 def run(model: Path, feeds: dict) -> tuple[str, np.ndarray, str]:
     """(name, value, evaluator) of the model's first output, at ORT_ENABLE_BASIC on CPU."""
     proto = onnx.load(str(model))
-    if any(t.data_type in _NOT_IN_ORT for t in proto.graph.initializer):
+    if not runs_in_onnxruntime(proto):
         from onnx.reference import ReferenceEvaluator
 
         return proto.graph.output[0].name, ReferenceEvaluator(proto).run(None, feeds)[0].astype(np.float64), "onnx.reference"

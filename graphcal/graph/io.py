@@ -87,6 +87,15 @@ def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     return {v.name: v.type.tensor_type for v in values if v.type.HasField("tensor_type")}
 
 
+# Element types onnxruntime 1.31's CPU provider has no Q/DQ kernels for (reference/onnx_qdq.md).
+NOT_IN_ONNXRUNTIME = frozenset({onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT8E8M0})
+
+
+def runs_in_onnxruntime(model: onnx.ModelProto) -> bool:
+    """False for models holding fp4 / e8m0 tensors, which need onnx.reference (or TensorRT) instead."""
+    return not any(t.data_type in NOT_IN_ONNXRUNTIME for t in model.graph.initializer)
+
+
 def default_opset(model: onnx.ModelProto) -> int:
     """The opset of the default ONNX domain (0 if the model declares none)."""
     for op in model.opset_import:
