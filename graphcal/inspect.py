@@ -214,24 +214,17 @@ def _scale_size(w) -> int:
     return 1 if dtype is not None and str(dtype).removeprefix("torch.") in _ONE_BYTE_SCALES else 4
 
 
-def _removed_by_writer(graph: onnx.GraphProto, targets: list[Target]):
+def _removed_by_writer(graph: onnx.GraphProto, targets: list[Target]) -> list[str]:
     """Initializers nothing reads once every target reads its dequantized weight (tied weights stay)."""
-    by_node = {t.node: t for t in targets}
-    nodes = list(graph.node)
-    inputs = {id(n): [i for k, i in enumerate(n.input) if not (k == 1 and n.name in by_node)] for n in nodes}
-    detached = {n.input[1] for n in nodes if n.name in by_node} | {t.weight for t in targets}
-    graph_outputs = {o.name for o in graph.output}
-    while True:
-        used = {i for n in nodes for i in inputs[id(n)]} | graph_outputs
-        dead = [n for n in nodes if all(o not in used for o in n.output) and set(n.output) & detached]
-        if not dead:
-            break
-        for n in dead:
-            detached.update(i for i in n.input if i)
-            nodes.remove(n)
-    used |= {i.name for i in graph.input}
-    init_names = {t.name for t in graph.initializer}
-    return sorted(name for name in detached if name in init_names and name not in used)
+    from graphcal.graph.qdq import dead_weight_paths
+
+    by_node = {t.node for t in targets}
+    detached = {n.input[1] for n in graph.node if n.name in by_node} | {t.weight for t in targets}
+
+    def rewired(node):  # as the writer leaves it: a target's B input reads the dequantized weight instead
+        return [i for k, i in enumerate(node.input) if not (k == 1 and node.name in by_node)]
+
+    return sorted(dead_weight_paths(graph, detached, rewired)[1])
 
 
 # -- reports -----------------------------------------------------------------------------------
