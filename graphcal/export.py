@@ -262,6 +262,23 @@ def _example_ids(vocab_size: int, batch: int, seq: int, seed: int):
     return torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64)
 
 
+def _build_llama(seed: int, batch: int, seq: int, **config_fields):
+    """A random-initialised eval-mode ``LlamaForCausalLM`` with eager attention (exports to plain
+    MatMul/Softmax, independent of the sdpa backend), example ``[batch, seq]`` inputs, ``["logits"]``
+    and batch/seq dynamic axes: ``(model, example_inputs, output_names, dynamic_axes)``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(use_cache=False, **config_fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    ids = _example_ids(config.vocab_size, batch, seq, seed)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    dynamic_axes = {name: dict(BATCH_SEQ_AXES) for name in ("input_ids", "attention_mask", "logits")}
+    return model, inputs, ["logits"], dynamic_axes
+
+
 def build_tiny_llama(seed: int = 0):
     """A 2-layer random-initialised ``LlamaForCausalLM`` (vocab 256, hidden 128, GQA 4/2 heads).
 
@@ -269,32 +286,8 @@ def build_tiny_llama(seed: int = 0):
     ``{"input_ids", "attention_mask"}`` of int64 ``[batch, seq]`` tensors, ``["logits"]`` and
     batch/seq dynamic axes for the legacy exporter.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        use_cache=False,
-    )
-    # eager attention exports to plain MatMul/Softmax and does not depend on the sdpa backend.
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    ids = _example_ids(config.vocab_size, 2, TINY_SEQ, seed)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    output_names = ["logits"]
-    dynamic_axes = {
-        "input_ids": dict(BATCH_SEQ_AXES),
-        "attention_mask": dict(BATCH_SEQ_AXES),
-        "logits": dict(BATCH_SEQ_AXES),
-    }
-    return model, inputs, output_names, dynamic_axes
+    return _build_llama(seed, 2, TINY_SEQ, vocab_size=256, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
 def build_bench_decoder(seed: int = 0, seq: int = 512):
@@ -303,20 +296,8 @@ def build_bench_decoder(seed: int = 0, seq: int = 512):
 
     Returns ``(model, example_inputs, output_names, dynamic_axes)`` like :func:`build_tiny_llama`.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 512), use_cache=False,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    ids = _example_ids(config.vocab_size, 1, seq, seed)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    axes = {"input_ids": dict(BATCH_SEQ_AXES), "attention_mask": dict(BATCH_SEQ_AXES), "logits": dict(BATCH_SEQ_AXES)}
-    return model, inputs, ["logits"], axes
+    return _build_llama(seed, 1, seq, vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 512))
 
 
 def build_tiny_bert(seed: int = 0):
