@@ -23,7 +23,7 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import default_opset, load_model_info, save_model, value_types
-from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, required_opset, runtime_notes
+from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, runtime_notes
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_reductions, add_taps, mark, restore
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
@@ -112,13 +112,15 @@ def calibrate(
     ignored = [t.name for t in found if t not in chosen]
     log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float", len(found), len(chosen), len(ignored))
     schemes = {t.name: config.scheme_for(t) for t in chosen}
-    for t in chosen:  # fail before calibrating if the scheme has no ONNX form for the target runtime
-        required_opset(QuantizedTarget(t, schemes[t.name]), target)
-    warnings += runtime_notes([QuantizedTarget(t, schemes[t.name]) for t in chosen], target)
+    unfilled = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
+    need = items_opset(unfilled, runtime=target)  # fails before calibrating if a scheme has no ONNX form here
+    warnings += runtime_notes(unfilled, target)
     kv_states: list[KVState] = []
     if config.kv_cache is not None:
-        required_kv_opset(config.kv_cache, target)
+        kv_opset = required_kv_opset(config.kv_cache, target)
         kv_states, problems = find_kv_states(onnx_model)
+        if kv_states:
+            need = max(need, kv_opset)
         warnings += [f"kv-cache scheme: {p}" for p in problems]
         if not kv_states:
             warnings.append("kv-cache scheme: no attention module (named like compressed-tensors' kv-cache targets "
@@ -156,7 +158,6 @@ def calibrate(
             if dist is None:
                 raise
             error = e
-        del tapped
         if dist is not None:
             gather_statistics(dist, plan.activation_observers(), error)
     if dist is not None and not dist.is_main:
@@ -166,9 +167,7 @@ def calibrate(
             rank=dist.rank, world=dist.world,
         )
     # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
-    writer = QDQWriter(onnx_model, items_opset([QuantizedTarget(t, schemes[t.name]) for t in chosen],
-                                               [QuantizedKV(s, config.kv_cache) for s in kv_states], target),
-                        target, types, base_dir)
+    writer = QDQWriter(onnx_model, need, target, types, base_dir)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}
     from tqdm import tqdm
