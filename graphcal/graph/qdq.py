@@ -344,10 +344,17 @@ class QDQWriter:
         s = self._const(f"{t.name}.input_scale", qp.scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
         zp = qp.zero_point if not args.symmetric else torch.zeros(())
         z = self._const(f"{t.name}.input_zero_point", _as_qtype(zp, qtype).reshape(()))
-        q = self._unique(f"{t.activation}_quantized")
-        dq = self._unique(f"{t.activation}_dequantized")
-        self._add(t, helper.make_node("QuantizeLinear", [t.activation, s, z], [q], name=self._unique(f"{t.name}/input/QuantizeLinear")))
-        self._add(t, helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{t.name}/input/DequantizeLinear")))
+        return self._qdq_pair(t.node, t.activation, s, z, f"{t.name}/input")
+
+    def _qdq_pair(self, anchor: str, x: str, s: str, z: str, label: str, **attrs) -> str:
+        """QuantizeLinear -> DequantizeLinear of ``x`` with constant scale/zero point, placed before
+        node ``anchor``; returns the dequantized tensor's name."""
+        q = self._unique(f"{x}_quantized")
+        dq = self._unique(f"{x}_dequantized")
+        self.nodes_before.setdefault(anchor, []).extend([
+            helper.make_node("QuantizeLinear", [x, s, z], [q], name=self._unique(f"{label}/QuantizeLinear"), **attrs),
+            helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{label}/DequantizeLinear"), **attrs),
+        ])
         return dq
 
     def _dynamic(self, t: Target, args, qtype: _QType, global_scale: torch.Tensor | None) -> str:
@@ -442,12 +449,7 @@ class QDQWriter:
             s = self._const(f"{kv.state.name}.{base}_scale", scale)
             z = self._const(f"{kv.state.name}.{base}_zero_point", _as_qtype(zp, qtype).reshape(scale.shape))
             attrs = {"axis": 1} if per_head else {}
-            q = self._unique(f"{tensor}_quantized")
-            dq = self._unique(f"{tensor}_dequantized")
-            self.nodes_before.setdefault(first, []).extend([
-                helper.make_node("QuantizeLinear", [tensor, s, z], [q], name=self._unique(f"{kv.state.name}/{base}/QuantizeLinear"), **attrs),
-                helper.make_node("DequantizeLinear", [q, s, z], [dq], name=self._unique(f"{kv.state.name}/{base}/DequantizeLinear"), **attrs),
-            ])
+            dq = self._qdq_pair(first, tensor, s, z, f"{kv.state.name}/{base}", **attrs)
             for node in consumers:
                 for i, name in enumerate(node.input):
                     if name == tensor:
