@@ -102,10 +102,11 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     missing = [o for o in outputs if o not in {x.name for x in cand_model.graph.output}]
     if missing:
         raise GraphcalError(f"{candidate} lacks output(s) {', '.join(missing)} of {reference}")
+    ref_nodes = {n.name: n for n in ref_model.graph.node}
     cand_nodes = {n.name: n for n in cand_model.graph.node}
     layers, skipped = [], []
     for t in find_targets(ref_model)[0]:
-        ref_node = next(n for n in ref_model.graph.node if n.name == t.node)
+        ref_node = ref_nodes[t.node]
         cand_node = cand_nodes.get(t.node)
         if cand_node is None or cand_node.output[0] != ref_node.output[0]:
             skipped.append(t.name)

@@ -19,12 +19,10 @@ from graphcal.config import DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig, build_co
 from graphcal.errors import GraphcalError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.io import default_opset, load_model_info
-from graphcal.graph.qdq import required_opset
+from graphcal.graph.qdq import items_opset
 from graphcal.graph.targets import find_targets, matches, select
 from graphcal.types import FusedGroup, QuantizedTarget, Target
 
-# The opset the Q/DQ writer never goes below (int8 Q/DQ with per-axis scales).
-MIN_QDQ_OPSET = 13
 # Scale dtypes stored as one byte per scale (NVFP4's fp8 scales, MX's uint8 exponents).
 _ONE_BYTE_SCALES = {"float8_e4m3fn", "uint8"}
 
@@ -94,7 +92,7 @@ def inspect_model(
     if not chosen:
         raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
     items = [QuantizedTarget(t, config.scheme_for(t)) for t in chosen]
-    need = max(required_opset(item, target) for item in items)  # raises, as run does, for a scheme with no ONNX form
+    need = items_opset(items, runtime=target)  # raises, as run does, for a scheme with no ONNX form
     groups, fusion_warnings = find_fused_groups(chosen)
     model_opset = default_opset(onnx_model)
     rows = [_row(t, t in chosen, config) for t in found]
@@ -103,7 +101,7 @@ def inspect_model(
     return Inspection(
         model=model_path, scheme=config.scheme_name, config=config, rows=rows, not_targets=skipped,
         fused_groups=groups, fusion_warnings=fusion_warnings, unmatched=unmatched,
-        model_opset=model_opset, required_opset=need, output_opset=max(model_opset, need, MIN_QDQ_OPSET),
+        model_opset=model_opset, required_opset=need, output_opset=max(model_opset, need),
         input_size=parts["input"], expected_size=sum(parts.values()), size_parts=parts, warnings=warnings,
     )
 
