@@ -28,7 +28,7 @@ from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_reductions, add_taps, mark, restore
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
-from graphcal.runtime import open_runtime
+from graphcal.runtime import observer_device, open_runtime
 from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
@@ -148,8 +148,8 @@ def calibrate(
             finally:
                 restore(onnx_model, before)
             provider = runtime.provider
-            log.info("calibration pass on onnxruntime %s: %d whole tensors and %d reductions fetched per batch",
-                     provider, len(full), len(reduced))
+            log.info("calibration pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
+                     "reductions fetched per batch", provider, runtime.device, len(full), len(reduced))
             try:
                 batches = _run_activations(runtime, calib, plan, progress and (dist is None or dist.is_main), dist)
             finally:
@@ -167,6 +167,8 @@ def calibrate(
             rank=dist.rank, world=dist.world,
         )
     # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
+    # They are observed where the activations were (the GPU on CUDA) and quantized on the host.
+    obs_device = observer_device(provider, device, dist.local_rank if dist else 0)
     writer = QDQWriter(onnx_model, need, target, types, base_dir)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}
@@ -180,7 +182,7 @@ def calibrate(
         for t in unit:
             weights[t.name] = torch.from_numpy(torch_weight(writer.model, t, base_dir))
             try:
-                plan.weight_observers[t.name](weights[t.name])
+                plan.weight_observers[t.name](weights[t.name].to(obs_device))
             except ValueError as e:  # e.g. a group size that does not divide in_features
                 raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
         plan.fuse(g for g in groups if set(g.members) == {t.name for t in unit})
@@ -411,4 +413,8 @@ def _as_bsh(x: torch.Tensor) -> torch.Tensor:
 
 
 def _to_qparams(d: dict) -> QParams:
-    return QParams(scale=d["scale"], zero_point=d["zero_point"], global_scale=d.get("global_scale"))
+    """An observer's qparams, on the host (the writer and the metadata work there)."""
+    def host(v):
+        return None if v is None else v.cpu()
+
+    return QParams(scale=host(d["scale"]), zero_point=host(d["zero_point"]), global_scale=host(d.get("global_scale")))

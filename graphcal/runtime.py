@@ -2,6 +2,12 @@
 
 onnxruntime-gpu falls back to CPU silently when CUDA cannot load, so the provider that
 really runs is read back from the session and reported, never assumed.
+
+Every batch runs through an IOBinding whose outputs onnxruntime allocates on the session's
+device; each output reaches torch through DLPack, without a copy. On CUDA the taps therefore
+stay on the GPU from onnxruntime to the observers (no host round trip); on CPU the same path
+saves the copy into numpy that ``session.run`` makes. Where torch has no CUDA (a CPU-only torch
+beside onnxruntime-gpu), the outputs are bound to host memory instead.
 """
 
 from __future__ import annotations
@@ -31,11 +37,19 @@ class Runtime:
     session: ort.InferenceSession
     outputs: list[str]
     provider: str
+    device: torch.device = torch.device("cpu")  # where the taps are handed to torch
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        values = self.session.run(self.outputs, feeds)
-        return {name: torch.from_numpy(np.asarray(v)) for name, v in zip(self.outputs, values)}
+        """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
+        onnxruntime's memory (it lives as long as the tensor does)."""
+        binding = self.session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
+        for name in self.outputs:
+            binding.bind_output(name, self.device.type, self.device.index or 0)
+        self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
+        return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
 
     def close(self) -> None:
         """Drop the session (and its copy of the weights) and hand the memory back before the weight phase."""
@@ -108,7 +122,18 @@ def open_runtime(
             "--device cuda: onnxruntime could not start its CUDA provider (CUDA 12/13 and cuDNN 9 libraries "
             "must be loadable); run with --device cpu or fix the CUDA install"
         )
-    return Runtime(session, list(outputs), active, tmp)
+    out_device = torch.device("cuda", device_id) if active == _CUDA and torch.cuda.is_available() else torch.device("cpu")
+    return Runtime(session, list(outputs), active, out_device, tmp)
+
+
+def observer_device(provider: str | None, device: str, device_id: int = 0) -> torch.device:
+    """Where torch observes: the GPU the session ran on (or, with no activation pass, the GPU
+    ``device`` asks for), when torch can use it; the CPU otherwise."""
+    if provider is not None:
+        gpu = provider == _CUDA
+    else:
+        gpu = device == "cuda" or (device == "auto" and cuda_usable())
+    return torch.device("cuda", device_id) if gpu and torch.cuda.is_available() else torch.device("cpu")
 
 
 def cuda_usable() -> bool:

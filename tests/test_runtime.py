@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.targets import find_targets
@@ -38,6 +39,15 @@ def test_cuda_without_a_usable_gpu_is_a_clear_error(llama_dir):
     assert open_runtime(model, ["logits"], device="auto").provider == "CPUExecutionProvider"
 
 
+def test_observers_work_on_the_host_without_a_cuda_session():
+    from graphcal.runtime import observer_device
+
+    assert observer_device("CPUExecutionProvider", "auto") == torch.device("cpu")
+    assert observer_device(None, "cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():  # a CPU-only torch observes on the host whatever onnxruntime runs on
+        assert observer_device("CUDAExecutionProvider", "cuda") == torch.device("cpu")
+
+
 def test_unknown_device():
     with pytest.raises(UsageError, match="--device must be one of"):
         open_runtime(onnx.ModelProto(), [], device="tpu")
@@ -52,4 +62,6 @@ def test_cuda_provider_runs_on_a_gpu(llama_dir):
     assert rt.provider == "CUDAExecutionProvider"
     feeds = {k: v[:2] for k, v in np.load(llama_dir / "calib.npz").items()}
     cpu = ort_run(model, feeds)["logits"]
-    np.testing.assert_allclose(rt.run(feeds)["logits"].numpy(), cpu, atol=1e-4)
+    logits = rt.run(feeds)["logits"]
+    assert logits.device.type == "cuda"  # handed over through DLPack, no host round trip
+    np.testing.assert_allclose(logits.cpu().numpy(), cpu, atol=1e-4)

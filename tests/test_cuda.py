@@ -1,0 +1,125 @@
+"""The CUDA path: taps stay on the GPU from onnxruntime to the observers, weights are observed there.
+
+References: plain onnxruntime on CUDA (``session.run`` into numpy) for the activations, and
+compressed-tensors' ``calculate_qparams`` on them for the written scales. The CPU run is a
+loose second check only: onnxruntime's CUDA kernels (TF32 matmuls on Ampere and later) round
+differently from its CPU ones. Skipped without a GPU and onnxruntime-gpu's CUDA provider.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from graphcal.graph.targets import find_targets, torch_weight
+from graphcal.graph.taps import add_taps
+from graphcal.runtime import observer_device, open_runtime
+from tests.helpers import load_written
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers(),
+        reason="needs a CUDA GPU, a CUDA torch and onnxruntime-gpu",
+    ),
+]
+
+
+def _cuda_session_run(model: onnx.ModelProto, feeds: dict, outputs: list[str]) -> dict[str, np.ndarray]:
+    """The reference: onnxruntime on CUDA through its ordinary API, results copied into numpy."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CUDAExecutionProvider"])
+    return dict(zip(outputs, sess.run(outputs, feeds)))
+
+
+def test_taps_come_back_on_the_gpu_as_onnxruntime_computes_them(llama_dir):
+    model = onnx.load(llama_dir / "model.onnx")
+    acts = list(dict.fromkeys(t.activation for t in find_targets(model)[0]))
+    tapped, fetch = add_taps(model, acts)
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "calib.npz").items()}
+    rt = open_runtime(tapped, fetch, device="cuda")
+    assert rt.provider == "CUDAExecutionProvider" and rt.device == torch.device("cuda", 0)
+    values = rt.run(feeds)
+    reference = _cuda_session_run(tapped, feeds, fetch)
+    for name in fetch:
+        assert values[name].device.type == "cuda", f"{name} made a host round trip"
+        np.testing.assert_allclose(values[name].cpu().numpy(), reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_observers_see_gpu_tensors_and_scales_follow_compressed_tensors(llama_dir, tmp_path, monkeypatch):
+    """W8A8_STATIC in one batch: each input scale is calculate_qparams of the CUDA activations' range."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from graphcal.config import build_config
+    from graphcal.observers import Observer
+    from graphcal.pipeline import calibrate
+
+    seen = []
+    real_call, real_extrema = Observer.__call__, Observer.observe_extrema
+
+    def spy_call(self, x):
+        seen.append((self.base_name, x.device.type))
+        return real_call(self, x)
+
+    def spy_extrema(self, lo, hi):
+        seen.append((self.base_name, lo.device.type))
+        return real_extrema(self, lo, hi)
+
+    monkeypatch.setattr(Observer, "__call__", spy_call)
+    monkeypatch.setattr(Observer, "observe_extrema", spy_extrema)
+    data = dict(np.load(llama_dir / "calib.npz"))
+    n = len(next(iter(data.values())))
+    result = calibrate(llama_dir / "model.onnx", data, tmp_path / "gpu", scheme="W8A8_STATIC", device="cuda",
+                       batch_size=n)
+    assert result.provider == "CUDAExecutionProvider"
+    assert {kind for kind, _ in seen} == {"weight", "input"}
+    assert {device for _, device in seen} == {"cuda"}, "an observer ran on the host"
+
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = {t.name: t for t in find_targets(model)[0]}
+    chosen = [targets[item.target.name] for item in result.targets]
+    acts = list(dict.fromkeys(t.activation for t in chosen))
+    tapped, fetch = add_taps(model, acts)
+    taps = _cuda_session_run(tapped, data, fetch)
+    _, written = load_written(tmp_path / "gpu")
+    args = build_config("W8A8_STATIC", ["Linear"], ["lm_head"], None, None).scheme_for(chosen[0]).input_activations
+    for t in chosen:
+        x = torch.from_numpy(taps[t.activation])
+        scale, _ = calculate_qparams(x.min().reshape(1), x.max().reshape(1), args)
+        torch.testing.assert_close(written[f"{t.name}.input_scale"].reshape(1), scale, rtol=0, atol=0)
+        weight = torch.from_numpy(torch_weight(model, t))
+        w_scale, _ = calculate_qparams(weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True),
+                                       build_config("W8A8_STATIC", ["Linear"], [], None, None)
+                                       .scheme_for(t).weights)
+        torch.testing.assert_close(written[f"{t.name}.weight_scale"], w_scale, rtol=0, atol=0)
+
+    cpu = calibrate(llama_dir / "model.onnx", data, tmp_path / "cpu", scheme="W8A8_STATIC", device="cpu",
+                    batch_size=n)
+    on_cpu = cpu.qparams
+    for key, value in result.qparams.items():  # same weights; activations within the kernels' rounding
+        torch.testing.assert_close(value, on_cpu[key], rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("scheme, observer", [("W4A16", "mse"), ("W4A16", "imatrix_mse"), ("NVFP4", None)])
+def test_weight_searches_on_the_gpu_match_the_cpu(llama_dir, tmp_path, scheme, observer):
+    """Weight-side searches run where the activations were; the chosen scales match the CPU's."""
+    from graphcal.pipeline import calibrate
+
+    runs = {}
+    for device in ("cuda", "cpu"):
+        runs[device] = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / device,
+                                 scheme=scheme, observer=observer, device=device).qparams
+    for key, value in runs["cuda"].items():
+        if key.endswith("weight_scale") or key.endswith("weight_global_scale"):
+            same = (value.float() == runs["cpu"][key].float()).float().mean().item()
+            assert same > 0.99, f"{key}: only {same:.1%} of the scales agree"
+
+
+def test_observer_device_follows_the_session():
+    assert observer_device("CUDAExecutionProvider", "auto", 0) == torch.device("cuda", 0)
+    assert observer_device("CPUExecutionProvider", "cuda", 0) == torch.device("cpu")
+    assert observer_device(None, "cuda", 0) == torch.device("cuda", 0)
