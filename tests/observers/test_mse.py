@@ -313,3 +313,62 @@ def test_mse_not_worse_than_minmax(std, num_bits, strategy, extra, symmetric):
         assert losses["memoryless_mse"] <= losses["memoryless_minmax"] + 1e-8
     else:
         assert losses["memoryless_mse"] <= losses["memoryless_minmax"] * 1.10
+
+
+# ---------------------------------------------------------------- large tensors, in-place scoring
+def _eager_scores(observed, args, norm, factors):
+    """llm-compressor's eager scoring, allocation by allocation: compressed-tensors' fake_quantize
+    with the search args (strategy token, plain broadcast), then sum |q - x|^norm over dims (0, -1)."""
+    from graphcal.observers.mse import search_args
+
+    cargs = search_args(args)
+    min0, max0 = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    out = []
+    for p in factors:
+        scale, zp = calculate_qparams(min0 * p, max0 * p, cargs)
+        q = fake_quantize(observed, scale.unsqueeze(-1), zp.unsqueeze(-1), cargs).to(observed.dtype)
+        out.append((q - observed).abs().pow(norm).sum(dim=(0, -1)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("base_name, strategy, extra", [
+    ("input", "tensor", {}), ("input", "group", {"group_size": 128}), ("k", "attn_head", {}),
+    ("weight", "channel", {}), ("weight", "block", {"block_structure": [128, 128]}),
+])
+def test_in_place_scores_are_the_allocating_scores_bit_for_bit(dtype, symmetric, base_name, strategy, extra):
+    """On activation-sized tensors (multi-threaded sums, strided views) the in-place error of
+    every candidate equals the eager one exactly, so the search picks the same ranges."""
+    from graphcal.observers.helpers import flatten_for_calibration
+    from graphcal.observers.mse import InPlaceIntError, search_args
+
+    g = torch.Generator().manual_seed(3)
+    shape = {"input": (4, 256, 512), "k": (2, 4, 256, 64), "weight": (384, 640)}[base_name]
+    x = (torch.randn(shape, generator=g) * torch.rand(shape[-1], generator=g) * 4).to(dtype)
+    args = QuantizationArgs(num_bits=8, symmetric=symmetric, strategy=strategy, **extra)
+    observed = flatten_for_calibration(x, base_name, args)
+    factors = [1 - i / 100 for i in range(0, 20, 3)]
+    expected = _eager_scores(observed, args, 2.4, factors)
+    cargs = search_args(args)
+    score = InPlaceIntError(observed, 2.4)
+    min0, max0 = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    for p, want in zip(factors, expected):
+        scale, zp = calculate_qparams(min0 * p, max0 * p, cargs)
+        got = score(scale, zp, cargs)
+        assert got is not None and got.dtype == want.dtype
+        assert torch.equal(got, want), f"p={p}: in-place error differs"
+    if base_name == "weight":  # and the observer, end to end, against the brute force in the weight's layout
+        obs = load("memoryless_mse", args)
+        obs(x)
+        ref_min, ref_max = reference_search(x, args)
+        assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
+
+
+def test_float_candidates_take_the_general_path():
+    from graphcal.observers.mse import InPlaceIntError
+
+    x = torch.randn(1, 1, 64)
+    fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor")
+    scale, zp = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), fp8)
+    assert InPlaceIntError(x, 2.4)(scale, zp, fp8) is None
