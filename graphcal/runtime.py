@@ -48,7 +48,11 @@ class Runtime:
             binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
         for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
-        self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
+        try:
+            self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
+        except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GraphcalError(f"onnxruntime failed on a batch: {detail.removeprefix('Error in execution: ')}") from e
         return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
 
     def close(self) -> None:

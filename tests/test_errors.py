@@ -183,3 +183,13 @@ def test_output_folder_not_writable(tmp_path, llama, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False if mode == os.W_OK else real(path, mode))
     assert_one_line_error(*invoke(*llama, tmp_path / "o"), 1, f"cannot write to {tmp_path}: permission denied")
     assert not (tmp_path / "o").exists()
+
+
+def test_data_the_model_cannot_run_on(tmp_path, llama):
+    """Token ids past the vocabulary: onnxruntime's kernel error comes back as one line, nothing written."""
+    feeds = dict(np.load(llama[1]))
+    feeds["input_ids"] = feeds["input_ids"] + 100_000
+    np.savez(tmp_path / "d.npz", **feeds)
+    assert_one_line_error(*invoke(llama[0], tmp_path / "d.npz", tmp_path / "o", "--scheme", "W8A8_STATIC"),
+                          1, "onnxruntime failed on a batch: Non-zero status code")
+    assert not (tmp_path / "o").exists()
