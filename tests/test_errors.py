@@ -66,15 +66,21 @@ def test_nothing_to_quantize(tmp_path):
     assert_one_line_error(*invoke(model, tmp_path / "d.npz", tmp_path / "o"), 1, "nothing to quantize")
 
 
-def test_non_finite_activation_inside_the_graph_names_tap_observer_and_batch(tmp_path):
+@pytest.mark.parametrize("value, observer", [
+    (-1.0, "static_minmax"),  # log(-1) = NaN, seen by the in-graph probe
+    (-1.0, "mse"),  # NaN in a whole tensor
+    (0.0, "mse"),  # log(0) = -Inf in a whole tensor
+])
+def test_non_finite_activation_inside_the_graph_names_tap_observer_and_batch(tmp_path, value, observer):
     w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
     model = _tiny_model(tmp_path / "m.onnx", [helper.make_node("Log", ["x"], ["h"], name="log"),
                                               helper.make_node("MatMul", ["h", "w"], ["y"], name="/fc/MatMul")], [w])
     x = np.ones((4, 4), np.float32)
-    x[3, 0] = -1.0  # log(-1) = NaN in the second batch of 2
+    x[3, 0] = value  # in the second batch of 2
     np.savez(tmp_path / "d.npz", x=x)
-    code, text = invoke(model, tmp_path / "d.npz", tmp_path / "o", "--scheme", "W8A8_STATIC", "--batch-size", "2")
-    assert_one_line_error(code, text, 1, "tap 'h' holds NaN or Inf in batch 1 (observer static_minmax)")
+    code, text = invoke(model, tmp_path / "d.npz", tmp_path / "o", "--scheme", "W8A8_STATIC", "--batch-size", "2",
+                        "--observer", observer)
+    assert_one_line_error(code, text, 1, f"tap 'h' holds NaN or Inf in batch 1 (observer {observer})")
 
 
 @pytest.mark.parametrize("mutate, fragment", [
