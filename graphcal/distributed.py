@@ -5,12 +5,17 @@
 Every rank builds the same plan from the same model and options, runs its own onnxruntime
 session (on ``cuda:LOCAL_RANK`` when CUDA is used) over batches ``rank, rank + N, ...`` of the
 same batching a single process uses, and observes them locally. After the loop the ranks
-exchange their activation statistics once (all_gather of a few KB per observer, over gloo) and
+exchange their activation statistics once (all_gather of a few KB per observer) and
 fold them in rank order with each observer's reduce op (min/max for static_minmax, sum for
 imatrix, avg for moving averages); every rank also learns whether another failed, so a failure
 ends all ranks with an error instead of a hang. Weights are not synced: rank 0 observes them
 and alone writes the outputs. Collectives time out after ``GRAPHCAL_DIST_TIMEOUT`` seconds
 (default 600).
+
+The process group is gloo unless ``GRAPHCAL_DIST_BACKEND=nccl``: the exchange is one small
+message, which gloo carries between GPU hosts as well, and a gloo timeout is an exception that
+becomes a one-line error, where NCCL's watchdog aborts the process. With ``nccl`` each rank
+binds ``cuda:LOCAL_RANK`` first (NCCL's object collectives travel through the current device).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from datetime import timedelta
 from graphcal.errors import GraphcalError
 
 TIMEOUT_ENV = "GRAPHCAL_DIST_TIMEOUT"
+BACKEND_ENV = "GRAPHCAL_DIST_BACKEND"
+BACKENDS = ("gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class Dist:
     rank: int
     world: int
     local_rank: int
+    backend: str = "gloo"
 
     @property
     def is_main(self) -> bool:
@@ -47,12 +55,32 @@ def from_env() -> Dist | None:
     import torch.distributed as dist
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    name = backend()
     if not dist.is_initialized():
+        options = {}
+        if name == "nccl":
+            import torch
+
+            if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+                raise GraphcalError(f"rank {rank}: {BACKEND_ENV}=nccl needs a CUDA GPU for LOCAL_RANK {local_rank} "
+                                    f"(this process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+            torch.cuda.set_device(local_rank)
+            options["device_id"] = torch.device("cuda", local_rank)
         try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds()))
+            dist.init_process_group(name, timeout=timedelta(seconds=timeout_seconds()), **options)
         except Exception as e:  # noqa: BLE001 -- rendezvous failures come in many types
             raise GraphcalError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0]})") from e
-    return Dist(rank=rank, world=world, local_rank=local_rank)
+    else:
+        name = dist.get_backend()
+    return Dist(rank=rank, world=world, local_rank=local_rank, backend=name)
+
+
+def backend() -> str:
+    """The process group's backend: ``GRAPHCAL_DIST_BACKEND`` (gloo, the default, or nccl)."""
+    value = os.environ.get(BACKEND_ENV, "gloo").strip().lower() or "gloo"
+    if value not in BACKENDS:
+        raise GraphcalError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
 
 
 def timeout_seconds() -> int:

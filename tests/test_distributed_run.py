@@ -112,3 +112,44 @@ def test_gather_statistics_reports_the_failing_rank_everywhere(tmp_path):
     mp.spawn(_gather_worker, args=(3, f"file://{tmp_path / 'rdzv'}", results), nprocs=3, join=True)
     assert results[2] == "ValueError: boom"
     assert results[0] == results[1] == "GraphcalError: rank 2 failed: ValueError: boom"
+
+
+def test_backend_comes_from_the_environment(monkeypatch):
+    from graphcal.distributed import BACKEND_ENV, backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend() == "gloo"
+    monkeypatch.setenv(BACKEND_ENV, " NCCL ")
+    assert backend() == "nccl"
+    monkeypatch.setenv(BACKEND_ENV, "mpi")
+    with pytest.raises(GraphcalError, match="GRAPHCAL_DIST_BACKEND must be one of gloo, nccl, got 'mpi'"):
+        backend()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without a GPU gives")
+def test_nccl_without_a_gpu_is_one_line_on_every_rank(llama_dir, tmp_path):
+    result = _torchrun(2, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                       "-o", tmp_path / "o", env={"GRAPHCAL_DIST_BACKEND": "nccl"}, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert sorted(e.split(":")[1].strip() for e in errors) == ["rank 0", "rank 1"], result.stderr[-2000:]
+    assert all("GRAPHCAL_DIST_BACKEND=nccl needs a CUDA GPU for LOCAL_RANK" in e for e in errors)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+@pytest.mark.parametrize("scheme", ["W8A8_STATIC", '{"weights": {"num_bits": 4, "strategy": "group", '
+                                    '"group_size": 128, "observer": "imatrix_mse"}}'])
+def test_two_nccl_ranks_on_two_gpus_write_what_one_gpu_writes(llama_dir, tmp_path, scheme):
+    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme]
+    env = {**os.environ, "GRAPHCAL_DIST_BACKEND": "nccl"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "graphcal", "run", *map(str, common), "--device", "cuda", "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert two.returncode == 0, two.stderr[-2000:]
+    one = subprocess.run([sys.executable, "-m", "graphcal", "run", *map(str, common), "--device", "cuda", "-q",
+                          "-o", str(tmp_path / "one")], capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-2000:]
+    for name in ("qparams.safetensors", "quantization_config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
