@@ -80,7 +80,11 @@ def child(spec: dict) -> dict:
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if spec["device"] == "cuda" else ["CPUExecutionProvider"]
+        if spec["device"] == "cuda" and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # as graphcal's runtime does: CUDA/cuDNN from the nvidia-* packages
         session = ort.InferenceSession(spec["model"], opts, providers=providers)
+        if session.get_providers()[0] != providers[0]:  # onnxruntime falls back to CPU silently
+            raise SystemExit(f"the floor runs on {session.get_providers()[0]}, not {providers[0]}")
         n = len(next(iter(data.values())))
         for i in range(0, n, BATCH):
             session.run(None, {k: v[i:i + BATCH] for k, v in data.items()})
