@@ -13,6 +13,7 @@ from graphcal.errors import GraphcalError
 # onnxruntime 1.31 refuses IR > 13; onnx.helper picks IR from the opset with this table.
 MAX_ORT_IR = 13
 PROTOBUF_LIMIT = 2**31 - 1
+SIZE_MARGIN = 64 << 20  # an estimated size this close to PROTOBUF_LIMIT is checked exactly
 LAZY_MIN_BYTES = 1 << 20  # external tensors under 1 MB are loaded at once; larger ones when read
 
 
@@ -176,13 +177,56 @@ def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def past_protobuf_limit(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` cannot be one protobuf (2 GB); upb refuses to even size such a message."""
+    """Whether ``model`` cannot be one protobuf (2 GB); upb refuses to even size such a message.
+
+    upb sizes a message by encoding it, which costs as much as writing the model out, so the
+    size is first estimated from the graph without its weights plus each inline weight's
+    ``dims`` x element size; only an estimate within 64 MB of the limit is checked exactly.
+    """
     from google.protobuf.message import EncodeError
 
+    estimate = _estimated_size(model)
+    margin = SIZE_MARGIN
+    if estimate is not None and estimate < PROTOBUF_LIMIT - margin:
+        return False
+    if estimate is not None and estimate > PROTOBUF_LIMIT + margin:
+        return True
     try:
         return model.ByteSize() >= PROTOBUF_LIMIT
     except (EncodeError, ValueError):
         return True
+
+
+def _estimated_size(model: onnx.ModelProto) -> int | None:
+    """The model's serialized size within a few bytes per tensor, or None where it cannot be
+    told without encoding (string tensors). Reads no weight bytes."""
+    import math
+
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    total = hollow_copy(model).ByteSize()
+    for t in model.graph.initializer:
+        total += len(t.name) + 16 * len(t.dims) + 32
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += sum(len(e.key) + len(e.value) + 8 for e in t.external_data)
+            continue
+        if t.data_type == onnx.TensorProto.STRING:
+            return None
+        bits = _ELEMENT_BITS.get(t.data_type)
+        if bits is None:
+            bits = 8 * tensor_dtype_to_np_dtype(t.data_type).itemsize
+        count = math.prod(t.dims)
+        if t.HasField("raw_data"):
+            total += -(-count * bits // 8)
+        elif count <= 4096:  # a small typed field: up to 10 bytes an element (varints)
+            total += 10 * count
+        else:
+            return None
+    return total
+
+
+# element sizes that numpy's stand-in types do not give (sub-byte types are packed two per byte)
+_ELEMENT_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4}
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
