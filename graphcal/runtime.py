@@ -39,6 +39,7 @@ class Runtime:
     provider: str
     device: torch.device = torch.device("cpu")  # where the taps are handed to torch
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    _weights: list = field(default_factory=list, repr=False)  # buffers the session reads (see open_runtime)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
@@ -58,6 +59,7 @@ class Runtime:
     def close(self) -> None:
         """Drop the session (and its copy of the weights) and hand the memory back before the weight phase."""
         self.session = None
+        self._weights = []
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -106,14 +108,19 @@ def open_runtime(
     if external_folder is not None:  # weights stay in the model's own data files: onnxruntime reads them there
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
-    tmp = None
-    if graph_io.past_protobuf_limit(model):  # over 2 GB: a hollow graph + one data file, model untouched
+    tmp, keep = None, []
+    graph, names, values = _inline_weights_apart(model)
+    if not graph_io.past_protobuf_limit(graph):  # the graph as bytes; its weights handed over in memory
+        if names:
+            opts.add_external_initializers(names, values)
+            keep = values  # onnxruntime reads these buffers for the session's lifetime
+        source: str | bytes = graph.SerializeToString()
+    else:  # a graph over 2 GB even without its weights: one file with external data, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
         graph_io.save_with_external_data(model, path, base_dir=external_folder)
-        source: str | bytes = str(path)
-    else:
-        source = model.SerializeToString()
+        source = str(path)
+    del graph
     try:
         session = ort.InferenceSession(source, sess_options=opts, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
@@ -127,7 +134,45 @@ def open_runtime(
             "must be loadable); run with --device cpu or fix the CUDA install"
         )
     out_device = torch.device("cuda", device_id) if active == _CUDA and torch.cuda.is_available() else torch.device("cpu")
-    return Runtime(session, list(outputs), active, out_device, tmp)
+    return Runtime(session, list(outputs), active, out_device, tmp, keep)
+
+
+INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes
+
+
+def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], list[ort.OrtValue]]:
+    """The model with its large inline weights replaced by stubs, and those weights as OrtValues
+    over their bytes (for ``SessionOptions.add_external_initializers``, which onnxruntime takes
+    in place of the stubs). Serializing a model with its weights costs as much as copying them
+    twice (1.2 s of session start on the 369 MB bench decoder); the stubbed graph is a few MB.
+    Weights that already live in external files, sub-byte and string tensors stay as they are."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    graph = graph_io.hollow_copy(model)
+    names, values = [], []
+    for init in model.graph.initializer:
+        itemsize = None
+        if init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data") \
+                and init.data_type not in _NOT_INJECTED:
+            try:
+                itemsize = tensor_dtype_to_np_dtype(init.data_type).itemsize
+            except (KeyError, ValueError, TypeError):  # a type onnx cannot map: onnxruntime will say what it thinks
+                itemsize = None
+        count = int(np.prod(init.dims)) if itemsize else 0
+        if not itemsize or count * itemsize < INJECT_MIN_BYTES:
+            graph.graph.initializer.append(init)
+            continue
+        raw = np.frombuffer(init.raw_data, dtype=f"<u{itemsize}").reshape(tuple(init.dims))  # one copy, read-only
+        values.append(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, init.data_type))
+        names.append(init.name)
+        stub = graph.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims)
+        stub.data_location = onnx.TensorProto.EXTERNAL
+        stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
+    return graph, names, values
+
+
+_NOT_INJECTED = {onnx.TensorProto.STRING, onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1}
+_NOT_INJECTED |= {getattr(onnx.TensorProto, n) for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
 def observer_device(provider: str | None, device: str, device_id: int = 0) -> torch.device:
