@@ -60,7 +60,7 @@ def cli(verbose: bool) -> None:
               help="Samples per onnxruntime run (default: the model's fixed batch, else 8).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where onnxruntime runs; auto picks CUDA when a GPU is usable.")
+              help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable.")
 @click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
               show_default=True,
               help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what TensorRT "
