@@ -147,20 +147,14 @@ def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list
     in place of the stubs). Serializing a model with its weights costs as much as copying them
     twice (1.2 s of session start on the 369 MB bench decoder); the stubbed graph is a few MB.
     Weights that already live in external files, sub-byte and string tensors stay as they are."""
-    from onnx.helper import tensor_dtype_to_np_dtype
-
     graph = graph_io.hollow_copy(model)
     names, values = [], []
     for init in model.graph.initializer:
-        itemsize = None
-        if init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data") \
-                and init.data_type not in _NOT_INJECTED:
-            try:
-                itemsize = tensor_dtype_to_np_dtype(init.data_type).itemsize
-            except (KeyError, ValueError, TypeError):  # a type onnx cannot map: onnxruntime will say what it thinks
-                itemsize = None
-        count = int(np.prod(init.dims)) if itemsize else 0
-        if not itemsize or count * itemsize < INJECT_MIN_BYTES:
+        bits = graph_io.element_bits(init.data_type)
+        injectable = (init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data")
+                      and bits is not None and bits % 8 == 0)
+        itemsize = bits // 8 if injectable else 0
+        if not injectable or int(np.prod(init.dims)) * itemsize < INJECT_MIN_BYTES:
             graph.graph.initializer.append(init)
             continue
         raw = np.frombuffer(init.raw_data, dtype=f"<u{itemsize}").reshape(tuple(init.dims))  # one copy, read-only
@@ -171,9 +165,6 @@ def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list
         stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
     return graph, names, values
 
-
-_NOT_INJECTED = {onnx.TensorProto.STRING, onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.FLOAT4E2M1}
-_NOT_INJECTED |= {getattr(onnx.TensorProto, n) for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
 def observer_device(provider: str | None, device: str, device_id: int = 0) -> torch.device:

@@ -186,10 +186,9 @@ def past_protobuf_limit(model: onnx.ModelProto) -> bool:
     from google.protobuf.message import EncodeError
 
     estimate = _estimated_size(model)
-    margin = SIZE_MARGIN
-    if estimate is not None and estimate < PROTOBUF_LIMIT - margin:
+    if estimate is not None and estimate < PROTOBUF_LIMIT - SIZE_MARGIN:
         return False
-    if estimate is not None and estimate > PROTOBUF_LIMIT + margin:
+    if estimate is not None and estimate > PROTOBUF_LIMIT + SIZE_MARGIN:
         return True
     try:
         return model.ByteSize() >= PROTOBUF_LIMIT
@@ -199,10 +198,8 @@ def past_protobuf_limit(model: onnx.ModelProto) -> bool:
 
 def _estimated_size(model: onnx.ModelProto) -> int | None:
     """The model's serialized size within a few bytes per tensor, or None where it cannot be
-    told without encoding (string tensors). Reads no weight bytes."""
+    told without encoding (string tensors, large typed fields). Reads no weight bytes."""
     import math
-
-    from onnx.helper import tensor_dtype_to_np_dtype
 
     total = hollow_copy(model).ByteSize()
     for t in model.graph.initializer:
@@ -210,23 +207,34 @@ def _estimated_size(model: onnx.ModelProto) -> int | None:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             total += sum(len(e.key) + len(e.value) + 8 for e in t.external_data)
             continue
-        if t.data_type == onnx.TensorProto.STRING:
-            return None
-        bits = _ELEMENT_BITS.get(t.data_type)
-        if bits is None:
-            bits = 8 * tensor_dtype_to_np_dtype(t.data_type).itemsize
+        bits = element_bits(t.data_type)
         count = math.prod(t.dims)
-        if t.HasField("raw_data"):
+        if bits is not None and t.HasField("raw_data"):
             total += -(-count * bits // 8)
-        elif count <= 4096:  # a small typed field: up to 10 bytes an element (varints)
+        elif bits is not None and count <= 4096:  # a small typed field: up to 10 bytes an element (varints)
             total += 10 * count
         else:
             return None
     return total
 
 
-# element sizes that numpy's stand-in types do not give (sub-byte types are packed two per byte)
-_ELEMENT_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4}
+def element_bits(data_type: int) -> int | None:
+    """Bits per element of an ONNX tensor type as stored in ``raw_data`` (sub-byte types packed);
+    None for strings and types onnx cannot map."""
+    if data_type in _SUB_BYTE_BITS:
+        return _SUB_BYTE_BITS[data_type]
+    if data_type == onnx.TensorProto.STRING:
+        return None
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    try:
+        return 8 * tensor_dtype_to_np_dtype(data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+_SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4}
+_SUB_BYTE_BITS |= {getattr(onnx.TensorProto, n): 2 for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,

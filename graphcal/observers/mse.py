@@ -19,12 +19,12 @@ from compressed_tensors.quantization.utils import calculate_qparams, calculate_r
 
 from graphcal.observers.base import Observer, check_int, check_real
 from graphcal.observers.helpers import REDUCE_DIMS
-from graphcal.types import enum_value
 from graphcal.observers.min_max import (
     DEFAULT_AVERAGING_CONSTANT,
     EMACombineMixin,
     validate_averaging_constant,
 )
+from graphcal.types import enum_value
 
 __all__ = [
     "search_args",
