@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from graphcal.distributed import settle
 from graphcal.errors import GraphcalError
 
 EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/"
@@ -242,6 +243,7 @@ def _guarded(call, debug: bool):
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
+        settle(e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted; no output was written", err=True)
@@ -251,6 +253,7 @@ def _guarded(call, debug: bool):
             raise
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         click.echo(f"error: unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", err=True)
+        settle(e)
         sys.exit(1)
 
 

@@ -120,11 +120,14 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
         raise GraphcalError(f"rank {d.rank}: the other ranks did not answer within {timeout_seconds()} s "
                             f"({str(e).splitlines()[0]}); a rank died or is stuck") from e
     if error is not None:
+        error.graphcal_exchanged = True  # every rank knows: report, then settle() before exiting
         raise error
     failed = [(r, p["error"]) for r, p in enumerate(gathered) if p["error"] is not None]
     if failed:
         rank, message = failed[0]
-        raise GraphcalError(f"rank {rank} failed: {message}")
+        failure = GraphcalError(f"rank {rank} failed: {message}")
+        failure.graphcal_exchanged = True
+        raise failure
     if not d.is_main:
         return  # only rank 0 computes qparams and writes
     for i, obs in enumerate(observers):  # fold in rank order, as merge() documents
@@ -138,6 +141,22 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
                 peers.append(peer)
         if peers:
             obs.merge(*peers)
+
+
+def settle(error: BaseException, seconds: float = 10.0) -> None:
+    """After a failure every rank heard of at the exchange (and has reported): wait, at most
+    ``seconds``, until the other ranks have reported theirs too. Without it the first rank to
+    exit makes torchrun stop the others before they print. gloo only (NCCL has no bounded
+    barrier); a no-op for other errors and outside a job."""
+    if not getattr(error, "graphcal_exchanged", False):
+        return
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+    except Exception:  # noqa: BLE001 -- a rank that is gone already: nothing left to wait for
+        pass
 
 
 def _device_of(obs):
