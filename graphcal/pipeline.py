@@ -133,6 +133,7 @@ def calibrate(
     if plan.uses_tensor_group:
         warnings += fusion_warnings
     dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the loop
+    device_id = dist.local_rank if dist else 0  # under torchrun each rank has its own GPU
     provider, batches = None, 0
     if plan.taps:
         full, reduced = plan.fetches(reduce_in_graph)
@@ -143,7 +144,7 @@ def calibrate(
         error = None
         try:
             try:
-                runtime = open_runtime(tapped, fetch, device, device_id=dist.local_rank if dist else 0,
+                runtime = open_runtime(tapped, fetch, device, device_id=device_id,
                                        external_folder=base_dir)
             finally:
                 restore(onnx_model, before)
@@ -168,7 +169,7 @@ def calibrate(
         )
     # Weights: read each once, observe it (with its fused peers), quantize it into the output, let it go.
     # They are observed where the activations were (the GPU on CUDA) and quantized on the host.
-    obs_device = observer_device(provider, device, dist.local_rank if dist else 0)
+    obs_device = observer_device(provider, device, device_id)
     writer = QDQWriter(onnx_model, need, target, types, base_dir)
     del onnx_model  # the writer edits it in place (or holds the opset-converted copy)
     by_name: dict[str, QuantizedTarget] = {}

@@ -134,8 +134,7 @@ def open_runtime(
             "--device cuda: onnxruntime could not start its CUDA provider (CUDA 12/13 and cuDNN 9 libraries "
             "must be loadable); run with --device cpu or fix the CUDA install"
         )
-    out_device = torch.device("cuda", device_id) if active == _CUDA and torch.cuda.is_available() else torch.device("cpu")
-    return Runtime(session, list(outputs), active, out_device, tmp, keep)
+    return Runtime(session, list(outputs), active, observer_device(active, device, device_id), tmp, keep)
 
 
 INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes
