@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,7 +39,6 @@ class Dist:
     rank: int
     world: int
     local_rank: int
-    backend: str = "gloo"
 
     @property
     def is_main(self) -> bool:
@@ -70,9 +68,7 @@ def from_env() -> Dist | None:
             dist.init_process_group(name, timeout=timedelta(seconds=timeout_seconds()), **options)
         except Exception as e:  # noqa: BLE001 -- rendezvous failures come in many types
             raise GraphcalError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0]})") from e
-    else:
-        name = dist.get_backend()
-    return Dist(rank=rank, world=world, local_rank=local_rank, backend=name)
+    return Dist(rank=rank, world=world, local_rank=local_rank)
 
 
 def backend() -> str:
@@ -92,13 +88,6 @@ def timeout_seconds() -> int:
     if seconds <= 0:
         raise GraphcalError(f"{TIMEOUT_ENV} must be positive, got {seconds}")
     return seconds
-
-
-def shard(batches: Iterable, d: Dist | None) -> Iterator:
-    """This rank's share of the batches: every world-th one, starting at its rank."""
-    for index, batch in enumerate(batches):
-        if d is None or index % d.world == d.rank:
-            yield batch
 
 
 def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> None:
