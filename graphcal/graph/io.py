@@ -109,11 +109,9 @@ def _external_length(t: onnx.TensorProto) -> int:
     info = {e.key: e.value for e in t.external_data}
     if "length" in info:
         return int(info["length"])
-    size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    n = 1
-    for d in t.dims:
-        n *= d
-    return n * size
+    import math
+
+    return -(-math.prod(t.dims) * (element_bits(t.data_type) or 8) // 8)
 
 
 def read_external(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
