@@ -141,15 +141,10 @@ def _runner(model: onnx.ModelProto, fetch: list[str]):
 
         evaluator = ReferenceEvaluator(model)
         return (lambda feeds: dict(zip(fetch, evaluator.run(fetch, feeds)))), "onnx.reference"
-    import onnxruntime as ort
+    from graphcal.runtime import open_runtime
 
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    try:
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 -- onnxruntime raises its own types
-        raise GraphcalError(f"onnxruntime cannot load the model: {str(e).strip().splitlines()[0]}") from e
-    return (lambda feeds: dict(zip(fetch, session.run(fetch, feeds)))), "onnxruntime"
+    runtime = open_runtime(model, fetch, device="cpu")  # ORT_ENABLE_BASIC; load errors are one line
+    return (lambda feeds: {name: value.numpy() for name, value in runtime.run(feeds).items()}), "onnxruntime"
 
 
 def _finite(value: float) -> float | None:
