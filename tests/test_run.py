@@ -25,6 +25,7 @@ import torch
 from click.testing import CliRunner
 
 from graphcal.cli import cli
+from graphcal.graph.external import expected_bytes
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.graph.taps import add_taps
 from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, ort_run, run_model, sqnr_db
@@ -305,7 +306,8 @@ def test_python_dash_m_and_console_script(tmp_path, bert_dir):
     )
     assert proc.returncode == 0, proc.stderr
     assert "calibrated on 16 samples in 4 batches with onnxruntime CPUExecutionProvider" in proc.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "qparams.safetensors", "quantization_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "qparams.safetensors",
+                                                    "quantization_config.json"]
     bad = subprocess.run([sys.executable, "-m", "graphcal", "run", str(tmp_path / "missing.onnx"), "--data", "x.npz",
                           "-o", str(tmp_path / "o2")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'missing.onnx'}"]
@@ -407,8 +409,8 @@ def test_external_data_in_gives_external_data_out(runs, tmp_path, llama_dir):
     result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
                                       "--scheme", "W4A16", "-o", str(out), "-q"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data", "qparams.safetensors",
-                                                    "quantization_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "model.onnx.data",
+                                                    "qparams.safetensors", "quantization_config.json"]
     inline_size = (runs("tiny-llama", "W4A16")[1] / "model.onnx").stat().st_size
     assert (out / "model.onnx").stat().st_size < 0.3 * inline_size < (out / "model.onnx.data").stat().st_size
     assert _digest(src / "weights.bin") == before
@@ -441,7 +443,8 @@ def test_json_summary_for_scripts(llama_dir, tmp_path):
     summary = json.loads(result.output)
     assert summary["ignored"] == ["lm_head"] and len(summary["quantized"]) == 14
     assert (summary["samples"], summary["batches"], summary["ranks"]) == (64, 8, 1)
-    assert sorted(summary["files"]) == sorted(str(p) for p in (tmp_path / "o").iterdir())
+    assert sorted(summary["files"]) == sorted(str(p) for p in (tmp_path / "o").iterdir()
+                                              if p.name != ".graphcal-manifest.json")  # files: the outputs, not it
 
 
 def test_verbose_logs_each_stage(llama_dir, tmp_path):
@@ -469,7 +472,7 @@ def test_external_weights_stay_on_disk_until_read(tmp_path, llama_dir, runs, mon
     assert external
     for t in model.graph.initializer:
         on_disk = t.data_location == onnx.TensorProto.EXTERNAL
-        assert on_disk == (graph_io._external_length(t) >= graph_io.LAZY_MIN_BYTES), t.name
+        assert on_disk == (expected_bytes(t) >= graph_io.LAZY_MIN_BYTES), t.name
         assert on_disk != bool(t.raw_data)
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer) == 16  # weights, embeddings
     out = tmp_path / "out"

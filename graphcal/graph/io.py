@@ -9,6 +9,10 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from graphcal.errors import GraphcalError
+from graphcal.graph.check import check_graph
+from graphcal.graph.external import (all_tensors, check_external_data, expected_bytes, inline, is_external,
+                                     read_tensor_bytes)
+from graphcal.limits import check_fits, open_regular
 
 # onnxruntime 1.31 refuses IR > 13; onnx.helper picks IR from the opset with this table.
 MAX_ORT_IR = 13
@@ -25,47 +29,43 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
 def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.ModelProto, bool]:
     """(model, whether the file keeps weights in external data).
 
-    External data is loaded into the model unless ``lazy``: then the tensors keep their
-    references, and readers pass the model's folder as ``base_dir`` (each weight is read when
-    needed, once). The files are checked to exist either way.
+    The model comes from strangers: the file must be a regular file, the graph well formed
+    (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
+    (:mod:`graphcal.graph.external`), all checked before any tensor is read. External data is
+    loaded into the model unless ``lazy``: then the tensors keep their references, and readers
+    pass the model's folder as ``base_dir`` (each weight is read when needed, once).
     """
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise GraphcalError(f"model file not found: {path}")
     if path.is_dir():
         raise GraphcalError(f"model path is a folder, not an .onnx file: {path}")
-    if path.stat().st_size == 0:
-        raise GraphcalError(f"model file is empty: {path}")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
-        raise GraphcalError(f"{path} is not a readable ONNX model ({_first_line(e)})") from e
+    with open_regular(path, "model file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise GraphcalError(f"model file is empty: {path}")
+        if size > PROTOBUF_LIMIT:
+            raise GraphcalError(f"{path} is not a readable ONNX model ({size:,} bytes: past protobuf's 2 GB; "
+                                "a model this large keeps its weights in external data)")
+        check_fits(size, f"model file {path}", share=0.9)
+        try:
+            model = onnx.load_model_from_string(f.read())
+        except (DecodeError, RuntimeError, ValueError, OSError) as e:
+            raise GraphcalError(f"{path} is not a readable ONNX model ({_first_line(e)})") from e
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
-    external = any(_uses_external_data(t) for t in model.graph.initializer)
-    if external and lazy:
-        missing = sorted({e.value for t in model.graph.initializer if _uses_external_data(t)
-                          for e in t.external_data if e.key == "location" and not (path.parent / e.value).is_file()})
-        if missing:
-            raise GraphcalError(f"{path}: external data could not be read (missing {', '.join(missing)}); "
-                                "keep the data files next to the model")
-        for t in model.graph.initializer:  # small constants (shapes, norms) inline; weights stay on disk
-            if _uses_external_data(t) and _external_length(t) < LAZY_MIN_BYTES:
-                try:
-                    raw = read_external(t, path.parent)
-                except (OSError, KeyError, ValueError) as e:
-                    raise GraphcalError(f"{path}: external data of {t.name!r} could not be read ({_first_line(e)})") from e
-                del t.external_data[:]
-                t.data_location = onnx.TensorProto.DEFAULT
-                t.raw_data = raw
-    elif external:
+    check_graph(model, str(path))
+    base_dir = path.parent
+    external = check_external_data(model, base_dir, path)
+    # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),
+    # and tensors outside the initializer list (Constant attributes, subgraphs), come inline.
+    wanted = [t for t in model.graph.initializer if is_external(t) and not (lazy and expected_bytes(t) >= LAZY_MIN_BYTES)]
+    wanted += [t for t in all_tensors(model, initializers=False) if is_external(t)]
+    for t in wanted:
         try:
-            onnx.load_external_data_for_model(model, str(path.parent))
-        except (OSError, ValueError, RuntimeError, onnx.checker.ValidationError) as e:
-            raise GraphcalError(
-                f"{path}: external data could not be read ({_first_line(e)}); "
-                "keep the data files next to the model"
-            ) from e
+            inline(t, base_dir)
+        except GraphcalError as e:
+            raise GraphcalError(f"{path}: {e}") from None
     return model, external
 
 
@@ -105,21 +105,9 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def _external_length(t: onnx.TensorProto) -> int:
-    info = {e.key: e.value for e in t.external_data}
-    if "length" in info:
-        return int(info["length"])
-    import math
-
-    return -(-math.prod(t.dims) * (element_bits(t.data_type) or 8) // 8)
-
-
 def read_external(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
-    """The raw bytes of one tensor kept in external data under ``base_dir``."""
-    info = {e.key: e.value for e in t.external_data}
-    with open(Path(base_dir) / info["location"], "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        return f.read(int(info["length"])) if "length" in info else f.read()
+    """The raw bytes of one tensor kept in external data under ``base_dir`` (checked as it is read)."""
+    return read_tensor_bytes(t, base_dir)
 
 
 def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024,
@@ -138,7 +126,7 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
     with open(data_path, "wb") as data:
         for t in model.graph.initializer:
             raw = t.raw_data if t.HasField("raw_data") else None
-            if raw is None and _uses_external_data(t) and base_dir is not None:
+            if raw is None and is_external(t) and base_dir is not None:
                 raw = read_external(t, base_dir)
                 if len(raw) < threshold:  # small: inline, no longer pointing at the source's file
                     g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, raw_data=raw))
@@ -240,16 +228,26 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
     ``<name>.data`` beside it (one file, tensors over 1 KB).
 
+    The written file is checked with ``onnx.checker`` (from the file, so external data and
+    models past 2 GB are checked too); a model it rejects is an error, never an output.
     Returns the files written.
     """
     if not external and not past_protobuf_limit(model):
         onnx.save_model(model, str(path))
-        return [path]
-    return save_with_external_data(model, path, base_dir=base_dir)
+        files = [path]
+    else:
+        files = save_with_external_data(model, path, base_dir=base_dir)
+    check_written(path)
+    return files
 
 
-def _uses_external_data(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL
+def check_written(path: Path) -> None:
+    """``onnx.checker`` on a model file graphcal wrote; its complaint becomes a GraphcalError."""
+    try:
+        onnx.checker.check_model(str(path))
+    except (onnx.checker.ValidationError, ValueError, RuntimeError) as e:
+        raise GraphcalError(f"the written model fails onnx's checker, so it was not kept ({_first_line(e)}); "
+                            "this is a graphcal bug or a model onnx cannot represent: please report it") from e
 
 
 def _first_line(e: BaseException) -> str:

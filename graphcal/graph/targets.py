@@ -156,7 +156,14 @@ def weight_as_consumed(
     base_dir: str | None = None,
 ) -> np.ndarray:
     """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
-    value = numpy_helper.to_array(init, base_dir or "")
+    if init.data_location == onnx.TensorProto.EXTERNAL:  # checked against the model's folder as it is read
+        from graphcal.graph.external import read_tensor_bytes
+
+        if base_dir is None:
+            raise GraphcalError(f"weight {init.name!r} is in external data, but no model folder was given to read it")
+        init = onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
+                                raw_data=read_tensor_bytes(init, base_dir))
+    value = numpy_helper.to_array(init)
     for node in path:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Transpose":
@@ -194,6 +201,8 @@ def _trace_weight(name, inits, producers) -> tuple[str, list[onnx.NodeProto]] | 
         node = producers.get(name)
         if node is None or node.op_type not in _WEIGHT_PATH_OPS:
             return None
+        if len(path) > len(producers):  # a loop (load_model refuses cyclic graphs; this never walks forever)
+            raise GraphcalError(f"the weight path into {name!r} loops (node {node.name!r}); the graph has a cycle")
         if node.op_type == "Reshape" and node.input[1] not in inits:
             return None
         if not node.name:

@@ -1,0 +1,191 @@
+"""External data from strangers: every reference is resolved and checked before a byte is read.
+
+An ONNX tensor kept in external data names a file (``location``), an ``offset`` and a
+``length``. A hostile model can name ``../secret``, an absolute path, ``/proc/self/environ``,
+a device or FIFO, a symlink out of its folder, or a range past the end of its file (the class
+of bug onnx fixed as CVE-2024-27318). Every such reference, in initializers, sparse
+initializers, node attributes (``Constant``) and subgraphs alike, must:
+
+- be a relative path without ``..`` that stays inside the model's folder once symlinks are
+  followed (the folder's own real path is the root);
+- name a regular file (never a device, FIFO, socket or folder);
+- hold exactly the bytes its ``dims`` and type need (``length``, when given, must say so too),
+  at an ``offset`` within the file.
+
+:func:`check_external_data` checks a whole model before anything is read or handed to
+onnxruntime; :func:`read_tensor_bytes` checks again as it reads (the file could change in
+between) and reads with ``pread`` from a descriptor opened on a regular file only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from graphcal.errors import GraphcalError
+from graphcal.limits import check_fits, file_kind, open_regular
+
+KNOWN_KEYS = {"location", "offset", "length", "checksum", "basepath"}
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    """Where one tensor's bytes are: a checked regular file inside the model's folder."""
+
+    path: str  # real path, inside the model's folder
+    offset: int
+    length: int
+
+
+def all_tensors(model: onnx.ModelProto, initializers: bool = True) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto that may carry data: initializers, sparse initializers, tensor
+    attributes, in the main graph, every subgraph and every local function (without the main
+    graph's initializers when ``initializers`` is false)."""
+    yield from _graph_tensors(model.graph, initializers)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+
+
+def _graph_tensors(graph: onnx.GraphProto, initializers: bool = True) -> Iterator[onnx.TensorProto]:
+    if initializers:
+        yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        if attr.HasField("sparse_tensor"):
+            yield attr.sparse_tensor.values
+            yield attr.sparse_tensor.indices
+        for sparse in attr.sparse_tensors:
+            yield sparse.values
+            yield sparse.indices
+        if attr.HasField("g"):
+            yield from _graph_tensors(attr.g)
+        for g in attr.graphs:
+            yield from _graph_tensors(g)
+
+
+def is_external(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL
+
+
+def expected_bytes(t: onnx.TensorProto) -> int:
+    """The bytes ``t``'s dims and type need in raw form (sub-byte types packed)."""
+    from graphcal.graph.io import element_bits
+
+    bits = element_bits(t.data_type)
+    if bits is None:
+        raise GraphcalError(f"tensor {t.name!r} has type {t.data_type}, which cannot be kept in external data")
+    if any(d < 0 for d in t.dims):
+        raise GraphcalError(f"tensor {t.name!r} has a negative dimension {list(t.dims)}")
+    return -(-math.prod(t.dims) * bits // 8)
+
+
+def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
+    """Check one external reference against ``base_dir`` (the model's folder); no data is read."""
+    name = t.name or "<unnamed>"
+    info: dict[str, str] = {}
+    for entry in t.external_data:
+        if entry.key in info:
+            raise GraphcalError(f"external data of {name!r} gives {entry.key!r} twice")
+        info[entry.key] = entry.value
+    location = info.get("location", "")
+    if not location:
+        raise GraphcalError(f"external data of {name!r} names no file (no 'location')")
+    if "\x00" in location or os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location[:2]:
+        raise GraphcalError(f"external data of {name!r} is at an absolute path {location!r}; "
+                            "graphcal reads only files inside the model's folder")
+    if ".." in Path(location.replace("\\", "/")).parts:
+        raise GraphcalError(f"external data of {name!r} is at {location!r}, which leaves the model's folder")
+    root = os.path.realpath(base_dir)
+    real = os.path.realpath(os.path.join(root, location))
+    if os.path.commonpath([root, real]) != root:
+        raise GraphcalError(f"external data of {name!r} ({location!r}) leads outside the model's folder "
+                            f"(a symbolic link to {real}); graphcal reads only files inside it")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise GraphcalError(f"external data file {location!r} of {name!r} is missing; "
+                            "keep the data files next to the model") from None
+    except OSError as e:
+        raise GraphcalError(f"external data file {location!r} of {name!r} cannot be read ({e.strerror})") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise GraphcalError(f"external data {location!r} of {name!r} is {file_kind(st.st_mode)}, not a regular file")
+    offset = _non_negative(info.get("offset", "0"), "offset", name)
+    need = expected_bytes(t)
+    if "length" in info:
+        length = _non_negative(info["length"], "length", name)
+        if length != need:
+            raise GraphcalError(f"external data of {name!r} has length {length}, but its dims {list(t.dims)} "
+                                f"need {need} bytes")
+    else:
+        length = need
+    if offset + length > st.st_size:
+        raise GraphcalError(f"external data of {name!r} lies past the end of {location!r} "
+                            f"(offset {offset} + {length} bytes > {st.st_size} bytes)")
+    return ExternalRef(real, offset, length)
+
+
+def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike, where: str | os.PathLike) -> bool:
+    """Check every external reference of ``model`` against ``base_dir``; True if there are any.
+
+    Raises GraphcalError (prefixed with ``where``) for the first bad one, before anything is read.
+    """
+    found = False
+    for t in all_tensors(model):
+        if is_external(t):
+            found = True
+            try:
+                resolve(t, base_dir)
+            except GraphcalError as e:
+                raise GraphcalError(f"{where}: {e}") from None
+    return found
+
+
+def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
+    """The raw bytes of one external tensor, checked again as it is read."""
+    ref = resolve(t, base_dir)
+    check_fits(ref.length, f"tensor {t.name!r}", share=0.9)
+    with open_regular(ref.path, f"external data of {t.name!r}") as f:
+        fd, chunks, done = f.fileno(), [], 0
+        while done < ref.length:
+            chunk = os.pread(fd, min(ref.length - done, 1 << 30), ref.offset + done)
+            if not chunk:
+                raise GraphcalError(f"external data of {t.name!r} ended early (the file shrank while reading)")
+            chunks.append(chunk)
+            done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def inline(t: onnx.TensorProto, base_dir: str | os.PathLike) -> None:
+    """Read ``t``'s external bytes into ``t`` itself (as onnx's loader does, with the checks)."""
+    raw = read_tensor_bytes(t, base_dir)
+    del t.external_data[:]
+    t.data_location = onnx.TensorProto.DEFAULT
+    t.raw_data = raw
+
+
+def _non_negative(value: str, key: str, name: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise GraphcalError(f"external data of {name!r} has {key} {value!r}, not an integer") from None
+    if number < 0:
+        raise GraphcalError(f"external data of {name!r} has a negative {key} ({number})")
+    return number
+

@@ -1,0 +1,95 @@
+"""Limits for input from strangers: open regular files only, know the memory before reading.
+
+Models, data and recipes come from elsewhere. A path may name a FIFO (opening it blocks until
+a writer comes), a device (``/dev/zero`` never ends), a socket or a folder; a declared size may
+exceed the machine. Every input file graphcal reads goes through :func:`open_regular`, and every
+read whose size a file declares is checked against :func:`available_memory` first.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import BinaryIO
+
+from graphcal.errors import GraphcalError
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode describes, for messages: 'a FIFO', 'a character device', ..."""
+    for test, label in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return label
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, what: str = "file", error: type[GraphcalError] = GraphcalError) -> BinaryIO:
+    """``path`` opened for binary reading, refused (``error``, one line) unless it is a regular file.
+
+    The open itself cannot block: O_NONBLOCK makes a FIFO's open return at once, and the
+    descriptor is checked with fstat (no race between a check and the open)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise error(f"cannot open {what} {path}: {e.strerror or e}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{what} {path} is {file_kind(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, what: str, max_bytes: int,
+                 error: type[GraphcalError] = GraphcalError) -> bytes:
+    """The whole of a regular file of at most ``max_bytes`` (refused before reading otherwise)."""
+    with open_regular(path, what, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise error(f"{what} {path} is {size:,} bytes; graphcal reads at most {max_bytes:,}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{what} {path} grew past {max_bytes:,} bytes while it was read")
+    return data
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can still give (Linux MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, what: str, share: float = 0.5, hint: str = "") -> None:
+    """Refuse to hold ``nbytes`` at once when that exceeds ``share`` of the available memory."""
+    free = available_memory()
+    if free is not None and nbytes > share * free:
+        raise GraphcalError(f"{what} needs {_size(nbytes)} at once, more than {share:.0%} of the {_size(free)} of "
+                            f"memory available{'; ' + hint if hint else ''}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def real_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether ``path`` (symlinks followed) lies inside ``folder`` (symlinks followed)."""
+    root = os.path.realpath(folder)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root
+
