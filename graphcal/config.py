@@ -88,6 +88,35 @@ KV_CACHE_PRESETS = {
 }
 
 
+MAX_JSON_BYTES = 1 << 20
+MAX_JSON_DEPTH = 32  # a scheme nests 3 deep; the cap keeps json's recursion far from Python's limit
+
+
+def load_json(text: str, what: str):
+    """``json.loads`` for option values from strangers: at most 1 MB and 32 levels deep (a usage error otherwise)."""
+    if len(text) > MAX_JSON_BYTES:
+        raise UsageError(f"{what} JSON is {len(text):,} characters; at most {MAX_JSON_BYTES:,} are read")
+    depth, deepest, in_string, escaped = 0, 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                raise UsageError(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; a scheme needs 3")
+        elif ch in "]}":
+            depth -= 1
+    return json.loads(text)
+
+
 def resolve_kv_cache(text: str):
     """compressed-tensors QuantizationArgs for the key/value states: FP8, INT8, or JSON fields
     (e.g. ``{"num_bits": 8, "type": "float", "strategy": "attn_head"}``)."""
@@ -95,9 +124,10 @@ def resolve_kv_cache(text: str):
     if stripped.upper() in KV_CACHE_PRESETS:
         return resolve_kv_cache_args(KV_CACHE_PRESETS[stripped.upper()])
     if not stripped.startswith("{"):
-        raise UsageError(f"unknown kv-cache scheme {text!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise UsageError(f"unknown kv-cache scheme {shown!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
     try:
-        fields = json.loads(stripped)
+        fields = load_json(stripped, "--kv-cache-scheme")
     except json.JSONDecodeError as e:
         raise UsageError(f"--kv-cache-scheme is neither FP8, INT8 nor valid JSON: {e}") from e
     if not isinstance(fields, dict):
@@ -129,7 +159,7 @@ def resolve_scheme(scheme: str, targets: list[str]):
     text = scheme.strip()
     try:
         if text.startswith("{"):
-            fields = json.loads(text)
+            fields = load_json(text, "--scheme")
             if not isinstance(fields, dict):
                 raise UsageError("--scheme JSON must be an object of QuantizationScheme fields")
             fields.setdefault("targets", targets)
@@ -143,7 +173,15 @@ def resolve_scheme(scheme: str, targets: list[str]):
         raise UsageError(f"--scheme is neither a preset name nor valid JSON: {e}") from e
     except ValidationError as e:
         raise UsageError(f"invalid scheme: {_pydantic_message(e)}") from e
-    raise UsageError(f"unknown scheme {scheme!r}; choose one of: {', '.join(scheme_names())}")
+    except NotImplementedError as e:  # compressed-tensors refuses some valid-looking schemes this way
+        raise UsageError(f"unsupported scheme: {_first(e)}") from e
+    shown = scheme if len(scheme) <= 60 else scheme[:57] + "..."
+    raise UsageError(f"unknown scheme {shown!r}; choose one of: {', '.join(scheme_names())}")
+
+
+def _first(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def scheme_names() -> list[str]:

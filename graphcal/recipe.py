@@ -40,22 +40,80 @@ _OTHER_MODIFIERS = {
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
     """The QuantizationModifier's fields from a recipe file (validated keys, raw values)."""
+    from graphcal.limits import read_regular
+
     path = Path(path)
+    raw = read_regular(path, "recipe file", MAX_RECIPE_BYTES, error=UsageError)  # regular files only, 1 MB at most
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"recipe file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read recipe {path}: {e}") from e
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"cannot read recipe {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     return parse_recipe(text, str(path))
+
+
+MAX_RECIPE_BYTES = 1 << 20
+MAX_RECIPE_DEPTH = 32  # a recipe nests about 6 deep
+MAX_RECIPE_NODES = 100_000  # after aliases are expanded: a real recipe has a few hundred
+
+
+def _safe_yaml(text: str, where: str):
+    """YAML from a stranger: PyYAML's safe loader, plus a nesting cap (the composer recurses) and a
+    cap on the document's size with every alias expanded (a 1 KB "billion laughs" recipe of
+    nested aliases is refused before anything walks it)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            self.depth += 1
+            try:
+                if self.depth > MAX_RECIPE_DEPTH:
+                    raise UsageError(f"{where}: the YAML nests deeper than {MAX_RECIPE_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loader = Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        expanded: dict[int, int] = {}
+
+        def size(n) -> int:  # nodes with every alias expanded, each shared node counted once per use
+            if id(n) not in expanded:
+                expanded[id(n)] = 0  # a recursive alias counts as empty here; the cap still bounds its uses
+                children = n.value if isinstance(n.value, list) else []
+                total = 1
+                for child in children:
+                    for c in child if isinstance(child, tuple) else (child,):
+                        total += size(c)
+                        if total > MAX_RECIPE_NODES:
+                            break
+                    if total > MAX_RECIPE_NODES:
+                        break
+                expanded[id(n)] = total
+            return expanded[id(n)]
+
+        if size(node) > MAX_RECIPE_NODES:
+            raise UsageError(f"{where}: the YAML expands to more than {MAX_RECIPE_NODES:,} values "
+                             "(aliases nested on aliases); a recipe needs a few hundred")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
     """Find the one QuantizationModifier in a recipe's text and check its keys."""
     import yaml
 
+    if len(text) > MAX_RECIPE_BYTES:
+        raise UsageError(f"{where}: {len(text):,} characters; a recipe is read up to {MAX_RECIPE_BYTES:,}")
     try:
-        data = yaml.safe_load(text)
+        data = _safe_yaml(text, where)
+    except RecursionError:
+        raise UsageError(f"{where}: the YAML nests too deeply") from None
     except yaml.YAMLError as e:
         raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from e
     if not isinstance(data, dict):
@@ -142,6 +200,8 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
                 groups[str(group)] = QuantizationScheme.model_validate({"targets": mod_targets, **body})
             except ValidationError as e:
                 raise UsageError(f"recipe: config_groups.{group}: {_first_error(e)}") from e
+            except NotImplementedError as e:  # compressed-tensors refuses e.g. channel activations this way
+                raise UsageError(f"recipe: config_groups.{group}: unsupported ({str(e).strip().splitlines()[0]})") from e
         name = "recipe"
     else:  # llm-compressor's default: QuantizationScheme(targets) with its default args (W8 per tensor)
         groups = {"group_0": QuantizationScheme(targets=mod_targets)}

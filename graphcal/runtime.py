@@ -166,6 +166,48 @@ def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list
 
 
 
+def check_device(device: str) -> None:
+    """Refuse ``--device cuda`` up front when onnxruntime cannot run on a GPU here, whatever the
+    scheme (a dynamic scheme opens no session of its own, so nothing else would notice): a
+    one-node session must start on the CUDA provider."""
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device != "cuda":
+        return
+    if _CUDA not in ort.get_available_providers():
+        raise GraphcalError(
+            "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
+        )
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    probe = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x],
+                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
+                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    import contextlib
+    import io
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    ort.set_default_logger_severity(4)  # the provider bridge logs its load failure there; the error below says it
+    try:
+        if hasattr(ort, "preload_dlls"):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(Exception):
+                ort.preload_dlls()  # prints what it cannot find; the session below says whether CUDA works
+        try:
+            active = ort.InferenceSession(probe.SerializeToString(), opts,
+                                          providers=[_CUDA, _CPU]).get_providers()[0]
+        except Exception:  # noqa: BLE001 -- any failure to start means no usable GPU
+            active = None
+    finally:
+        ort.set_default_logger_severity(2)
+    if active != _CUDA:
+        raise GraphcalError(
+            "--device cuda: onnxruntime could not start its CUDA provider (no usable GPU, or CUDA 12/13 and cuDNN 9 "
+            "libraries not loadable); run with --device cpu or fix the CUDA install"
+        )
+
+
 def observer_device(provider: str | None, device: str, device_id: int = 0) -> torch.device:
     """Where torch observes: the GPU the session ran on (or, with no activation pass, the GPU
     ``device`` asks for), when torch can use it; the CPU otherwise."""
