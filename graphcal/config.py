@@ -9,6 +9,7 @@ JSON with QuantizationScheme fields.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from graphcal.errors import UsageError
 from graphcal.graph.targets import matches
 from graphcal.types import Target
 
+DEFAULT_SCHEME = "W8A8"
 DEFAULT_TARGETS = ("Linear",)
 DEFAULT_IGNORE = ("lm_head",)
 
@@ -62,6 +64,37 @@ class RunConfig:
         return [p for s in self.groups.values() for p in s.targets]
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the user asked for, from flags or the Python API; None means "not given".
+
+    :func:`resolve` turns it into the run's :class:`RunConfig`: the one place where flags and a
+    recipe meet, with one rule: a flag given overrides what the recipe says, and a recipe fills
+    what no flag gives; without a recipe, what is not given takes graphcal's defaults
+    (W8A8, targets Linear, ignore lm_head).
+    """
+
+    scheme: str | None = None
+    targets: tuple[str, ...] | None = None
+    ignore: tuple[str, ...] | None = None
+    observer: str | None = None
+    kv_cache: str | None = None
+    recipe: str | os.PathLike | None = None
+
+
+def resolve(options: Options) -> RunConfig:
+    """The run's config from flags and/or a recipe (see :class:`Options` for the override rule)."""
+    targets = list(options.targets) if options.targets is not None else None
+    ignore = list(options.ignore) if options.ignore is not None else None
+    if options.recipe is not None:
+        from graphcal.recipe import load_recipe, recipe_config
+
+        return recipe_config(load_recipe(options.recipe), scheme=options.scheme, targets=targets, ignore=ignore,
+                             observer=options.observer, kv_cache=options.kv_cache)
+    return build_config(options.scheme or DEFAULT_SCHEME, targets or list(DEFAULT_TARGETS),
+                        list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
+
+
 def build_config(
     scheme: str,
     targets: list[str] | tuple[str, ...] = DEFAULT_TARGETS,
@@ -70,10 +103,10 @@ def build_config(
     kv_cache: str | None = None,
 ) -> RunConfig:
     """A one-group config from a preset name or a JSON scheme, with an optional observer override
-    and an optional kv_cache_scheme (see :func:`resolve_kv_cache`)."""
+    (:func:`with_observers`) and an optional kv_cache_scheme (see :func:`resolve_kv_cache`)."""
     parsed = resolve_scheme(scheme, list(targets))
     if observer is not None:
-        parsed = with_observer(parsed, observer)
+        parsed = with_observers(parsed, weight=observer, input=observer, output=observer)
     name = scheme.upper() if not scheme.lstrip().startswith("{") else "custom"
     kv = resolve_kv_cache(kv_cache) if kv_cache is not None else None
     if kv is not None and observer is not None:
@@ -190,13 +223,15 @@ def scheme_names() -> list[str]:
     return sorted(set(PRESET_SCHEMES) | set(GRAPHCAL_PRESETS))
 
 
-def with_observer(scheme, observer: str):
-    """Copy of ``scheme`` whose weights and static activations use ``observer``."""
+def with_observers(scheme, *, weight: str | None = None, input: str | None = None, output: str | None = None):
+    """Copy of ``scheme`` with observer overrides, by llm-compressor's rule: every part that gets
+    an observer (weights, and activations that are not fully dynamic: static ones and NVFP4's
+    "local" ones, whose global scale is observed) takes the override; fully dynamic ones have none."""
     updates = {}
-    for part in ("weights", "input_activations", "output_activations"):
+    for name, part in ((weight, "weights"), (input, "input_activations"), (output, "output_activations")):
         args = getattr(scheme, part)
-        if args is not None and args.dynamic is False:
-            updates[part] = args.model_copy(update={"observer": observer})
+        if args is not None and name is not None and args.dynamic is not True:
+            updates[part] = args.model_copy(update={"observer": name})
     return scheme.model_copy(update=updates)
 
 

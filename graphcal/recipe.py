@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from graphcal.config import RunConfig, resolve_kv_cache_args
+from graphcal.config import RunConfig, resolve_kv_cache_args, with_observers
 from graphcal.errors import UsageError
 
 MODIFIER = "QuantizationModifier"
@@ -236,16 +236,10 @@ def _with_observers(scheme, fields: dict, cli_observer: str | None):
         individual = {"weight": mapping.get("weights"), "input": mapping.get("input"), "output": mapping.get("output")}
     if cli_observer is not None:
         individual = {"weight": cli_observer, "input": cli_observer, "output": cli_observer}
-    updates = {}
-    for key, part in (("weight", "weights"), ("input", "input_activations"), ("output", "output_activations")):
-        args, name = getattr(scheme, part), individual[key]
-        if args is None or name is None:
-            continue
-        if not isinstance(name, str):
+    for key, name in individual.items():
+        if name is not None and not isinstance(name, str):
             raise UsageError(f"recipe: {key} observer must be a name, not {name!r}")
-        if args.dynamic is not True:
-            updates[part] = args.model_copy(update={"observer": name})
-    return scheme.model_copy(update=updates)
+    return with_observers(scheme, **individual)
 
 
 def _string_list(value, what: str) -> list[str]:

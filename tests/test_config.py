@@ -56,3 +56,35 @@ def test_most_specific_target_wins():
     assert config.scheme_for(_target("a.k_proj")) is config.groups["group_0"]
     assert config.scheme_for(_target("b.q_proj")) is config.groups["group_1"]
     assert config.scheme_for(_target("a.q_proj")) is config.groups["group_2"]
+
+
+@pytest.mark.parametrize("via_recipe", [False, True])
+def test_one_observer_override_rule_for_flags_and_recipes(tmp_path, via_recipe):
+    """llm-compressor gives NVFP4's "local" dynamic inputs an observer (their global scale), so an
+    observer override reaches them, from a flag or a recipe alike; fully dynamic inputs get none."""
+    from graphcal.config import Options, resolve
+
+    recipe = tmp_path / "recipe.yaml"
+    for preset, input_observer in (("NVFP4", "mse"), ("W8A8", None), ("FP8", "mse")):
+        recipe.write_text(f"QuantizationModifier: {{scheme: {preset}}}\n")
+        options = Options(recipe=recipe, observer="mse") if via_recipe else Options(scheme=preset, observer="mse")
+        scheme = resolve(options).groups["group_0"]
+        assert scheme.weights.observer == "mse"
+        assert scheme.input_activations.observer == input_observer
+        assert observer_name(scheme.weights, "weight") == "memoryless_mse"
+    recipe.write_text("QuantizationModifier: {scheme: NVFP4, input_observer: memoryless_minmax}\n")
+    from_recipe = resolve(Options(recipe=recipe)).groups["group_0"]
+    assert from_recipe.input_activations.observer == "memoryless_minmax"
+    assert from_recipe.weights.observer == preset_name_to_scheme("NVFP4", ["Linear"]).weights.observer
+
+
+def test_flags_override_a_recipe_and_fill_defaults_without_one(tmp_path):
+    from graphcal.config import Options, resolve
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("QuantizationModifier: {scheme: FP8, ignore: [lm_head, model.x]}\n")
+    assert resolve(Options(recipe=recipe)).ignore == ["lm_head", "model.x"]
+    assert resolve(Options(recipe=recipe, ignore=("a",))).ignore == ["a"]
+    assert resolve(Options(recipe=recipe, scheme="W4A16")).groups["group_0"].weights.num_bits == 4
+    bare = resolve(Options())
+    assert bare.scheme_name == "W8A8" and bare.ignore == ["lm_head"] and bare.patterns == ["Linear"]
