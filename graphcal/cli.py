@@ -9,6 +9,7 @@ import click
 
 from graphcal.distributed import settle
 from graphcal.errors import GraphcalError
+from graphcal.output import Terminated, sigterm_as_interrupt, torchrun_rank
 
 EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/"
 
@@ -62,6 +63,8 @@ def cli(verbose: bool) -> None:
 @click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable.")
+@click.option("--skip-nonfinite-weights", is_flag=True,
+              help="Leave layers whose weight holds NaN or Inf in float (with a warning) instead of failing.")
 @click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
               show_default=True,
               help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what TensorRT "
@@ -76,8 +79,8 @@ def cli(verbose: bool) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 @click.pass_context
-def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device, runtime,
-        recipe, as_json, quiet, debug):
+def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device,
+        skip_nonfinite_weights, runtime, recipe, as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -104,7 +107,7 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
         return calibrate(
             model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer, kv_cache=kv_cache,
             config=config, device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
-            progress=not (quiet or as_json),
+            progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
         )
 
     result = _guarded(call, debug)
@@ -236,18 +239,24 @@ def eval_command(reference, quantized, data, batch_size, num_samples, as_json, h
 
 
 def _guarded(call, debug: bool):
-    """Run ``call``; turn graphcal's errors into one line and an exit code."""
+    """Run ``call``; turn graphcal's errors into one line and an exit code.
+
+    SIGTERM is handled like Ctrl-C (temporary files removed), exiting 143 instead of 130. Not under
+    torchrun, whose SIGTERM must stop a rank at once even while it waits in a collective; there the
+    output's write phase alone does so (graphcal.output).
+    """
     try:
-        return call()
+        with sigterm_as_interrupt(enabled=torchrun_rank() is None):
+            return call()
     except GraphcalError as e:
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
         settle(e)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         click.echo("interrupted; no output was written", err=True)
-        sys.exit(130)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     except Exception as e:  # a bug or an input graphcal did not foresee: still one line, no half output
         if debug:
             raise

@@ -18,9 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from graphcal.output import releases_outputs, reserve_output
+
 #: IR version written into exported models. onnxruntime 1.20+ loads IR <= 10, which covers
 #: opsets up to 21 (IR 10 was introduced with opset 21).
 MAX_IR_VERSION = 10
+MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
 
 #: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
 BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
@@ -161,6 +164,7 @@ def export_torch(
 # --------------------------------------------------------------------------------------------
 
 
+@releases_outputs  # the -o reservation is released however the export ends
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
                       num_samples: int | None = None) -> list[Path]:
@@ -171,7 +175,8 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     (plain MatMul/Softmax, which graphcal's kv-cache finder recognises) and dynamic batch and
     sequence axes. ``text`` (one sample per non-empty line) becomes ``out_dir/calib.npz``
     through the folder's tokenizer, padded or truncated to ``seq`` tokens. Models past 2 GB are
-    written with external data. Returns the files written.
+    written with external data. ``out_dir`` follows graphcal run's rules (graphcal.output): checked
+    and locked first, written in a temporary folder beside it and swapped in. Returns the files written.
     """
     import numpy as np
     import torch
@@ -186,6 +191,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} is not a transformers model folder (no config.json)")
     opset = opset or (18 if dynamo else 17)
+    slot = reserve_output(out_dir, [model_dir, *([text] if text is not None else [])], main=True)
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
         causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
@@ -210,12 +216,15 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     inputs = {n: examples[n] for n in names}
     output = "logits" if causal else "last_hidden_state"
     axes = {n: dict(BATCH_SEQ_AXES) for n in [*names, output]}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = export_torch(model, inputs, out_dir / "model.onnx", output_names=[output], dynamic_axes=axes,
-                        dynamo=dynamo, constant_folding=True, opset=opset)
-    written = [path] + ([path.with_name(path.name + ".data")] if path.with_name(path.name + ".data").exists() else [])
+    arrays = None
     if text is not None:
-        lines = [line.strip() for line in Path(text).read_text().splitlines() if line.strip()]
+        from graphcal.limits import read_regular
+
+        raw = read_regular(text, "--text file", MAX_TEXT_BYTES, error=UsageError)  # regular files only, bounded
+        try:
+            lines = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from e
         if num_samples is not None:
             lines = lines[:num_samples]
         if not lines:
@@ -227,9 +236,21 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         missing = [n for n in names if n not in arrays]
         if missing:
             raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
-        np.savez(out_dir / "calib.npz", **arrays)
-        written.append(out_dir / "calib.npz")
-    return written
+
+    def write(tmp: Path) -> list[Path]:
+        path = export_torch(model, inputs, tmp / "model.onnx", output_names=[output], dynamic_axes=axes,
+                            dynamo=dynamo, constant_folding=True, opset=opset)
+        from graphcal.graph import io as graph_io
+
+        graph_io.check_written(path)  # onnx's checker, before the files are moved into place
+        data = path.with_name(path.name + ".data")
+        written = [path] + ([data] if data.exists() else [])
+        if arrays is not None:
+            np.savez(tmp / "calib.npz", **arrays)
+            written.append(tmp / "calib.npz")
+        return written
+
+    return slot.write(write)
 
 
 def _normalise(model) -> None:

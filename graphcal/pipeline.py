@@ -27,8 +27,8 @@ from graphcal.graph.qdq import QDQWriter, items_opset, required_kv_opset, runtim
 from graphcal.graph.targets import find_targets, select, torch_weight
 from graphcal.graph.taps import add_reductions, add_taps, mark, restore
 from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
-from graphcal.output import MODEL_FILE, check_output_dir, write_atomically
-from graphcal.runtime import observer_device, open_runtime
+from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
+from graphcal.runtime import check_device, observer_device, open_runtime
 from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
@@ -55,6 +55,7 @@ class CalibrationResult:
         return qparam_tensors(self.targets)
 
 
+@releases_outputs  # the -o reservation below is released however calibrate ends
 def calibrate(
     model: str | Path,
     data,  # .npz path, folder of .npz, mapping of arrays, or an onnxruntime CalibrationDataReader
@@ -73,6 +74,7 @@ def calibrate(
     num_samples: int | None = None,
     progress: bool = False,
     reduce_in_graph: bool = True,
+    skip_nonfinite_weights: bool = False,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -85,16 +87,19 @@ def calibrate(
     (only what TensorRT builds; other schemes fail before calibrating). With ``reduce_in_graph``
     (the default), min/max observers get their batch extrema from ReduceMin/ReduceMax in the
     tapped graph, so whole activations leave onnxruntime only for observers that need them.
+    A weight holding NaN or Inf is an error naming it; with ``skip_nonfinite_weights`` its layer
+    is left in float (listed as ignored) with a warning.
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
     data_paths = [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
-    check_output_dir(out_dir, [model_path, *data_paths])
+    slot = reserve_output(out_dir, [model_path, *data_paths])  # checks -o, locks it (rank 0), clears leftovers
     if config is None and recipe is not None:  # the recipe with nothing on top, as `run --recipe` without flags
         from graphcal.recipe import load_recipe, recipe_config
 
         config = recipe_config(load_recipe(recipe))
     config = config or build_config(scheme, list(targets), list(ignore), observer, kv_cache)
+    check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     warnings: list[str] = []
 
     # External data stays on disk: onnxruntime reads it from the model's folder, weights are read one at a time.
@@ -182,10 +187,20 @@ def calibrate(
         weights = {}
         for t in unit:
             weights[t.name] = torch.from_numpy(torch_weight(writer.model, t, base_dir))
+            bad = _nonfinite_count(weights[t.name])
+            if bad:
+                if not skip_nonfinite_weights:
+                    raise GraphcalError(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); fix the model, "
+                                        "or pass --skip-nonfinite-weights to leave such layers in float")
+                warnings.append(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); left in float")
+                del weights[t.name]
+                weight_bar.update(1)
+                continue
             try:
                 plan.weight_observers[t.name](weights[t.name].to(obs_device))
             except ValueError as e:  # e.g. a group size that does not divide in_features
                 raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
+        unit = [t for t in unit if t.name in weights]  # members left in float share no global scale
         plan.fuse(g for g in groups if set(g.members) == {t.name for t in unit})
         for t in unit:
             item = plan.qparams(t, schemes[t.name])
@@ -193,7 +208,8 @@ def calibrate(
             by_name[t.name] = item
             weight_bar.update(1)
     weight_bar.close()
-    items = [by_name[t.name] for t in chosen]
+    items = [by_name[t.name] for t in chosen if t.name in by_name]
+    ignored += [t.name for t in chosen if t.name not in by_name]  # non-finite weights left in float
     kv_items = plan.kv_qparams()
     for item in items:
         writer.quantize_input(item)
@@ -211,7 +227,8 @@ def calibrate(
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]
 
-    files = write_atomically(out_dir, write)
+    files = slot.write(write)  # a temporary folder beside -o, swapped in; unlocks
+    warnings += slot.warnings
     log.info("wrote %s", ", ".join(str(f) for f in files))
     return CalibrationResult(
         output_dir=out_dir, files=files, targets=items, ignored=ignored, provider=provider,
@@ -370,6 +387,13 @@ def _run_activations(runtime, calib, plan: _ObserverPlan, progress: bool, dist=N
             count += 1
             bar.update(1)
     return count
+
+
+def _nonfinite_count(w: torch.Tensor) -> int:
+    """How many NaN/Inf values ``w`` holds (0 for integer weights); one cheap check first."""
+    if not w.is_floating_point() or w.numel() == 0 or _all_finite(w):
+        return 0
+    return int((~torch.isfinite(w)).sum())
 
 
 def _all_finite(x: torch.Tensor) -> bool:

@@ -74,7 +74,7 @@ def test_export_past_the_protobuf_limit_writes_external_data(folder, tmp_path, m
     out = tmp_path / "big"
     result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "model.onnx.data"]
     assert "model.onnx.data" in result.output
     ids = np.arange(16, dtype=np.int64).reshape(2, 8)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}

@@ -14,9 +14,11 @@ from graphcal.graph.external import (all_tensors, check_external_data, expected_
                                      read_tensor_bytes)
 from graphcal.limits import check_fits, open_regular
 
-# onnxruntime 1.31 refuses IR > 13; onnx.helper picks IR from the opset with this table.
+# The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
+# onnxruntime 1.31 loads IR up to 13 and refuses 14 ("max supported IR version: 13"); onnx pairs IR 14 with opset 28.
 MAX_ORT_IR = 13
 PROTOBUF_LIMIT = 2**31 - 1
+MAX_MODEL_FILE = 2**31  # protobuf parses no larger message: past it, a model must keep weights in external data
 SIZE_MARGIN = 64 << 20  # an estimated size this close to PROTOBUF_LIMIT is checked exactly
 LAZY_MIN_BYTES = 1 << 20  # external tensors under 1 MB are loaded at once; larger ones when read
 
@@ -44,7 +46,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise GraphcalError(f"model file is empty: {path}")
-        if size > PROTOBUF_LIMIT:
+        if size > MAX_MODEL_FILE:
             raise GraphcalError(f"{path} is not a readable ONNX model ({size:,} bytes: past protobuf's 2 GB; "
                                 "a model this large keeps its weights in external data)")
         check_fits(size, f"model file {path}", share=0.9)
