@@ -25,13 +25,16 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str | os.PathLike, what: str = "file", error: type[GraphcalError] = GraphcalError) -> BinaryIO:
-    """``path`` opened for binary reading, refused (``error``, one line) unless it is a regular file.
+def open_regular(path: str | os.PathLike, what: str = "file", error: type[GraphcalError] = GraphcalError,
+                 noun: str = "file") -> BinaryIO:
+    """``path`` opened for binary reading, refused (``error``, one line: "PATH is a FIFO, not a
+    regular ``noun``") unless it is a regular file; symlinks to regular files are fine.
 
     The open itself cannot block: O_NONBLOCK makes a FIFO's open return at once, and the
     descriptor is checked with fstat (no race between a check and the open)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise error(f"{what} not found: {path}") from None
     except OSError as e:
@@ -39,7 +42,7 @@ def open_regular(path: str | os.PathLike, what: str = "file", error: type[Graphc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{what} {path} is {file_kind(mode)}, not a regular file")
+            raise error(f"{path} is {file_kind(mode)}, not a regular {noun}")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -71,9 +74,10 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
 
 
 def check_fits(nbytes: int, what: str, share: float = 0.5, hint: str = "") -> None:

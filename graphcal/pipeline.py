@@ -166,6 +166,8 @@ def calibrate(
             error = e
         if dist is not None:
             gather_statistics(dist, plan.activation_observers(), error)
+    else:  # no activation pass: the data is still read once, cheaply, so NaN/Inf in it is refused
+        calib.check_values()
     if dist is not None and not dist.is_main:
         return CalibrationResult(
             output_dir=out_dir, files=[], targets=[], ignored=ignored, provider=provider,

@@ -372,3 +372,13 @@ def test_fuzzed_external_data_fields_give_a_one_line_error_or_the_right_bytes(fo
         start = int(offset or 0)
         expected = (folder / "w.bin").read_bytes()[start:start + len(weight.raw_data)]
         assert weight.raw_data == expected and len(weight.raw_data) == 4 * int(np.prod(dims))
+
+
+def test_nan_in_calibration_data_is_refused_even_without_an_activation_pass(folder, tmp_path):
+    model = _save(folder, _weight())
+    x = np.random.default_rng(3).standard_normal((8, 4, 8)).astype(np.float32)
+    x[6, 1, 2] = np.nan
+    np.savez(folder / "bad.npz", x=x)
+    code, output = _run("run", model, "--data", folder / "bad.npz", "-o", tmp_path / "out", "-q")  # W8A8: dynamic
+    assert_refused(code, output, "input 'x' holds NaN or Inf (sample 6)")
+    assert not (tmp_path / "out").exists()
