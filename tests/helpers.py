@@ -94,3 +94,21 @@ def run_model(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = N
 
     names = outputs or [o.name for o in model.graph.output]
     return dict(zip(names, ReferenceEvaluator(model).run(names, feeds)))
+
+
+def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime") -> onnx.ModelProto:
+    """The Q/DQ model for ``items``, written as graphcal.pipeline writes it: a QDQWriter at the opset
+    ``items_opset`` gives, each weight read and quantized, then each input, then ``finish()``. It
+    writes into a copy (the pipeline writes into a model it loaded itself), so ``model`` stays
+    usable for references."""
+    from graphcal.graph.qdq import QDQWriter, items_opset
+    from graphcal.graph.targets import torch_weight
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    writer = QDQWriter(copy, items_opset(items, runtime=runtime), runtime)
+    for item in items:
+        writer.quantize_weight(item, torch.from_numpy(torch_weight(writer.model, item.target)))
+    for item in items:
+        writer.quantize_input(item)
+    return writer.finish()

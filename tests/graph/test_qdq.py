@@ -16,10 +16,10 @@ from compressed_tensors.quantization.utils import calculate_qparams, compute_dyn
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.errors import GraphcalError
-from graphcal.graph.qdq import emit_qdq
+from graphcal.graph.qdq import QDQWriter, Runtime, ir_for_opset, items_opset
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.types import QParams, QuantizedTarget
-from tests.helpers import ort_run
+from tests.helpers import ort_run, write_qdq
 
 W_CHANNEL = QuantizationArgs(num_bits=8, strategy="channel", symmetric=True)
 A_STATIC = QuantizationArgs(num_bits=8, strategy="tensor", symmetric=True, dynamic=False)
@@ -77,7 +77,7 @@ def test_gemm_trans_b_0_with_static_input(rng):
     w = rng.standard_normal((8, 6)).astype(np.float32)  # [in, out]
     model = _model([helper.make_node("Gemm", ["x", "w"], ["y"], name="/fc/Gemm")], [numpy_helper.from_array(w, "w")], x.shape)
     items = _items(model, torch.from_numpy(x), aargs=A_STATIC)
-    out = emit_qdq(model, items)
+    out = write_qdq(model, items)
     onnx.checker.check_model(out, full_check=True)
     got = ort_run(out, {"x": x})["y"]
     ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
@@ -96,7 +96,7 @@ def test_fp16_weight_behind_cast_and_transpose_with_dynamic_tokens(rng, opset):
     ]
     model = _model(nodes, [numpy_helper.from_array(w16, "w")], x.shape, opset)
     items = _items(model, torch.from_numpy(x), aargs=A_TOKEN)
-    out = emit_qdq(model, items)
+    out = write_qdq(model, items)
     onnx.checker.check_model(out, full_check=True)
     assert not {"/p/Cast", "/p/Transpose"} & {n.name for n in out.graph.node}  # the weight path is folded away
     assert "w" not in {i.name for i in out.graph.initializer}
@@ -123,7 +123,7 @@ def test_shared_activation_gets_one_qdq_pair_and_tied_weight_stays(rng):
              numpy_helper.from_array(np.array([0], np.int64), "idx")]
     model = _model(nodes, inits, x.shape)
     items = _items(model, torch.from_numpy(x), aargs=A_STATIC)
-    out = emit_qdq(model, items)
+    out = write_qdq(model, items)
     ops = [n.op_type for n in out.graph.node]
     assert ops.count("QuantizeLinear") == 1 and ops.count("DequantizeLinear") == 3
     assert "wa" in {i.name for i in out.graph.initializer} and "wb" not in {i.name for i in out.graph.initializer}
@@ -131,15 +131,6 @@ def test_shared_activation_gets_one_qdq_pair_and_tied_weight_stays(rng):
     xq = _fq_input(torch.from_numpy(x), items[0])
     ref = xq @ _fq_weight(model, items[0]).T + xq @ _fq_weight(model, items[1]).T + wa[0].sum()
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-5)
-
-
-def test_input_model_is_not_modified(rng):
-    x = rng.standard_normal((2, 4)).astype(np.float32)
-    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
-                   [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")], x.shape)
-    before = model.SerializeToString()
-    emit_qdq(model, _items(model, torch.from_numpy(x), aargs=A_TOKEN))
-    assert model.SerializeToString() == before
 
 
 def _ct_qparams(w: torch.Tensor, args: QuantizationArgs) -> QParams:
@@ -195,7 +186,7 @@ def test_weight_forms_match_compressed_tensors(rng, form, op):
                        [numpy_helper.from_array(w, "w")], x.shape)
     t = find_targets(model)[0][0]
     qp = _ct_qparams(torch.from_numpy(w), args)
-    out = emit_qdq(model, [QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args), {"weight": qp})])
+    out = write_qdq(model, [QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args), {"weight": qp})])
     onnx.checker.check_model(out, full_check=True)
     got = run_model(out, {"x": x})["y"]
     wq = fake_quantize(torch.from_numpy(w), qp.scale, qp.zero_point, args, global_scale=qp.global_scale)
@@ -215,7 +206,7 @@ def test_static_asymmetric_and_dynamic_group_activations(rng):
                   QuantizationArgs(num_bits=8, strategy="group", group_size=8, dynamic=True),
                   QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=16, dynamic=True)):
         items = _items(model, torch.from_numpy(x), aargs=aargs)
-        out = emit_qdq(model, items)
+        out = write_qdq(model, items)
         onnx.checker.check_model(out, full_check=True)
         got = ort_run(out, {"x": x})["y"]
         ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
@@ -240,20 +231,19 @@ def test_schemes_without_an_onnx_form_fail_clearly(rng, weights, inputs, message
     t = find_targets(model)[0][0]
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     with pytest.raises(GraphcalError, match=message):
-        emit_qdq(model, [QuantizedTarget(t, scheme, {})])
+        write_qdq(model, [QuantizedTarget(t, scheme, {})])
 
 
 @pytest.mark.parametrize("opset", [19, 21, 23])
 def test_opset_upgrade_in_place_equals_onnx_converting_the_whole_model(llama_dir, opset):
-    """The converter runs on a weightless copy and its graph replaces the model's, weights untouched."""
+    """The writer converts a model below the scheme's opset in place: the converter runs on a
+    weightless copy and its graph replaces the model's, weights untouched."""
     from onnx import version_converter
-
-    from graphcal.graph.qdq import _upgrade_opset
 
     full = version_converter.convert_version(onnx.load(llama_dir / "model.onnx"), opset)
     model = onnx.load(llama_dir / "model.onnx")
     weights = {t.name: t for t in model.graph.initializer}
-    upgraded = _upgrade_opset(model, opset)
+    upgraded = QDQWriter(model, opset).model
     assert upgraded is model  # in place
     assert [n.SerializeToString() for n in upgraded.graph.node] == [n.SerializeToString() for n in full.graph.node]
     assert sorted(t.SerializeToString() for t in upgraded.graph.initializer) == \
@@ -261,3 +251,33 @@ def test_opset_upgrade_in_place_equals_onnx_converting_the_whole_model(llama_dir
     assert [t.name for t in upgraded.graph.initializer][:len(weights)] == list(weights)  # weights kept, in order
     assert next(o.version for o in upgraded.opset_import if o.domain == "") == opset
     onnx.checker.check_model(upgraded, full_check=True)
+
+
+def test_target_runtime_is_an_enum_and_an_unknown_one_fails_clearly(rng):
+    assert Runtime("tensorrt") is Runtime.TENSORRT and Runtime.ONNXRUNTIME == "onnxruntime"
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
+                   [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")], x.shape)
+    items = _items(model, torch.from_numpy(x))
+    for call in (lambda: items_opset(items, runtime="trt"), lambda: QDQWriter(model, 13, "trt")):
+        with pytest.raises(GraphcalError, match=r"^unknown target runtime 'trt'; choose one of: onnxruntime, tensorrt$"):
+            call()
+
+
+def test_ir_version_is_the_lowest_for_the_opset_within_what_onnxruntime_loads(tmp_path):
+    """MAX_ORT_IR is the highest IR the installed onnxruntime loads; the written IR never passes it."""
+    import onnxruntime as ort
+
+    from graphcal.graph.io import MAX_ORT_IR
+
+    assert (ir_for_opset(13), ir_for_opset(21), ir_for_opset(23), ir_for_opset(24)) == (7, 10, 11, 12)
+    assert ir_for_opset(28) == ir_for_opset(99) == MAX_ORT_IR  # onnx pairs opset 28 with IR 14
+    for ir in (MAX_ORT_IR, MAX_ORT_IR + 1):
+        model = _model([helper.make_node("Relu", ["x"], ["y"])], [], [2])
+        model.ir_version = ir
+        onnx.save(model, tmp_path / f"ir{ir}.onnx")
+        if ir <= MAX_ORT_IR:
+            ort.InferenceSession(str(tmp_path / f"ir{ir}.onnx"), providers=["CPUExecutionProvider"])
+        else:
+            with pytest.raises(Exception, match=f"Unsupported model IR version: {ir}"):
+                ort.InferenceSession(str(tmp_path / f"ir{ir}.onnx"), providers=["CPUExecutionProvider"])

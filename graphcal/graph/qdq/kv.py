@@ -1,0 +1,35 @@
+"""Static Q/DQ on the key and value states, as compressed-tensors fake-quantizes them at the cache.
+
+A state ``[batch, kv_heads, seq, head_dim]`` entering attention is read through one pair::
+
+    DequantizeLinear(QuantizeLinear(k, k_scale, zp), k_scale, zp)     (per tensor, or axis=1 per kv head)
+
+placed in front of the first node that reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphcal.errors import GraphcalError
+from graphcal.graph.qdq.edits import Edits
+from graphcal.graph.qdq.policy import qtype_of
+from graphcal.types import QuantizedKV
+from graphcal.types import enum_value as _name
+
+
+def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str) -> str:
+    """Build the Q/DQ of state ``tensor`` ("k" or "v" in ``base``) before node ``anchor``; returns
+    the tensor its readers take instead."""
+    per_head = _name(kv.args.strategy) == "attn_head"
+    qtype = qtype_of(kv.args, kv.state.name, "key/value states")
+    qp = kv.qparams[base]
+    scale = qp.scale.detach().to(torch.float32).numpy().astype(edits.dtype_of(tensor))
+    scale = scale.reshape(-1) if per_head else scale.reshape(())
+    zp = qp.zero_point if not kv.args.symmetric else torch.zeros(scale.shape)
+    if not anchor:
+        raise GraphcalError(f"{kv.state.name}: the node reading {tensor!r} has no name; cannot place its Q/DQ")
+    s = edits.const(f"{kv.state.name}.{base}_scale", scale)
+    z = edits.const(f"{kv.state.name}.{base}_zero_point", qtype.array(zp).reshape(scale.shape))
+    attrs = {"axis": 1} if per_head else {}
+    return edits.qdq(anchor, tensor, s, z, f"{kv.state.name}/{base}", **attrs)

@@ -1,0 +1,56 @@
+"""The model raised to the opset its schemes need, and the IR version that goes with it.
+
+The opset is raised only as far as the schemes need (onnx's version converter); the IR version
+becomes the lowest onnx pairs with that opset, within what onnxruntime loads (``MAX_ORT_IR``).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from graphcal.errors import GraphcalError
+from graphcal.graph.io import MAX_ORT_IR, default_opset, hollow_copy
+
+
+def ir_for_opset(opset: int) -> int:
+    """The lowest IR version onnx pairs with ``opset``, capped at what onnxruntime loads."""
+    irs = [ir for _release, ir, op, *_ in helper.VERSION_TABLE if op >= opset]
+    return min(min(irs, default=MAX_ORT_IR), MAX_ORT_IR)
+
+
+def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """``model`` converted to ``opset`` in place: onnx's version converter runs on a hollow copy
+    (weights as dims-only stubs), and its graph replaces the model's while the weights stay put,
+    so a big model is never copied. Falls back to converting the whole model if the hollow one
+    cannot be converted (an adapter that reads weight values)."""
+    from onnx import version_converter
+
+    hollow = hollow_copy(model)
+    hollow.graph.initializer.extend(
+        onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type) for t in model.graph.initializer)
+    try:
+        converted = version_converter.convert_version(hollow, opset)
+    except Exception:  # noqa: BLE001 -- retried below on the whole model, which reports the real error
+        converted = None
+    if converted is None:
+        try:
+            upgraded = version_converter.convert_version(model, opset)
+        except Exception as e:
+            raise GraphcalError(
+                f"the scheme needs opset {opset} but the model (opset {default_opset(model)}) could not be converted: "
+                f"{str(e).strip().splitlines()[0]}; re-export the model at opset {opset}"
+            ) from e
+        upgraded.ir_version = max(upgraded.ir_version, ir_for_opset(opset))
+        return upgraded
+    kept = {t.name for t in model.graph.initializer}
+    graph = model.graph
+    for name in ("node", "input", "output", "value_info"):
+        field = getattr(graph, name)
+        del field[:]
+        field.extend(getattr(converted.graph, name))
+    graph.initializer.extend(t for t in converted.graph.initializer if t.name not in kept)  # constants it added
+    del model.opset_import[:]
+    model.opset_import.extend(converted.opset_import)
+    model.ir_version = max(converted.ir_version, ir_for_opset(opset))
+    return model

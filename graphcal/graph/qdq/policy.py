@@ -1,0 +1,201 @@
+"""What the Q/DQ writer can write, for which target runtime, at which opset.
+
+Every rule here is checked before calibration (``items_opset``, ``required_kv_opset``), so a
+scheme with no ONNX form, or one the target runtime does not build, ends with a one-line error
+naming it. Also here: how each compressed-tensors type is stored in ONNX (:class:`QType`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import torch
+from onnx import TensorProto
+
+from graphcal.errors import GraphcalError
+from graphcal.types import QuantizedTarget
+from graphcal.types import enum_value as _name
+
+
+class Runtime(enum.StrEnum):
+    """The runtime a QDQ model is written for: standard ONNX forms, or only what TensorRT builds.
+
+    ``Runtime("tensorrt")`` converts a command-line string; an unknown one is a GraphcalError.
+    """
+
+    ONNXRUNTIME = "onnxruntime"
+    TENSORRT = "tensorrt"
+
+    @classmethod
+    def _missing_(cls, value):
+        raise GraphcalError(f"unknown target runtime {value!r}; choose one of: {', '.join(cls)}")
+
+
+@dataclass(frozen=True)
+class QType:
+    """How one compressed-tensors type is stored in ONNX."""
+
+    onnx_type: int
+    np_dtype: np.dtype  # numpy / ml_dtypes type that onnx.numpy_helper packs
+    half_range: float  # compressed-tensors' symmetric divisor: (qmax - qmin) / 2
+    opset: int  # lowest opset whose Q/DQ take this type
+
+    def array(self, values: torch.Tensor) -> np.ndarray:
+        """Values already on the quantized grid (compressed-tensors' output) as this storage type."""
+        array = values.detach().to(torch.float32).numpy()
+        if self.np_dtype.kind in "iu" or self.np_dtype == np.dtype(ml_dtypes.int4):
+            array = np.rint(array).astype(np.int8)
+        return array.astype(self.np_dtype)
+
+
+_QTYPES = {
+    ("int", 8): QType(TensorProto.INT8, np.dtype(np.int8), 127.5, 13),
+    ("int", 4): QType(TensorProto.INT4, np.dtype(ml_dtypes.int4), 7.5, 21),
+    ("float", 8): QType(TensorProto.FLOAT8E4M3FN, np.dtype(ml_dtypes.float8_e4m3fn), 448.0, 19),
+    ("float", 4): QType(TensorProto.FLOAT4E2M1, np.dtype(ml_dtypes.float4_e2m1fn), 6.0, 23),
+}
+FP8 = _QTYPES["float", 8]
+FP4 = _QTYPES["float", 4]
+_SUPPORTED = "int4/int8 (sym or asym), fp8 e4m3, fp4 e2m1"
+_BLOCKED_OPSET = 21  # block_size on Q/DQ
+_E8M0_OPSET = 24  # float8e8m0 scales
+
+
+def qtype_of(args, where: str, what: str) -> QType:
+    """The storage type of ``args``; raises for a type or asymmetry ONNX Q/DQ cannot express."""
+    qtype = _QTYPES.get((_name(args.type), args.num_bits))
+    if qtype is None:
+        raise GraphcalError(f"{where}: {what} {_name(args.type)}{args.num_bits} has no ONNX Q/DQ form here (supported: {_SUPPORTED})")
+    if not args.symmetric and _name(args.type) == "float":
+        raise GraphcalError(f"{where}: {what} asymmetric float quantization has no ONNX form (float Q/DQ zero points must be 0)")
+    return qtype
+
+
+def is_mx(args) -> bool:
+    """MX formats: float elements, groups of 32, power-of-two scales kept as uint8 exponents."""
+    from compressed_tensors.quantization.utils import should_generate_mx_scales
+
+    return should_generate_mx_scales(args)
+
+
+def fp8_scales(args) -> bool:
+    """Whether the scales are stored as fp8 (NVFP4's local scales)."""
+    return args.scale_dtype == torch.float8_e4m3fn
+
+
+def items_opset(items: list[QuantizedTarget], runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+    """The opset a model with these targets needs (never below 13)."""
+    runtime = Runtime(runtime)
+    return max([required_opset(item, runtime) for item in items] + [13])
+
+
+def required_opset(item: QuantizedTarget, runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+    """The lowest opset that expresses this target's scheme; raises for what has no ONNX form here,
+    or, for TensorRT, for what TensorRT does not build."""
+    runtime = Runtime(runtime)
+    scheme = item.scheme
+    where = item.target.name
+    if scheme.output_activations is not None:
+        raise GraphcalError(f"{where}: output_activations are not written to ONNX (quantize the next layer's input instead)")
+    if scheme.weights is None:
+        raise GraphcalError(f"{where}: the scheme has no weights entry; graphcal writes weight-quantized MatMul/Gemm only")
+    opsets = [_weight_opset(scheme.weights, where)]
+    if scheme.input_activations is not None:
+        opsets.append(_input_opset(scheme.input_activations, where))
+    if runtime is Runtime.TENSORRT:
+        problem = tensorrt_problem(scheme)
+        if problem:
+            raise GraphcalError(f"{where}: --target tensorrt: {problem}")
+    return max(opsets)
+
+
+def required_kv_opset(args, runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+    """The opset for static Q/DQ on key/value states (per tensor, or per kv head on axis 1)."""
+    runtime = Runtime(runtime)
+    qtype = qtype_of(args, "kv-cache scheme", "key/value states")
+    if args.dynamic is not False or _name(args.strategy) not in ("tensor", "attn_head"):
+        raise GraphcalError("kv-cache scheme: key/value states are written as static tensor or attn_head Q/DQ only")
+    if qtype.opset > 19 and _name(args.type) == "float":
+        raise GraphcalError("kv-cache scheme: fp4 key/value states have no ONNX form here; use fp8 or int8")
+    if runtime is Runtime.TENSORRT and (not args.symmetric or _name(args.strategy) != "tensor" or args.num_bits != 8):
+        raise GraphcalError("kv-cache scheme: --target tensorrt: TensorRT takes int8/fp8 key/value states "
+                            "per tensor, symmetric")
+    return qtype.opset
+
+
+def runtime_notes(items: list[QuantizedTarget], runtime: Runtime | str) -> list[str]:
+    """Warnings about what the chosen runtime can execute of the written model."""
+    fp4 = sorted({_name(i.scheme.weights.type) + "4" for i in items
+                  if i.scheme.weights is not None and i.scheme.weights.num_bits == 4 and _name(i.scheme.weights.type) == "float"})
+    if Runtime(runtime) is Runtime.ONNXRUNTIME and fp4:
+        return ["onnxruntime 1.31 has no float4 (or e8m0) Q/DQ kernels: the written model is standard ONNX "
+                "(opset 23+, checked with onnx.reference) for runtimes that have them; for TensorRT use --target tensorrt"]
+    return []
+
+
+def tensorrt_problem(scheme) -> str | None:
+    """Why TensorRT (10.x explicit quantization) cannot build this scheme, or None when it can.
+
+    TensorRT takes symmetric quantization only; int8/fp8 weights per tensor or per channel with
+    static per-tensor activations; int4 weight-only in blocks of 64 or 128; fp4 as NVFP4 (groups
+    of 16 with fp8 scales and a global scale), activations dynamic per block of 16.
+    """
+    w, a = scheme.weights, scheme.input_activations
+    if any(args is not None and not args.symmetric for args in (w, a)):
+        return "TensorRT takes symmetric quantization only (zero points must be 0); use a symmetric scheme"
+    kind = (_name(w.type), w.num_bits)
+    if kind in (("int", 8), ("float", 8)) and _name(w.strategy) not in ("tensor", "channel"):
+        return f"TensorRT takes int8/fp8 weights per tensor or per channel, not per {_name(w.strategy)}"
+    if kind == ("int", 4):
+        if _name(w.strategy) != "group" or w.group_size not in (64, 128):
+            return "TensorRT takes int4 weights in blocks of 64 or 128 (strategy group)"
+        if a is not None:
+            return "TensorRT takes int4 as weight-only quantization; drop the input activations (W4A16)"
+    if kind == ("float", 4):
+        if is_mx(w) or _name(w.strategy) != "tensor_group" or w.group_size != 16 or not fp8_scales(w):
+            return "TensorRT takes fp4 as NVFP4 only (tensor_group, groups of 16, fp8 scales)"
+    if a is not None:
+        akind = (_name(a.type), a.num_bits)
+        if akind == ("float", 4):
+            if not (a.dynamic == "local" and _name(a.strategy) == "tensor_group" and a.group_size == 16):
+                return "TensorRT takes fp4 activations as NVFP4, dynamic per block of 16"
+        elif a.dynamic is not False or _name(a.strategy) != "tensor":
+            return ("TensorRT takes int8/fp8 activations per tensor with a static scale, not "
+                    f"{'dynamic ' if a.dynamic else ''}{_name(a.strategy)}; use W8A8_STATIC or FP8")
+    return None
+
+
+def _weight_opset(args, where: str) -> int:
+    qtype = qtype_of(args, where, "weights")
+    strategy = _name(args.strategy)
+    if strategy in ("tensor", "channel"):
+        return qtype.opset
+    if strategy == "group":
+        return max(qtype.opset, _E8M0_OPSET if is_mx(args) else _BLOCKED_OPSET)
+    if strategy in ("block", "tensor_group"):
+        return max(qtype.opset, _BLOCKED_OPSET)
+    raise GraphcalError(f"{where}: weights with strategy {strategy} have no ONNX form (use tensor, channel, group, "
+                        "tensor_group or block)")
+
+
+def _input_opset(args, where: str) -> int:
+    qtype = qtype_of(args, where, "input activations")
+    strategy, dynamic = _name(args.strategy), args.dynamic
+    if dynamic is False:
+        if strategy == "tensor":
+            return qtype.opset
+        raise GraphcalError(f"{where}: static input activations with strategy {strategy} are not written to ONNX "
+                            "(static activations are per tensor; use dynamic token or group)")
+    if not args.symmetric:
+        raise GraphcalError(f"{where}: dynamic asymmetric input activations are not written to ONNX yet (use symmetric)")
+    if dynamic is True and strategy in ("token", "tensor", "group"):
+        if is_mx(args):
+            raise GraphcalError(f"{where}: dynamic MX activations (run-time e8m0 scales) are not written to ONNX yet; "
+                                "use MXFP4A16")
+        return qtype.opset
+    if dynamic == "local" and strategy == "tensor_group" and fp8_scales(args):
+        return qtype.opset
+    raise GraphcalError(f"{where}: dynamic={dynamic} input activations with strategy {strategy} are not written to ONNX")
