@@ -35,52 +35,90 @@ def cli(verbose: bool) -> None:
         logger.setLevel(logging.INFO)
 
 
+def _options(*options):
+    """Apply click options in the order listed (a shared list, so commands cannot drift apart)."""
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def _data_option(required: bool):
+    return click.option("--data", "-d", required=required, type=click.Path(path_type=Path),
+                        help="Calibration data: an .npz keyed by the model's input names (first dim = samples), "
+                             "or a folder of .npz files." + ("" if required else " inspect checks its headers "
+                                                             "against the model's inputs, reading no samples."))
+
+
+def _output_option(required: bool):
+    return click.option("--output", "-o", required=required, type=click.Path(file_okay=False, path_type=Path),
+                        help="Folder for model.onnx, quantization_config.json and qparams.safetensors."
+                             + ("" if required else " inspect checks that run could write there."))
+
+
+# The options that say what a run does: run and inspect take exactly these.
+CONFIG_OPTIONS = (
+    click.option("--scheme", "-s", default=None,
+                 help="compressed-tensors preset: W8A8 (the default: int8 per-channel weights + dynamic per-token "
+                      "int8 activations), W8A16, W4A16, W4A16_ASYM, W4A8, FP8, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, "
+                      "NVFP4, MXFP4A16; graphcal's W8A8_STATIC (int8 static per-tensor activations, for TensorRT); "
+                      "or JSON QuantizationScheme fields."),
+    click.option("--targets", "targets", multiple=True,
+                 help="What to quantize: module names, 're:' regexes, or Linear (every weight MatMul/Gemm; the "
+                      "default). Repeatable."),
+    click.option("--ignore", multiple=True,
+                 help="Modules to leave in float: names or 're:' regexes (default: lm_head). Repeatable; giving it "
+                      "replaces the default."),
+    click.option("--observer", default=None,
+                 help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
+                      "mse, ...); default: llm-compressor's choice for the scheme."),
+    click.option("--kv-cache-scheme", "kv_cache", default=None,
+                 help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
+                      "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "
+                      "'{\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"attn_head\"}'."),
+    click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
+                      "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
+                      "--kv-cache-scheme given on the command line override it."),
+    click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+                 show_default=True,
+                 help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what "
+                      "TensorRT builds: symmetric, static per-tensor int8/fp8 activations, int4 blocks of 64/128, "
+                      "NVFP4 activations through trt::TRT_FP4DynamicQuantize)."),
+)
+PASS_OPTIONS = (
+    click.option("--batch-size", type=click.IntRange(min=1), default=None,
+                 help="Samples per onnxruntime run (default: the model's fixed batch, else 8)."),
+    click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                 help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable."),
+    click.option("--skip-nonfinite-weights", is_flag=True,
+                 help="Leave layers whose weight holds NaN or Inf in float (with a warning) instead of failing."),
+)
+DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+
+
+def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe):
+    """The run's config from the command line: flags given override the recipe (graphcal.config.resolve)."""
+    from graphcal.config import Options, resolve
+
+    return resolve(Options(scheme=scheme, targets=tuple(targets) or None, ignore=tuple(ignore) or None,
+                           observer=observer, kv_cache=kv_cache, recipe=recipe))
+
+
 @cli.command()
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--data", "-d", required=True, type=click.Path(path_type=Path),
-              help="Calibration data: an .npz keyed by the model's input names (first dim = samples), "
-                   "or a folder of .npz files.")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for model.onnx, quantization_config.json and qparams.safetensors.")
-@click.option("--scheme", "-s", default="W8A8", show_default=True,
-              help="compressed-tensors preset: W8A8 (int8 per-channel weights + dynamic per-token int8 "
-                   "activations), W8A16, W4A16, W4A16_ASYM, W4A8, FP8, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, NVFP4, "
-                   "MXFP4A16; graphcal's W8A8_STATIC (int8 static per-tensor activations, for TensorRT); or JSON "
-                   "QuantizationScheme fields.")
-@click.option("--targets", "targets", multiple=True, default=("Linear",), show_default=True,
-              help="What to quantize: module names, 're:' regexes, or Linear (every weight MatMul/Gemm). Repeatable.")
-@click.option("--ignore", multiple=True, default=("lm_head",), show_default=True,
-              help="Modules to leave in float: names or 're:' regexes. Repeatable; giving it replaces the default.")
-@click.option("--observer", default=None,
-              help="Observer for weights and static activations (memoryless_minmax, static_minmax, minmax, "
-                   "mse, ...); default: llm-compressor's choice for the scheme.")
-@click.option("--kv-cache-scheme", "kv_cache", default=None,
-              help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
-                   "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "
-                   "'{\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"attn_head\"}'.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Samples per onnxruntime run (default: the model's fixed batch, else 8).")
-@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable.")
-@click.option("--skip-nonfinite-weights", is_flag=True,
-              help="Leave layers whose weight holds NaN or Inf in float (with a warning) instead of failing.")
-@click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
-              show_default=True,
-              help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what TensorRT "
-                   "builds: symmetric, static per-tensor int8/fp8 activations, int4 blocks of 64/128, NVFP4 "
-                   "activations through trt::TRT_FP4DynamicQuantize).")
-@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
-                   "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
-                   "--kv-cache-scheme given on the command line override it.")
+@_data_option(required=True)
+@_output_option(required=True)
+@_options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
-@click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-@click.pass_context
-def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, batch_size, num_samples, device,
-        skip_nonfinite_weights, runtime, recipe, as_json, quiet, debug):
+@DEBUG_OPTION
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, batch_size, num_samples,
+        device, skip_nonfinite_weights, as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -89,24 +127,10 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
     """
     from graphcal.pipeline import calibrate
 
-    from click.core import ParameterSource
-
-    def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
-
     def call():
-        config = None
-        if recipe is not None:  # the recipe, with the flags given on the command line on top
-            from graphcal.recipe import load_recipe, recipe_config
-
-            config = recipe_config(
-                load_recipe(recipe), scheme=scheme if given("scheme") else None,
-                targets=list(targets) if given("targets") else None, ignore=list(ignore) if given("ignore") else None,
-                observer=observer, kv_cache=kv_cache,
-            )
         return calibrate(
-            model, data, output, scheme=scheme, targets=targets, ignore=ignore, observer=observer, kv_cache=kv_cache,
-            config=config, device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
+            model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe),
+            device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
         )
 
@@ -128,7 +152,7 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
     if quiet:
         return
     n = len(result.targets)
-    label = f"recipe {recipe.name}" if recipe is not None and not given("scheme") else _scheme_label(scheme)
+    label = f"recipe {recipe.name}" if recipe is not None and scheme is None else _scheme_label(scheme or "W8A8")
     click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {label}"
                + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
     if result.provider is None:
@@ -142,27 +166,22 @@ def run(ctx, model, data, output, scheme, targets, ignore, observer, kv_cache, b
         click.echo(f"  {f}")
 
 
-def _like_run(name: str):
-    """The option ``name`` exactly as `run` declares it (flags, default, help), for another command."""
-    opt = next(p for p in run.params if p.name == name)
-    return click.option(opt.name, *opt.opts, *opt.secondary_opts, type=opt.type, multiple=opt.multiple, default=opt.default,
-                        show_default=opt.show_default, is_flag=opt.is_flag, help=opt.help)
-
-
 @cli.command(name="inspect")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
-@_like_run("scheme")
-@_like_run("targets")
-@_like_run("ignore")
-@_like_run("runtime")
+@_data_option(required=False)
+@_output_option(required=False)
+@_options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
-@_like_run("debug")
-def inspect_command(model, scheme, targets, ignore, runtime, as_json, debug):
+@DEBUG_OPTION
+def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, batch_size,
+                    num_samples, device, skip_nonfinite_weights, as_json, debug):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
-    Lists every weight MatMul/Gemm (module, node, torch [out, in] shape, layout, quantized or
-    ignored), the fused groups, the opset the output needs, and the expected size of the
-    written model.onnx.
+    Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
+    MatMul/Gemm (module, node, torch [out, in] shape, layout, quantized or ignored), the fused
+    groups, the key/value states of a kv-cache scheme, the opset the output needs, and the
+    expected size of the written model.onnx; --data and -o, when given, are checked as run
+    checks them (no sample is read, nothing is written).
 
     \b
     Example:
@@ -170,9 +189,24 @@ def inspect_command(model, scheme, targets, ignore, runtime, as_json, debug):
     """
     import json
 
-    from graphcal.inspect import format_text, inspect_model, to_dict
+    from graphcal.inspect import format_text, from_plan, to_dict
 
-    report = _guarded(lambda: inspect_model(model, scheme=scheme, targets=targets, ignore=ignore, target=runtime), debug)
+    def call():
+        from graphcal.data import graph_inputs, load_data
+        from graphcal.output import check_output_dir
+        from graphcal.plan import plan
+        from graphcal.runtime import check_device
+
+        if output is not None:
+            check_output_dir(output, [model, *([data] if data is not None else [])])
+        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe)
+        check_device(device)
+        run_plan = plan(model, config, runtime)
+        if data is not None:
+            load_data(data, graph_inputs(run_plan.model), batch_size=batch_size, num_samples=num_samples)
+        return from_plan(run_plan)
+
+    report = _guarded(call, debug)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))

@@ -1,9 +1,13 @@
-"""Fused groups: modules that share one global scale, found by name and cross-checked by structure.
+"""Fused groups, graph side: which modules share one global scale, found by name, checked by structure.
 
 vLLM and TensorRT run q/k/v (and gate/up, ...) as one fused matrix, so their tensor_group
 global scales must be one. Groups are found by module name as llm-compressor does (plus
-BERT's query/key/value); members should also read the same activation, and a warning says
-where name and structure disagree.
+BERT's query/key/value) and returned as :class:`graphcal.types.FusedGroup`, the only group
+type the rest of graphcal handles; members should also read the same activation, and a
+warning says where name and structure disagree.
+
+The observer side is :func:`graphcal.observers.share_global_scale`, which the pipeline calls
+with the weight observers of each group's members. This module knows nothing of observers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ FUSED_LAYER_NAMES: tuple[tuple[str, ...], ...] = (
 
 
 def find_fused_groups(targets: list[Target]) -> tuple[list[FusedGroup], list[str]]:
-    """Groups among ``targets`` (by parent module and leaf names) and warnings where structure disagrees."""
+    """Groups among ``targets`` (by parent module and leaf names) and warnings where structure disagrees.
+
+    A group is formed when one parent module holds every name of an entry of
+    ``FUSED_LAYER_NAMES``; its members are listed in that entry's order.
+    """
     by_parent: dict[str, dict[str, Target]] = defaultdict(dict)
     for t in targets:
         parent, _, leaf = t.name.rpartition(".")

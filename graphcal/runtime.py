@@ -12,8 +12,10 @@ beside onnxruntime-gpu), the outputs are bound to host memory instead.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,8 +88,12 @@ def open_runtime(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     device_id: int = 0,
     external_folder: str | os.PathLike | None = None,
+    weights: Sequence[onnx.TensorProto] = (),
 ) -> Runtime:
-    """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs."""
+    """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs.
+
+    ``weights`` are initializers that live beside ``model`` (the weightless tapped graph reads
+    the original model's initializers, which are never copied into it)."""
     if device not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
@@ -110,7 +116,7 @@ def open_runtime(
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp, keep = None, []
-    graph, names, values = _inline_weights_apart(model)
+    graph, names, values = _inline_weights_apart(model, weights)
     if not graph_io.past_protobuf_limit(graph):  # the graph as bytes; its weights handed over in memory
         if names:
             opts.add_external_initializers(names, values)
@@ -119,7 +125,11 @@ def open_runtime(
     else:  # a graph over 2 GB even without its weights: one file with external data, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
-        graph_io.save_with_external_data(model, path, base_dir=external_folder)
+        whole = onnx.ModelProto()
+        whole.CopyFrom(model)
+        whole.graph.initializer.extend(weights)
+        graph_io.save_with_external_data(whole, path, base_dir=external_folder)
+        del whole
         source = str(path)
     del graph
     try:
@@ -140,7 +150,8 @@ def open_runtime(
 INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes
 
 
-def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], list[ort.OrtValue]]:
+def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorProto] = ()
+                          ) -> tuple[onnx.ModelProto, list[str], list[ort.OrtValue]]:
     """The model with its large inline weights replaced by stubs, and those weights as OrtValues
     over their bytes (for ``SessionOptions.add_external_initializers``, which onnxruntime takes
     in place of the stubs). Serializing a model with its weights costs as much as copying them
@@ -148,7 +159,7 @@ def _inline_weights_apart(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list
     Weights that already live in external files, sub-byte and string tensors stay as they are."""
     graph = graph_io.hollow_copy(model)
     names, values = [], []
-    for init in model.graph.initializer:
+    for init in itertools.chain(model.graph.initializer, weights):
         bits = graph_io.element_bits(init.data_type)
         injectable = (init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data")
                       and bits is not None and bits % 8 == 0)

@@ -42,10 +42,15 @@ class Target:
 
 @dataclass(frozen=True)
 class FusedGroup:
-    """Modules that share one global scale (q/k/v, gate/up, ...), found by name."""
+    """Modules that share one global scale (q/k/v, gate/up, ...), found by name.
 
-    parent: str
-    members: tuple[str, ...]
+    The one fused-group type: :func:`graphcal.fusion.find_fused_groups` makes them, and the
+    pipeline hands the members' weight observers to
+    :func:`graphcal.observers.share_global_scale`.
+    """
+
+    parent: str  # torch module holding the members, e.g. "model.layers.0.self_attn"
+    members: tuple[str, ...]  # full torch module names, e.g. ("...q_proj", "...k_proj", "...v_proj")
 
 
 @dataclass

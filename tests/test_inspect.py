@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphcal.cli import cli
 from graphcal.config import resolve_scheme
 from graphcal.graph.targets import find_targets
-from graphcal.inspect import expected_model_size, size_parts
+from graphcal.sizing import expected_model_size, size_parts
 from graphcal.types import QuantizedTarget
 
 LLAMA_GROUPS = {
@@ -192,13 +192,14 @@ def _matmul_model(path, out_f, in_f, dtype=TensorProto.FLOAT16, gemm=False):
 ])
 def test_size_rule(tmp_path, scheme, gemm, quantized, scales, zero_points):
     path = _matmul_model(tmp_path / "m.onnx", out_f=96, in_f=256, gemm=gemm)
-    target = find_targets(onnx.load(path))[0][0]
+    model = onnx.load(path)
+    target = find_targets(model)[0][0]
     items = [QuantizedTarget(target, resolve_scheme(scheme, ["Linear"]))]
-    parts = size_parts(path, items)
+    parts = size_parts(model, path, items)
     assert parts["input"] == path.stat().st_size
     assert parts["float_weights"] == -96 * 256 * 2  # float16 initializer
     assert (parts["quantized_weights"], parts["scales"], parts["zero_points"]) == (quantized, scales, zero_points)
-    assert expected_model_size(path, items) == sum(parts.values())
+    assert expected_model_size(model, path, items) == sum(parts.values())
 
 
 def test_warnings_for_patterns_that_match_nothing(llama_dir):

@@ -1,28 +1,31 @@
-"""The pipeline's observer plan on a real graph: shared input observers and fused global scales."""
+"""The pipeline's stages on a real graph: shared input observers, fused global scales, typed taps."""
 
 from __future__ import annotations
 
-import onnx
 import torch
 
-from graphcal.config import resolve_scheme
-from graphcal.fusion import find_fused_groups
-from graphcal.graph.targets import find_targets, torch_weight
-from graphcal.pipeline import _ObserverPlan
+from graphcal.config import build_config
+from graphcal.graph.taps import Reduction
+from graphcal.graph.targets import torch_weight
+from graphcal.observe import ObserverSet
+from graphcal.plan import plan
+
+
+def _observers(llama_dir, scheme: str):
+    run = plan(llama_dir / "model.onnx", build_config(scheme))
+    return run, ObserverSet(run)
 
 
 def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir):
     from graphcal.export import build_tiny_llama
 
-    model = onnx.load(llama_dir / "model.onnx")
-    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
-    scheme = resolve_scheme("NVFP4A16", ["Linear"])
-    plan = _ObserverPlan(targets, {t.name: scheme for t in targets})
+    run, observers = _observers(llama_dir, "NVFP4A16")
+    targets, groups = run.chosen, run.groups
     for t in targets:
-        plan.weight_observers[t.name](torch.from_numpy(torch_weight(model, t)))
-    groups, _ = find_fused_groups(targets)
-    plan.fuse(groups)
-    items = {t.name: plan.qparams(t, scheme) for t in targets}
+        observers.weight_observers[t.name](torch.from_numpy(torch_weight(run.model, t)))
+    for group in groups:
+        observers.share_global_scales(list(group.members))
+    items = {t.name: observers.qparams(t, run.schemes[t.name]) for t in targets}
 
     torch_model = build_tiny_llama()[0]
     weights = {n: m.weight.detach() for n, m in torch_model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -40,13 +43,11 @@ def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir)
 
 
 def test_q_k_v_share_one_input_observer_per_activation(llama_dir):
-    model = onnx.load(llama_dir / "model.onnx")
-    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
-    scheme = resolve_scheme("W8A8_STATIC", ["Linear"])
-    plan = _ObserverPlan(targets, {t.name: scheme for t in targets})
+    _, observers = _observers(llama_dir, "W8A8_STATIC")
+    taps = observers.by_tensor()
     # 2 layers x (qkv input, o input, gate/up input, down input)
-    assert len(plan.taps) == 8 and all(len(c) == 1 for c in plan.taps.values())
-    q, k = (plan.input_observers[f"model.layers.0.self_attn.{p}_proj"] for p in "qk")
+    assert len(taps) == 8 and all(len(c) == 1 for c in taps.values())
+    q, k = (observers.input_observers[f"model.layers.0.self_attn.{p}_proj"] for p in "qk")
     assert q is k
 
 
@@ -71,33 +72,69 @@ def test_in_graph_reductions_give_the_same_files(llama_dir, tmp_path):
         assert digests(tmp_path / f"a{i}") == digests(tmp_path / f"b{i}"), scheme
         assert a.num_batches == 8
 
-    model = onnx.load(llama_dir / "model.onnx")
-    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]
-    scheme = resolve_scheme("W8A8_STATIC", ["Linear"])
-    full, reduced = _ObserverPlan(targets, {t.name: scheme for t in targets}).fetches(True)
-    assert full == [] and len(reduced) == 8
-    mse = resolve_scheme('{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "observer": "mse"}}',
-                         ["Linear"])
-    full, reduced = _ObserverPlan(targets, {t.name: mse for t in targets}).fetches(True)
-    assert len(full) == 8 and reduced == []  # MSE needs whole tensors
+    requests = _observers(llama_dir, "W8A8_STATIC")[1].requests(in_graph=True)
+    assert len(requests) == 8 and {r.reduction for r in requests} == {Reduction.ALL}
+    assert {r.reduction for r in _observers(llama_dir, "W8A8_STATIC")[1].requests(in_graph=False)} == {Reduction.WHOLE}
+    mse = '{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "observer": "mse"}}'
+    requests = _observers(llama_dir, mse)[1].requests(in_graph=True)
+    assert len(requests) == 8 and {r.reduction for r in requests} == {Reduction.WHOLE}  # MSE needs whole tensors
 
 
 def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
     """The weight phase reads a weight, observes it, quantizes it into the output and drops it."""
     from collections import Counter
 
-    import graphcal.graph.qdq
-    import graphcal.pipeline
+    import graphcal.graph.qdq.writer
+    import graphcal.weights
     from graphcal.pipeline import calibrate
 
     reads = Counter()
-    real = graphcal.pipeline.torch_weight
+    real = graphcal.weights.torch_weight
 
     def counting(model, target, base_dir=None):
         reads[target.name] += 1
         return real(model, target, base_dir)
 
-    monkeypatch.setattr(graphcal.pipeline, "torch_weight", counting)
+    monkeypatch.setattr(graphcal.weights, "torch_weight", counting)
     monkeypatch.setattr(graphcal.graph.qdq.writer, "torch_weight", counting)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu")
     assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}
+
+
+def test_the_input_model_is_not_mutated_for_the_taps(llama_dir):
+    """The tapped graph is a weightless copy: the plan's model keeps its nodes and outputs, and the
+    copy holds no weight of the model."""
+    from graphcal.graph.taps import build_tapped
+
+    run, observers = _observers(llama_dir, "W8A8_STATIC")
+    before = run.model.SerializeToString()
+    tapped = build_tapped(run.model, observers.requests(in_graph=True), dict(run.types))
+    assert run.model.SerializeToString() == before
+    weights = {t.name for t in run.model.graph.initializer}
+    assert not weights & {t.name for t in tapped.model.graph.initializer}
+    assert len(tapped.model.graph.output) > len(run.model.graph.output)
+
+
+def test_run_and_inspect_agree_by_construction(llama_dir, tmp_path):
+    """inspect reports the plan run executes: same quantized and ignored modules, opset and warnings."""
+    import json
+
+    from click.testing import CliRunner
+
+    from graphcal.cli import cli
+    from graphcal.pipeline import calibrate
+
+    args = ["--scheme", "NVFP4", "--kv-cache-scheme", "FP8", "--ignore", "lm_head", "--ignore", "re:.*down_proj"]
+    shown = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), *args, "--json"])
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4",
+                       kv_cache="FP8", ignore=["lm_head", "re:.*down_proj"], device="cpu")
+    assert report["quantized"] == [i.target.name for i in result.targets]
+    assert report["ignored"] == result.ignored
+    assert report["warnings"] == result.warnings  # the fp4 runtime note included
+    assert len(report["kv_states"]) == 2
+    import onnx
+
+    assert report["opset"]["output"] == next(o.version for o in onnx.load(tmp_path / "o" / "model.onnx").opset_import
+                                             if o.domain == "")

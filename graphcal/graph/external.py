@@ -144,6 +144,7 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
 def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike, where: str | os.PathLike) -> bool:
     """Check every external reference of ``model`` against ``base_dir``; True if there are any.
 
+
     Raises GraphcalError (prefixed with ``where``) for the first bad one, before anything is read.
     """
     found = False

@@ -28,8 +28,8 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return load_model_info(path)[0]
 
 
-def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.ModelProto, bool]:
-    """(model, whether the file keeps weights in external data).
+def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.ModelProto, tuple[str, ...]]:
+    """(model, the external data files it reads: empty when it keeps every weight inline).
 
     The model comes from strangers: the file must be a regular file, the graph well formed
     (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
@@ -58,7 +58,9 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
     base_dir = path.parent
-    external = check_external_data(model, base_dir, path)
+    check_external_data(model, base_dir, path)
+    external = tuple(sorted({e.value for t in all_tensors(model) if is_external(t)
+                             for e in t.external_data if e.key == "location"}))
     # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),
     # and tensors outside the initializer list (Constant attributes, subgraphs), come inline.
     wanted = [t for t in model.graph.initializer if is_external(t) and not (lazy and expected_bytes(t) >= LAZY_MIN_BYTES)]

@@ -2,33 +2,101 @@
 
 One forward pass per batch then yields every tap at once (onnxruntime runs the whole graph on
 every ``run``, whatever is fetched). The input model is never modified.
+
+The calibration pass asks for taps with typed :class:`TapRequest` records: a tensor fetched
+whole, or only its batch extrema, reduced in the graph over what a :class:`Reduction` says.
+:func:`build_tapped` builds the tapped graph on a weightless copy of the model (its nodes,
+inputs and outputs; no initializer is copied): the session gets the weights from the model
+itself (:func:`graphcal.runtime.open_runtime`'s ``weights``).
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import onnx
 
 from graphcal.errors import GraphcalError
 
 
-def add_taps(model: onnx.ModelProto, tensors: list[str], types: dict | None = None,
-             in_place: bool = False) -> tuple[onnx.ModelProto, list[str]]:
-    """Return (tapped model, output names to fetch); ``tensors`` are names of graph values.
+class Reduction(enum.Enum):
+    """What leaves onnxruntime for a tapped tensor."""
 
-    A copy unless ``in_place`` (then undo with :func:`restore` after a :func:`mark`); ``types``
-    is :func:`graphcal.graph.io.value_types` of the model when the caller has it.
+    WHOLE = "whole"  # the tensor itself
+    ALL = "all"  # min / max over every element                      (tensor strategy)
+    GROUP = "group"  # x as [-1, groups, group_size], over dims 0, 2 -> groups   (group / tensor_group)
+    HEAD = "head"  # x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
+
+
+@dataclass(frozen=True)
+class TapRequest:
+    """One tapped tensor and its reduction (``groups``/``group_size`` for GROUP only)."""
+
+    tensor: str
+    reduction: Reduction = Reduction.WHOLE
+    groups: int = 0
+    group_size: int = 0
+
+    @property
+    def label(self) -> str:
+        return "_".join(map(str, (self.reduction.value, self.groups, self.group_size) if self.groups else
+                            (self.reduction.value,)))
+
+
+@dataclass(frozen=True)
+class TappedGraph:
+    """A weightless tapped graph and where each request's values come out.
+
+    ``outputs[request]`` is ``(tensor,)`` for WHOLE and ``(min, max)`` otherwise; ``finite[tensor]``
+    is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite).
     """
-    if in_place:
-        tapped = model
-    else:
-        tapped = onnx.ModelProto()
-        tapped.CopyFrom(model)
+
+    model: onnx.ModelProto
+    fetch: list[str]
+    outputs: dict[TapRequest, tuple[str, ...]]
+    finite: dict[str, str]
+
+
+def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict | None = None) -> TappedGraph:
+    """The tapped graph for ``requests`` on a weightless copy of ``model`` (``model`` is untouched).
+
+    The copy keeps only the constants the reductions add; every name in ``model`` stays reserved,
+    so its initializers can be handed to the session beside the copy.
+    """
+    from graphcal.graph.io import hollow_copy
+
+    from graphcal.graph.io import value_types
+
+    types = value_types(model) if types is None else types
+    hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied
+    reserved = {t.name for t in model.graph.initializer}
+    whole = [r.tensor for r in requests if r.reduction is Reduction.WHOLE]
+    reduced = [r for r in requests if r.reduction is not Reduction.WHOLE]
+    _, fetch = _add_outputs(hollow, whole, types, reserved)
+    found = _reduce(hollow, reduced, types, reserved)
+    outputs = {r: (r.tensor,) for r in requests if r.reduction is Reduction.WHOLE}
+    outputs.update({r: found[r] for r in reduced})
+    finite = {key[0]: probe for key, probe in found.items() if isinstance(key, tuple)}
+    fetch += [name for r in reduced for name in found[r]] + list(finite.values())
+    return TappedGraph(hollow, list(dict.fromkeys(fetch)), outputs, finite)
+
+
+def add_taps(model: onnx.ModelProto, tensors: list[str], types: dict | None = None) -> tuple[onnx.ModelProto, list[str]]:
+    """Return (a tapped copy of ``model``, output names to fetch); ``tensors`` are names of graph
+    values. ``types`` is :func:`graphcal.graph.io.value_types` of the model when the caller has it."""
+    tapped = onnx.ModelProto()
+    tapped.CopyFrom(model)
+    return _add_outputs(tapped, tensors, types, set())
+
+
+def _add_outputs(tapped: onnx.ModelProto, tensors: list[str], types: dict | None,
+                 extra_known: set[str]) -> tuple[onnx.ModelProto, list[str]]:
     graph = tapped.graph
     existing = {o.name for o in graph.output}
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {
-        t.name for t in graph.initializer
-    }
-    types = _elem_types(model, types)
+        t.name for t in graph.initializer} | extra_known
+    types = _elem_types(tapped, types)
     fetch: list[str] = []
     for name in dict.fromkeys(tensors):  # dedupe, keep order
         if name not in known:
@@ -52,40 +120,19 @@ def _elem_types(model: onnx.ModelProto, types: dict | None = None) -> dict[str, 
 TAP_PREFIX = "graphcal_tap/"  # names of the reduction nodes and their constants
 
 
-def mark(model: onnx.ModelProto) -> tuple[int, int]:
-    """How many outputs and initializers the graph has now (see :func:`restore`)."""
-    g = model.graph
-    return len(g.output), len(g.initializer)
-
-
-def restore(model: onnx.ModelProto, marks: tuple[int, int]) -> None:
-    """Drop the outputs, initializers and reduction nodes added since :func:`mark`."""
-    g = model.graph
-    del g.output[marks[0]:]
-    del g.initializer[marks[1]:]
-    keep = [n for n in g.node if not n.name.startswith(TAP_PREFIX)]
-    if len(keep) != len(g.node):
-        del g.node[:]
-        g.node.extend(keep)
-
-
 # -- in-graph reductions ------------------------------------------------------------------------
 #
 # For min/max observers only the batch extrema matter, so the tapped graph computes them and
-# only a few numbers leave onnxruntime. ``mode`` says over what:
-#   ("all",)           every element -> one min / max                 (tensor strategy)
-#   ("group", g, gs)   x viewed as [-1, g, gs], over dims 0 and 2 -> g   (group / tensor_group)
-#   ("head",)          x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
-# Each reduced tensor also gets a finiteness probe, ReduceSum(x * 0): 0, or NaN if any
-# element is NaN or infinite (ReduceMin/Max need not propagate NaN). The nodes are placed right
-# after the tensor's producer, so onnxruntime frees each activation as early as it would anyway.
+# only a few numbers leave onnxruntime (see Reduction). Each reduced tensor also gets a
+# finiteness probe, ReduceSum(x * 0): 0, or NaN if any element is NaN or infinite (ReduceMin/Max
+# need not propagate NaN). The nodes are placed right after the tensor's producer, so
+# onnxruntime frees each activation as early as it would anyway.
 
 
-def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]],
-                   types: dict | None = None) -> dict[tuple, tuple[str, str]]:
-    """Add ReduceMin/ReduceMax outputs to ``model`` (in place; pass the tapped copy) for each
-    (tensor, mode); returns {(tensor, mode): (min output, max output)} and, under (tensor, "finite"),
-    the probe."""
+def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
+            reserved: set[str]) -> dict:
+    """Add ReduceMin/ReduceMax outputs to ``model`` (in place: the weightless tapped copy) for each
+    request; returns {request: (min output, max output)} and, under (tensor, "finite"), the probe."""
     import numpy as np
     from onnx import helper, numpy_helper
 
@@ -94,8 +141,8 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]],
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     types = _elem_types(model, types)
     names: set[str] = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
-        t.name for t in graph.initializer}
-    out: dict[tuple, tuple[str, ...]] = {}
+        t.name for t in graph.initializer} | reserved
+    out: dict = {}
 
     def unique(base: str) -> str:
         candidate, i = base, 1
@@ -127,7 +174,8 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]],
     def expose(name: str, elem: int) -> None:
         graph.output.append(helper.make_tensor_value_info(name, elem, None))
 
-    for tensor, mode in dict.fromkeys(requests):
+    for request in dict.fromkeys(requests):
+        tensor = request.tensor
         if tensor not in known:
             raise GraphcalError(f"cannot tap {tensor!r}: no such tensor in the graph")
         elem = types.get(tensor, onnx.TensorProto.FLOAT)
@@ -137,20 +185,19 @@ def add_reductions(model: onnx.ModelProto, requests: list[tuple[str, tuple]],
             zero = const(f"{base}/zero", np.array(0, dtype=helper.tensor_dtype_to_np_dtype(elem)))
             probe = reduce("ReduceSum", node("Mul", [tensor, zero], f"{base}/times_zero"), None, f"{base}/finite")
             expose(probe, elem)
-            out[tensor, "finite"] = (probe,)
+            out[tensor, "finite"] = probe
         x, axes = tensor, None
-        if mode[0] == "group":
-            x = node("Reshape", [tensor, const(f"{base}/groups", np.array([-1, mode[1], mode[2]], dtype=np.int64))],
-                     f"{base}/grouped")
+        if request.reduction is Reduction.GROUP:
+            shape = np.array([-1, request.groups, request.group_size], dtype=np.int64)
+            x = node("Reshape", [tensor, const(f"{base}/groups", shape)], f"{base}/grouped")
             axes = [0, 2]
-        elif mode[0] == "head":
+        elif request.reduction is Reduction.HEAD:
             axes = [0, 2, 3]
-        label = "_".join(map(str, mode))
-        lo = reduce("ReduceMin", x, axes, f"{base}/min_{label}")
-        hi = reduce("ReduceMax", x, axes, f"{base}/max_{label}")
+        lo = reduce("ReduceMin", x, axes, f"{base}/min_{request.label}")
+        hi = reduce("ReduceMax", x, axes, f"{base}/max_{request.label}")
         expose(lo, elem)
         expose(hi, elem)
-        out[tensor, mode] = (lo, hi)
+        out[request] = (lo, hi)
     if added:
         order = []
         for n in graph.node:

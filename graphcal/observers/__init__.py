@@ -3,10 +3,21 @@
 Registered names (``_`` and ``-`` are interchangeable): memoryless_minmax, static_minmax,
 minmax, memoryless_mse, mse, nvfp4_expanded_mse (alias fouroversix, warns), imatrix_mse,
 nvfp4_expanded_imatrix.
+
+Observers of one fused group (q/k/v, gate/up, ...) share one global scale through
+:func:`share_global_scale`; which modules form a group is the graph side's business
+(:func:`graphcal.fusion.find_fused_groups`).
 """
 
-from graphcal.observers.base import SYNC_OPS, MissingStatisticsError, Observer
-from graphcal.observers.fusion import FusionGroup, fuse_observers
+import warnings
+from collections.abc import Iterable
+
+from graphcal.observers.base import (
+    SYNC_OPS,
+    MissingStatisticsError,
+    Observer,
+    share_global_scale,
+)
 from graphcal.observers.helpers import flatten_for_calibration
 from graphcal.observers.imatrix import (
     IMatrixFallbackWarning,
@@ -30,8 +41,7 @@ __all__ = [
     "Observer",
     "MissingStatisticsError",
     "SYNC_OPS",
-    "FusionGroup",
-    "fuse_observers",
+    "share_global_scale",
     "flatten_for_calibration",
     "grid_search_mse",
     "imatrix_grid_search",

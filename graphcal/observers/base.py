@@ -4,6 +4,12 @@ An observer accumulates per-qparam ``min_vals`` / ``max_vals`` from the tensors 
 and turns them into compressed-tensors qparams with ``calculate_qparams``. Subclasses only
 decide how one batch is reduced (``_batch_min_max``) and how it is folded into the running
 statistics (``_combine``).
+
+Observers whose modules vLLM and TensorRT run as one fused matrix (q/k/v, gate/up, ...; found
+by :func:`graphcal.fusion.find_fused_groups`) must agree on one global scale:
+:func:`share_global_scale` makes a set of tensor_group observers use the global scale of their
+joint absmax, as llm-compressor's ``FusionHandler`` does, and releases their statistics only once
+every member has produced its qparams.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Iterable
 from functools import reduce
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -27,10 +34,7 @@ from graphcal.observers.helpers import (
     flatten_for_calibration,
 )
 
-if TYPE_CHECKING:
-    from graphcal.observers.fusion import FusionGroup
-
-__all__ = ["Observer", "MissingStatisticsError", "SYNC_OPS"]
+__all__ = ["Observer", "MissingStatisticsError", "SYNC_OPS", "share_global_scale"]
 
 #: reductions a statistic may need across data-parallel ranks
 SYNC_OPS = ("min", "max", "avg", "sum")
@@ -109,7 +113,7 @@ class Observer(RegistryMixin):
         self.kwargs: dict[str, Any] = self._validate_kwargs(kwargs)
         self.base_name = base_name
         self.args = args
-        self._fusion: FusionGroup | None = None
+        self._shared_scale: _SharedGlobalScale | None = None
         for attr in self._stats_attrs:
             setattr(self, attr, None)
 
@@ -265,11 +269,19 @@ class Observer(RegistryMixin):
                 f"({self.observer_name}); observe data before calling get_qparams()"
             )
 
+    @property
+    def global_scale_peers(self) -> tuple[Observer, ...]:
+        """The observers whose joint absmax gives this one's global scale (itself included).
+
+        ``(self,)`` unless :func:`share_global_scale` put it in a group.
+        """
+        return self._shared_scale.members if self._shared_scale is not None else (self,)
+
     def get_global_scale(self) -> torch.Tensor | None:
-        """fp32 ``(1,)`` global scale over this observer and its fused peers (tensor_group only)."""
+        """fp32 ``(1,)`` global scale over ``global_scale_peers`` (tensor_group only, else None)."""
         if self.strategy != QuantizationStrategy.TENSOR_GROUP:
             return None
-        members = self._fusion.members if self._fusion is not None else (self,)
+        members = self.global_scale_peers
         for member in members:
             if not member.has_statistics:
                 raise MissingStatisticsError(
@@ -287,7 +299,7 @@ class Observer(RegistryMixin):
     def get_qparams(self) -> dict[str, torch.Tensor | None]:
         """``{"scale", "zero_point", "global_scale"}`` shaped like the qparams; drops stats.
 
-        For fused groups the statistics are dropped once every member has called this.
+        Observers sharing a global scale drop their statistics once every member has called this.
         """
         self._require_statistics()
         self._finalize()
@@ -295,8 +307,8 @@ class Observer(RegistryMixin):
         scale, zero_point = calculate_qparams(
             self.min_vals, self.max_vals, self.args, global_scale=global_scale
         )
-        if self._fusion is not None:
-            self._fusion.release(self)
+        if self._shared_scale is not None:
+            self._shared_scale.release(self)
         else:
             self.reset()
         return {"scale": scale, "zero_point": zero_point, "global_scale": global_scale}
@@ -306,3 +318,62 @@ class Observer(RegistryMixin):
             f"{type(self).__name__}(name={self.observer_name!r}, base_name={self.base_name!r}, "
             f"strategy={self.strategy.value!r}, has_statistics={self.has_statistics})"
         )
+
+
+class _SharedGlobalScale:
+    """The state behind :func:`share_global_scale`: the members and who has produced qparams.
+
+    Private to this module: callers see only ``share_global_scale`` and ``global_scale_peers``.
+    """
+
+    def __init__(self, members: tuple[Observer, ...]):
+        self.members = members
+        self._released: set[int] = set()
+
+    def release(self, observer: Observer) -> None:
+        """``observer`` has its qparams; once every member has, drop all their statistics."""
+        self._released.add(id(observer))
+        if len(self._released) == len(self.members):
+            for member in self.members:
+                member.reset()
+            self._released.clear()
+
+    def __repr__(self) -> str:
+        return f"_SharedGlobalScale({[m.base_name for m in self.members]}, released={len(self._released)})"
+
+
+def share_global_scale(observers: Iterable[Observer]) -> None:
+    """Make tensor_group ``observers`` share one global scale, that of their joint absmax.
+
+    Every member's ``get_global_scale`` (and so ``get_qparams``) then reads all members'
+    statistics, and the statistics are dropped only once every member has called
+    ``get_qparams``; a new round of observing starts after that. A single observer is a
+    valid (trivial) group.
+
+    Raises ``TypeError`` for anything that is not an :class:`Observer`, and ``ValueError`` if
+    ``observers`` is empty, holds one observer twice, holds an observer whose strategy is not
+    TENSOR_GROUP, or holds one that already shares its global scale.
+    """
+    members = tuple(observers)
+    if not members:
+        raise ValueError("share_global_scale needs at least one observer")
+    for obs in members:
+        if not isinstance(obs, Observer):
+            raise TypeError(f"share_global_scale takes observers, got {type(obs).__name__}")
+    if len({id(obs) for obs in members}) != len(members):
+        raise ValueError("share_global_scale got the same observer twice")
+    bad = [obs for obs in members if obs.strategy != QuantizationStrategy.TENSOR_GROUP]
+    if bad:
+        raise ValueError(
+            "observers sharing a global scale must all use the TENSOR_GROUP strategy; got "
+            + ", ".join(f"{o.observer_name}({o.base_name!r}): {o.strategy.value}" for o in bad)
+        )
+    taken = [obs for obs in members if obs._shared_scale is not None]
+    if taken:
+        raise ValueError(
+            "an observer shares at most one global scale; already sharing one: "
+            + ", ".join(f"{o.observer_name}({o.base_name!r})" for o in taken)
+        )
+    shared = _SharedGlobalScale(members)
+    for obs in members:
+        obs._shared_scale = shared

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphcal.observers import flatten_for_calibration
 

@@ -243,7 +243,7 @@ def test_a_held_lock_refuses_a_second_run_at_once(tmp_path, bert_dir, monkeypatc
 
     out = tmp_path / "out"
     with reserve_output(out):
-        monkeypatch.setattr(graphcal.pipeline, "load_model_info", _never)  # refused before any work
+        monkeypatch.setattr(graphcal.pipeline, "plan", _never)  # refused before any work
         one_error(run(bert_dir, out), f"another graphcal run is writing to -o {out} (pid {os.getpid()})")
         monkeypatch.undo()
     assert beside(out) == []
@@ -294,7 +294,7 @@ def test_a_mount_point_is_refused_before_calibrating(tmp_path, bert_dir, monkeyp
     out.mkdir()
     real = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
-    monkeypatch.setattr(graphcal.pipeline, "load_model_info", _never)
+    monkeypatch.setattr(graphcal.pipeline, "plan", _never)
     one_error(run(bert_dir, out), f"-o {out} is a mount point; graphcal replaces the folder whole: "
                                   "give a folder inside it")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]

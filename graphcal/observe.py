@@ -1,0 +1,161 @@
+"""The run's observers, and which tapped tensor feeds which observer how.
+
+For every chosen target a weight observer; for every activation it reads with static (or
+NVFP4 "local") input args an input observer, shared by targets that read the same activation
+with the same args (q/k/v), so each tap is reduced once per batch; for every key/value state
+of a kv-cache scheme a k and a v observer. Each observer that sees activations is a
+:class:`Consumer` of one tensor, with a :class:`Feed` saying how the tensor reaches it and the
+in-graph reduction that can stand in for the whole tensor when the observer needs only
+extrema (:class:`graphcal.graph.taps.TapRequest`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from graphcal.config import observer_name
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.graph.taps import Reduction, TapRequest
+from graphcal.plan import RunPlan
+from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
+
+
+class Feed(enum.Enum):
+    """How a tapped tensor reaches an observer."""
+
+    INPUT = "input"  # an input observer: the activation as (batch, seq, hidden)
+    KV = "kv"  # a key/value observer: the state as (batch, kv_heads, seq, head_dim)
+    IMPORTANCE = "importance"  # a weight observer's activation statistics (imatrix)
+
+
+@dataclass(frozen=True, eq=False)
+class Consumer:
+    """One observer fed by one tapped tensor; ``reducible`` is the in-graph reduction that can
+    replace the whole tensor for an observer that takes extrema (None: it needs the tensor)."""
+
+    tensor: str
+    feed: Feed
+    observer: object
+    reducible: TapRequest | None
+
+    def request(self, in_graph: bool) -> TapRequest:
+        """What leaves onnxruntime for this consumer."""
+        if in_graph and self.reducible is not None and self.observer.takes_extrema:
+            return self.reducible
+        return TapRequest(self.tensor)
+
+
+class ObserverSet:
+    """Every observer of a run, built from its plan."""
+
+    def __init__(self, plan: RunPlan):
+        self.kv_args = plan.config.kv_cache
+        self.weight_observers: dict[str, object] = {}
+        self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
+        self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
+        self.consumers: list[Consumer] = []
+        self._input_qparams: dict[int, QParams] = {}
+        shared: dict[tuple, object] = {}
+        for t in plan.chosen:
+            scheme = plan.schemes[t.name]
+            wargs = scheme.weights.model_copy(deep=True)
+            wobs = make_observer(observer_name(wargs, "weight"), "weight", wargs)
+            self.weight_observers[t.name] = wobs
+            if getattr(wobs, "needs_activations", False):
+                self.consumers.append(Consumer(t.activation, Feed.IMPORTANCE, wobs, None))
+            iargs = scheme.input_activations
+            name = observer_name(iargs, "input")
+            if name is None:
+                continue
+            key = (t.activation, name, iargs.model_dump_json())
+            if key not in shared:
+                shared[key] = make_observer(name, "input", iargs.model_copy(deep=True))
+                self.consumers.append(Consumer(t.activation, Feed.INPUT, shared[key], _input_reduction(iargs, t)))
+            self.input_observers[t.name] = shared[key]
+        for state in plan.kv_states:
+            for base, tensor in (("k", state.key), ("v", state.value)):
+                args = self.kv_args.model_copy(deep=True)
+                obs = make_observer(observer_name(args, base), base, args)
+                self.kv_observers[state, base] = obs
+                per_head = enum_value(args.strategy) == "attn_head"
+                self.consumers.append(Consumer(tensor, Feed.KV, obs, TapRequest(
+                    tensor, Reduction.HEAD if per_head else Reduction.ALL)))
+
+    def by_tensor(self) -> dict[str, list[Consumer]]:
+        """Consumers grouped by tensor, in the order they were made (the same on every rank)."""
+        out: dict[str, list[Consumer]] = {}
+        for c in self.consumers:
+            out.setdefault(c.tensor, []).append(c)
+        return out
+
+    def requests(self, in_graph: bool) -> list[TapRequest]:
+        """Every tap the activation pass must fetch, once each."""
+        return list(dict.fromkeys(c.request(in_graph) for c in self.consumers))
+
+    def activation_observers(self) -> list:
+        """Every observer a tap feeds, once each, in the same order on every rank."""
+        return list({id(c.observer): c.observer for c in self.consumers}.values())
+
+    def share_global_scales(self, members: list[str]) -> None:
+        """Let the weight observers of one fused group share one global scale (tensor_group only)."""
+        from graphcal.observers import share_global_scale
+
+        observers = [self.weight_observers[n] for n in members]
+        if len(observers) > 1 and all(enum_value(o.args.strategy) == "tensor_group" for o in observers):
+            share_global_scale(observers)
+
+    def qparams(self, t: Target, scheme) -> QuantizedTarget:
+        """The target's weight qparams (its weight observed) and its input's (shared ones computed once)."""
+        qp = {"weight": to_qparams(self.weight_observers[t.name].get_qparams())}
+        obs = self.input_observers.get(t.name)
+        if obs is not None:
+            if id(obs) not in self._input_qparams:
+                if not obs.has_statistics:
+                    raise GraphcalError(f"{t.name}: no activation reached its input observer")
+                self._input_qparams[id(obs)] = to_qparams(obs.get_qparams())
+            qp["input"] = self._input_qparams[id(obs)]
+        return QuantizedTarget(t, scheme, qp)
+
+    def kv_qparams(self) -> list[QuantizedKV]:
+        out: dict[KVState, QuantizedKV] = {}
+        for (state, base), obs in self.kv_observers.items():
+            if not obs.has_statistics:
+                raise GraphcalError(f"{state.name}: no {base} states reached the kv-cache observer")
+            out.setdefault(state, QuantizedKV(state, self.kv_args)).qparams[base] = to_qparams(obs.get_qparams())
+        return list(out.values())
+
+
+def make_observer(name: str, base_name: str, args):
+    """An observer from the registry; unknown names and bad kwargs become one-line usage errors."""
+    from compressed_tensors.registry import registered_names
+
+    from graphcal.observers import Observer
+
+    try:
+        return Observer.load_from_registry(name, base_name=base_name, args=args)
+    except KeyError:
+        known = ", ".join(n.replace("-", "_") for n in registered_names(Observer))
+        raise UsageError(f"unknown observer {name!r}; choose one of: {known}") from None
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{e} (for the {base_name} observer)") from e
+
+
+def _input_reduction(args, t: Target) -> TapRequest | None:
+    """How an input observer's batch extrema can be reduced in the graph (None: whole tensor)."""
+    strategy = enum_value(args.strategy)
+    if strategy == "tensor":
+        return TapRequest(t.activation, Reduction.ALL)
+    if strategy in ("group", "tensor_group") and args.group_size and t.in_features % args.group_size == 0:
+        return TapRequest(t.activation, Reduction.GROUP, t.in_features // args.group_size, args.group_size)
+    return None
+
+
+def to_qparams(d: dict) -> QParams:
+    """An observer's qparams, on the host (the writer and the metadata work there)."""
+    def host(v: torch.Tensor | None) -> torch.Tensor | None:
+        return None if v is None else v.cpu()
+
+    return QParams(scale=host(d["scale"]), zero_point=host(d["zero_point"]), global_scale=host(d.get("global_scale")))

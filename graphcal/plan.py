@@ -1,0 +1,128 @@
+"""plan(): what a run will do to a model, decided before any data is read or any observer runs.
+
+``run`` and ``inspect`` both call :func:`plan`, so they agree by construction: the targets and
+their module names, which are chosen and which left in float, the scheme each one gets, the
+fused groups, the key/value states a kv-cache scheme quantizes, the opset the output needs,
+the warnings, and the expected size of the written model. Everything that can fail before
+calibrating (an unreadable or hostile model, nothing to quantize, a scheme with no ONNX form
+for the target runtime) fails here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import onnx
+
+from graphcal.config import DEFAULT_IGNORE, RunConfig
+from graphcal.errors import GraphcalError
+from graphcal.fusion import find_fused_groups
+from graphcal.graph.attention import find_kv_states
+from graphcal.graph.io import default_opset, load_model_info, value_types
+from graphcal.graph.qdq import Runtime, items_opset, required_kv_opset, runtime_notes
+from graphcal.graph.targets import Skipped, find_targets, select
+from graphcal.sizing import size_parts
+from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
+
+log = logging.getLogger("graphcal")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does to one model (frozen: later stages read it and never change it).
+
+    ``model`` is the model as loaded (external weights stay on disk and are read once, when
+    needed); stages that edit a graph work on their own copies.
+    """
+
+    model_path: Path
+    model: onnx.ModelProto
+    data_files: tuple[str, ...]  # external data files the model reads (empty: every weight inline)
+    config: RunConfig
+    runtime: Runtime
+    found: tuple[Target, ...]  # every weight MatMul/Gemm, in graph order
+    not_targets: tuple[Skipped, ...]  # MatMul/Gemm nodes that take no weight
+    chosen: tuple[Target, ...]  # the ones to quantize
+    unmatched: tuple[str, ...]  # target/ignore patterns that match nothing (the default ignore left out)
+    schemes: Mapping[str, object]  # target name -> compressed-tensors QuantizationScheme
+    groups: tuple[FusedGroup, ...]
+    fusion_warnings: tuple[str, ...]
+    kv_states: tuple[KVState, ...]
+    model_opset: int
+    opset: int  # what the schemes (and kv states) need
+    types: Mapping[str, onnx.TypeProto.Tensor]  # element types and shapes of graph values
+    size: Mapping[str, int]  # terms of the expected size (graphcal.sizing)
+    warnings: tuple[str, ...]
+
+    @property
+    def base_dir(self) -> str | None:
+        """The folder external weights are read from (None when every weight is inline)."""
+        return str(self.model_path.parent) if self.data_files else None
+
+    @property
+    def ignored(self) -> list[str]:
+        return [t.name for t in self.found if t not in self.chosen]
+
+    @property
+    def output_opset(self) -> int:
+        return max(self.model_opset, self.opset)
+
+    @property
+    def input_size(self) -> int:
+        return self.size["input"]
+
+    @property
+    def expected_size(self) -> int:
+        return sum(self.size.values())
+
+    def items(self) -> list[QuantizedTarget]:
+        """The chosen targets with their schemes (no qparams yet)."""
+        return [QuantizedTarget(t, self.schemes[t.name]) for t in self.chosen]
+
+
+def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Runtime.ONNXRUNTIME) -> RunPlan:
+    """Load ``model_path`` (checked: see graphcal.graph.io) and decide what a run with ``config``
+    writes for ``runtime``; raises GraphcalError for everything that would fail before calibrating."""
+    model_path, runtime = Path(model_path), Runtime(runtime)
+    model, data_files = load_model_info(model_path, lazy=True)
+    log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(model),
+             len(model.graph.node), len(model.graph.initializer))
+    found, skipped = find_targets(model)
+    if not found:
+        raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
+    chosen, unmatched = select(found, config.patterns, config.ignore)
+    unmatched = [p for p in unmatched if p not in DEFAULT_IGNORE]  # a default that fits no model is no news
+    warnings = [f"target or ignore pattern {p!r} matches no MatMul/Gemm" for p in unmatched]
+    if not chosen:
+        raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
+    log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float", len(found), len(chosen),
+             len(found) - len(chosen))
+    schemes = {t.name: config.scheme_for(t) for t in chosen}
+    items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
+    opset = items_opset(items, runtime=runtime)  # raises for a scheme with no ONNX form here
+    warnings += runtime_notes(items, runtime)
+    kv_states: list[KVState] = []
+    if config.kv_cache is not None:
+        kv_opset = required_kv_opset(config.kv_cache, runtime)
+        kv_states, problems = find_kv_states(model)
+        if kv_states:
+            opset = max(opset, kv_opset)
+        warnings += [f"kv-cache scheme: {p}" for p in problems]
+        if not kv_states:
+            warnings.append("kv-cache scheme: no attention module (named like compressed-tensors' kv-cache targets "
+                            "'re:.*(self_attn|attention)$') with recognisable key/value states; no k/v quantized")
+    groups, fusion_warnings = find_fused_groups(chosen)
+    if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
+        warnings += fusion_warnings  # fused groups matter only where they share a global scale
+    return RunPlan(
+        model_path=model_path, model=model, data_files=data_files, config=config, runtime=runtime,
+        found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
+        schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
+        kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
+        types=MappingProxyType(value_types(model)), size=MappingProxyType(size_parts(model, model_path, items, data_files)),
+        warnings=tuple(warnings),
+    )

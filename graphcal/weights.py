@@ -1,0 +1,100 @@
+"""The weight pass: each weight is read once, observed, quantized into the output and let go.
+
+Fused groups (q/k/v, gate/up, ...) are read together so their tensor_group observers share one
+global scale. Weights are observed where the activations were (the GPU under CUDA) and
+quantized on the host by the Q/DQ writer. A weight holding NaN or Inf is an error naming it,
+or, when the caller allows it, its layer is left in float with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcal.activations import all_finite
+from graphcal.errors import GraphcalError
+from graphcal.graph.targets import torch_weight
+from graphcal.observe import ObserverSet
+from graphcal.plan import RunPlan
+from graphcal.types import QuantizedTarget, Target
+
+log = logging.getLogger("graphcal")
+
+
+@dataclass
+class WeightResult:
+    """The quantized targets in plan order, and the ones left in float for non-finite weights."""
+
+    items: list[QuantizedTarget]
+    left_in_float: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torch.device, *,
+                     skip_nonfinite: bool = False, progress: bool = False) -> WeightResult:
+    """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter)."""
+    from tqdm import tqdm
+
+    log.info("observing and quantizing %d weights", len(plan.chosen))
+    by_name: dict[str, QuantizedTarget] = {}
+    result = WeightResult([])
+    bar = tqdm(total=len(plan.chosen), desc="weights", unit="weight", leave=False,
+               disable=None if progress else True)
+    with bar:
+        for unit in _units(plan):
+            weights = {}
+            for t in unit:
+                w = torch.from_numpy(torch_weight(writer.model, t, plan.base_dir))
+                bad = _nonfinite_count(w)
+                if bad:
+                    if not skip_nonfinite:
+                        raise GraphcalError(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); fix the "
+                                            "model, or pass --skip-nonfinite-weights to leave such layers in float")
+                    result.warnings.append(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); "
+                                           "left in float")
+                    result.left_in_float.append(t.name)
+                    bar.update(1)
+                    continue
+                try:
+                    observers.weight_observers[t.name](w.to(device))
+                except ValueError as e:  # e.g. a group size that does not divide in_features
+                    raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
+                weights[t.name] = w
+            group = [g for g in plan.groups if set(g.members) == set(weights)]
+            if group and len(unit) == len(weights):  # a member left in float: the others share no global scale
+                observers.share_global_scales(list(group[0].members))
+            for t in unit:
+                if t.name in weights:
+                    item = observers.qparams(t, plan.schemes[t.name])
+                    writer.quantize_weight(item, weights.pop(t.name))
+                    by_name[t.name] = item
+                    bar.update(1)
+    result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
+    return result
+
+
+def _units(plan: RunPlan) -> list[list[Target]]:
+    """Targets in order, fused groups (all members chosen) kept together so they share a global scale."""
+    index = {t.name: t for t in plan.chosen}
+    unit_of: dict[str, list[Target]] = {}
+    for g in plan.groups:
+        if all(m in index for m in g.members):
+            unit = [index[m] for m in g.members]
+            for m in g.members:
+                unit_of[m] = unit
+    units, seen = [], set()
+    for t in plan.chosen:
+        unit = unit_of.get(t.name, [t])
+        if id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units
+
+
+def _nonfinite_count(w: torch.Tensor) -> int:
+    """How many NaN/Inf values ``w`` holds (0 for integer weights); one cheap check first."""
+    if not w.is_floating_point() or w.numel() == 0 or all_finite(w):
+        return 0
+    return int((~torch.isfinite(w)).sum())
