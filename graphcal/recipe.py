@@ -21,15 +21,39 @@ what the schemes say. Anything else is refused with a one-line error naming it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from graphcal.config import RunConfig, resolve_kv_cache_args, with_observers
 from graphcal.errors import UsageError
 
 MODIFIER = "QuantizationModifier"
-FIELDS = {"config_groups", "targets", "ignore", "scheme", "kv_cache_scheme", "weight_observer", "input_observer",
-          "output_observer", "observer", "bypass_divisibility_checks"}
 NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
+
+# A name or a list of names, as llm-compressor's fields take them.
+Names = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+
+
+class ModifierFields(BaseModel):
+    """The QuantizationModifier fields graphcal reads, with their types (llm-compressor's
+    QuantizationMixin); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    config_groups: dict[str, dict[str, Any]] | None = None
+    targets: Names = ["Linear"]
+    ignore: Names = []
+    scheme: str | dict[str, Names] | None = None
+    kv_cache_scheme: dict[str, Any] | None = None
+    weight_observer: str | None = None
+    input_observer: str | None = None
+    output_observer: str | None = None
+    observer: dict[Literal["weights", "input", "output"], str] | None = None
+    bypass_divisibility_checks: bool = False
+
+
+FIELDS = set(ModifierFields.model_fields)
 STAGE_KEYS = {"run_type"}  # stage-level settings that do not change a one-shot calibration
 _OTHER_MODIFIERS = {
     "GPTQModifier": "GPTQ updates the weights from Hessians; graphcal calibrates observers only",
@@ -146,7 +170,17 @@ def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
     if unknown:
         raise UsageError(f"{where}: unknown {MODIFIER} key(s) {', '.join(repr(k) for k in unknown)} at {at}; "
                          f"known: {', '.join(sorted(FIELDS))}")
-    return {k: v for k, v in args.items() if k in FIELDS}
+    fields = {k: v for k, v in args.items() if k in FIELDS}
+    _typed(fields, f"{where}: {at}")
+    return fields
+
+
+def _typed(fields: dict[str, Any], where: str = "recipe") -> ModifierFields:
+    """The fields with their types checked (pydantic); a wrong type is a one-line usage error."""
+    try:
+        return ModifierFields.model_validate(fields)
+    except ValidationError as e:
+        raise UsageError(f"{where}.{_first_error(e)}") from None
 
 
 def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets: list[str] | None = None,
@@ -159,43 +193,35 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
 
     from graphcal.config import GRAPHCAL_PRESETS, resolve_scheme
 
-    fields = dict(fields)
+    m = _typed(fields)
     if targets is not None:
-        if fields.get("config_groups") and scheme is None:
+        if m.config_groups and scheme is None:
             raise UsageError("--targets cannot override a recipe's config_groups (their targets are per group); "
                              "edit the recipe or give --scheme")
-        fields["targets"] = targets
+        m.targets = list(targets)
     if ignore is not None:
-        fields["ignore"] = ignore
-    mod_targets = _string_list(fields.get("targets", ["Linear"]), "targets")
+        m.ignore = list(ignore)
+    mod_targets = m.targets
     if scheme is not None:  # a CLI scheme replaces the recipe's scheme / config_groups
-        fields.pop("config_groups", None)
         groups = {"group_0": resolve_scheme(scheme, mod_targets)}
         name = scheme.upper() if not scheme.lstrip().startswith("{") else "custom"
-    elif fields.get("scheme") is not None and fields.get("config_groups") is not None:
+    elif m.scheme is not None and m.config_groups is not None:
         raise UsageError("recipe: give either scheme or config_groups, not both (as llm-compressor requires)")
-    elif fields.get("scheme") is not None:
-        value = fields["scheme"]
-        presets = {value: mod_targets} if isinstance(value, str) else value
-        if not isinstance(presets, dict) or not presets:
+    elif m.scheme is not None:
+        presets = {m.scheme: mod_targets} if isinstance(m.scheme, str) else m.scheme
+        if not presets:
             raise UsageError("recipe: scheme must be a preset name or a mapping of preset names to targets")
         groups = {}
         for i, (preset, preset_targets) in enumerate(presets.items()):
-            preset_targets = _string_list(preset_targets, f"scheme.{preset}")
             key = str(preset).upper()
             if not (is_preset_scheme(key) or key in GRAPHCAL_PRESETS):
                 raise UsageError(f"recipe: unknown preset scheme {preset!r}")
             groups[f"group_{i}"] = (preset_name_to_scheme(key, preset_targets) if is_preset_scheme(key)
                                     else resolve_scheme(key, preset_targets))
         name = "+".join(str(p).upper() for p in presets)
-    elif fields.get("config_groups"):
-        raw = fields["config_groups"]
-        if not isinstance(raw, dict):
-            raise UsageError("recipe: config_groups must be a mapping of group names to schemes")
+    elif m.config_groups:
         groups = {}
-        for group, body in raw.items():
-            if not isinstance(body, dict):
-                raise UsageError(f"recipe: config_groups.{group} must be a mapping of QuantizationScheme fields")
+        for group, body in m.config_groups.items():
             try:
                 groups[str(group)] = QuantizationScheme.model_validate({"targets": mod_targets, **body})
             except ValidationError as e:
@@ -206,48 +232,31 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
     else:  # llm-compressor's default: QuantizationScheme(targets) with its default args (W8 per tensor)
         groups = {"group_0": QuantizationScheme(targets=mod_targets)}
         name = "recipe"
-    groups = {g: _with_observers(s, fields, observer) for g, s in groups.items()}
-    kv = fields.get("kv_cache_scheme")
+    groups = {g: _with_observers(s, m, observer) for g, s in groups.items()}
     if kv_cache is not None:
         from graphcal.config import resolve_kv_cache
 
         kv_args = resolve_kv_cache(kv_cache)
-    elif kv is not None:
-        if not isinstance(kv, dict):
-            raise UsageError("recipe: kv_cache_scheme must be a mapping of QuantizationArgs fields")
-        kv_args = resolve_kv_cache_args(kv)
+    elif m.kv_cache_scheme is not None:
+        kv_args = resolve_kv_cache_args(m.kv_cache_scheme)
     else:
         kv_args = None
     if kv_args is not None and observer is not None:
         kv_args = kv_args.model_copy(update={"observer": observer})
-    ignore_list = _string_list(fields.get("ignore", []), "ignore")
-    return RunConfig(groups=groups, ignore=ignore_list, scheme_name=name, kv_cache=kv_args)
+    return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args)
 
 
-def _with_observers(scheme, fields: dict, cli_observer: str | None):
+def _with_observers(scheme, m: ModifierFields, cli_observer: str | None):
     """llm-compressor's observer overrides: weight_/input_/output_observer, or the observer dict."""
-    individual = {k: fields.get(f"{k}_observer") for k in ("weight", "input", "output")}
-    mapping = fields.get("observer")
-    if mapping is not None:
+    individual = {"weight": m.weight_observer, "input": m.input_observer, "output": m.output_observer}
+    if m.observer is not None:
         if any(v is not None for v in individual.values()):
             raise UsageError("recipe: give either weight_/input_/output_observer or the observer mapping, not both")
-        if not isinstance(mapping, dict) or set(mapping) - {"weights", "input", "output"}:
-            raise UsageError("recipe: observer must map weights / input / output to observer names")
-        individual = {"weight": mapping.get("weights"), "input": mapping.get("input"), "output": mapping.get("output")}
+        individual = {"weight": m.observer.get("weights"), "input": m.observer.get("input"),
+                      "output": m.observer.get("output")}
     if cli_observer is not None:
         individual = {"weight": cli_observer, "input": cli_observer, "output": cli_observer}
-    for key, name in individual.items():
-        if name is not None and not isinstance(name, str):
-            raise UsageError(f"recipe: {key} observer must be a name, not {name!r}")
     return with_observers(scheme, **individual)
-
-
-def _string_list(value, what: str) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UsageError(f"recipe: {what} must be a name or a list of names")
-    return list(value)
 
 
 def _first_error(e) -> str:

@@ -135,13 +135,16 @@ def select(targets: list[Target], patterns: list[str], ignore: list[str]) -> tup
 
 
 def matches(target: Target, pattern: str) -> bool:
+    """compressed-tensors' target matching (exact name, or ``re:`` regex matched from the start,
+    by its own ``match_name``); the class name ``Linear`` matches every target, since every
+    weight MatMul/Gemm is a torch Linear, and ``MatMul``/``Gemm`` match by op type."""
+    from compressed_tensors.utils.match import match_name
+
     if pattern == "Linear":
         return True
     if pattern in ("MatMul", "Gemm"):
         return target.op_type == pattern
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], target.name) is not None
-    return pattern == target.name
+    return match_name(target.name, pattern)
 
 
 def producers_by_name(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
