@@ -1,8 +1,9 @@
 """Small frozen records that the stages pass to one another.
 
-The stages meet only here: ``graph.targets`` produces :class:`Target`, ``graph.taps`` a
-:class:`TapPlan`, observers turn statistics into :class:`QParams`, and ``graph.qdq`` /
-``metadata`` consume :class:`QuantizedTarget`. No stage imports another stage's internals.
+The stages meet only here: ``graph.targets`` produces :class:`Target`, ``graph.attention``
+:class:`KVState`, ``fusion`` :class:`FusedGroup`, observers turn statistics into
+:class:`QParams`, and ``graph.qdq`` / ``metadata`` consume :class:`QuantizedTarget` and
+:class:`QuantizedKV`. No stage imports another stage's internals.
 """
 
 from __future__ import annotations
