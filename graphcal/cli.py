@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from graphcal.distributed import settle
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, first_line
 from graphcal.output import Terminated, sigterm_as_interrupt, torchrun_rank
 
 EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/"
@@ -294,7 +294,7 @@ def _guarded(call, debug: bool):
     except Exception as e:  # a bug or an input graphcal did not foresee: still one line, no half output
         if debug:
             raise
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        detail = first_line(e) if str(e).strip() else ""  # the type is named just before
         click.echo(f"error: unexpected {type(e).__name__}: {detail} (rerun with --debug for the traceback)", err=True)
         settle(e)
         sys.exit(1)

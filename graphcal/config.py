@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, first_line
 from graphcal.graph.targets import matches
 from graphcal.types import Target
 
@@ -207,14 +207,9 @@ def resolve_scheme(scheme: str, targets: list[str]):
     except ValidationError as e:
         raise UsageError(f"invalid scheme: {_pydantic_message(e)}") from e
     except NotImplementedError as e:  # compressed-tensors refuses some valid-looking schemes this way
-        raise UsageError(f"unsupported scheme: {_first(e)}") from e
+        raise UsageError(f"unsupported scheme: {first_line(e)}") from e
     shown = scheme if len(scheme) <= 60 else scheme[:57] + "..."
     raise UsageError(f"unknown scheme {shown!r}; choose one of: {', '.join(scheme_names())}")
-
-
-def _first(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def scheme_names() -> list[str]:

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, first_line
 
 TIMEOUT_ENV = "GRAPHCAL_DIST_TIMEOUT"
 BACKEND_ENV = "GRAPHCAL_DIST_BACKEND"
@@ -67,7 +67,7 @@ def from_env() -> Dist | None:
         try:
             dist.init_process_group(name, timeout=timedelta(seconds=timeout_seconds()), **options)
         except Exception as e:  # noqa: BLE001 -- rendezvous failures come in many types
-            raise GraphcalError(f"rank {rank}: cannot join the torchrun job ({str(e).splitlines()[0]})") from e
+            raise GraphcalError(f"rank {rank}: cannot join the torchrun job ({first_line(e)})") from e
     return Dist(rank=rank, world=world, local_rank=local_rank)
 
 
@@ -107,7 +107,7 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
         dist.all_gather_object(gathered, payload)
     except Exception as e:  # noqa: BLE001 -- gloo raises RuntimeError and friends on timeouts
         raise GraphcalError(f"rank {d.rank}: the other ranks did not answer within {timeout_seconds()} s "
-                            f"({str(e).splitlines()[0]}); a rank died or is stuck") from e
+                            f"({first_line(e)}); a rank died or is stuck") from e
     if error is not None:
         error.graphcal_exchanged = True  # every rank knows: report, then settle() before exiting
         raise error

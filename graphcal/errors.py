@@ -11,3 +11,15 @@ class UsageError(GraphcalError):
     """A wrong option or argument (exit code 2, like click's own usage errors)."""
 
     exit_code = 2
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of ``str(e)``, stripped; the exception type's name when there is none.
+
+    How a foreign exception (onnx, onnxruntime, yaml, torch, compressed-tensors) is quoted inside
+    graphcal's one-line messages.
+    """
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(e).__name__

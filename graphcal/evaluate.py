@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError
-from graphcal.graph.io import load_model, runs_in_onnxruntime
+from graphcal.graph.io import load_model
 from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
 
@@ -113,8 +112,10 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             continue
         layers.append((t.name, ref_node.output[0]))
     fetch = outputs + [tensor for _, tensor in layers]
-    ref_run, runner = _runner(add_taps(ref_model, fetch)[0], fetch)
-    cand_run, cand_runner = _runner(add_taps(cand_model, fetch)[0], fetch)
+    from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
+
+    ref_run = open_model_runner(add_taps(ref_model, fetch)[0], fetch)  # onnxruntime at ORT_ENABLE_BASIC, or onnx.reference
+    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch)
     del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
@@ -124,27 +125,14 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     batches = 0
     for batch in tqdm(calib.batches(), total=calib.num_batches or None, desc="evaluating", unit="batch",
                       leave=False, disable=None):
-        ref_values, cand_values = ref_run(batch), cand_run(batch)
+        ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
         for agreement, name in zip(out_agree, outputs):
             agreement.add(ref_values[name], cand_values[name])
         for agreement, (_, tensor) in zip(layer_agree, layers):
             agreement.add(ref_values[tensor], cand_values[tensor])
         batches += 1
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_runner if cand_runner != runner else runner, skipped)
-
-
-def _runner(model: onnx.ModelProto, fetch: list[str]):
-    """A function batch -> {name: array} over ``model``: onnxruntime at ORT_ENABLE_BASIC, or onnx.reference."""
-    if not runs_in_onnxruntime(model):
-        from onnx.reference import ReferenceEvaluator
-
-        evaluator = ReferenceEvaluator(model)
-        return (lambda feeds: dict(zip(fetch, evaluator.run(fetch, feeds)))), "onnx.reference"
-    from graphcal.runtime import open_runtime
-
-    runtime = open_runtime(model, fetch, device="cpu")  # ORT_ENABLE_BASIC; load errors are one line
-    return (lambda feeds: {name: value.numpy() for name, value in runtime.run(feeds).items()}), "onnxruntime"
+                      cand_run.kind, skipped)
 
 
 def _finite(value: float) -> float | None:

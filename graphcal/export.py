@@ -1,6 +1,7 @@
-"""Export torch modules to ONNX, and build the tiny reference models shipped in ``models/``.
+"""Export torch modules to ONNX.
 
-It serves ``graphcal export`` (:func:`export_pretrained`) and ``tools/make_models.py``.
+It serves ``graphcal export`` (:func:`export_pretrained`) and ``tools/make_models.py`` (the tiny
+reference models in ``models/``, built by ``tools/builders.py``, outside the package).
 torch and transformers are imported lazily inside the functions, so importing this module is cheap
 and does not need either package.
 
@@ -27,6 +28,15 @@ MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
 
 #: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
 BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
+
+
+def example_ids(vocab_size: int, batch: int, seq: int, seed: int):
+    """Seeded random int64 ``[batch, seq]`` token ids in ``[0, vocab_size)``: the example inputs
+    exports are traced with (here and in ``tools/builders.py``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64)
 
 
 def _select_outputs(result: Any, output_names: list[str]) -> tuple:
@@ -181,7 +191,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     import numpy as np
     import torch
 
-    from graphcal.errors import GraphcalError, UsageError
+    from graphcal.errors import GraphcalError, UsageError, first_line
 
     try:
         import transformers
@@ -198,7 +208,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
         model = auto.from_pretrained(model_dir, local_files_only=True, attn_implementation="eager").eval()
     except (OSError, ValueError, KeyError) as e:
-        raise GraphcalError(f"cannot load the model in {model_dir}: {str(e).splitlines()[0]}") from e
+        raise GraphcalError(f"cannot load the model in {model_dir}: {first_line(e)}") from e
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     tokenizer = None
@@ -206,12 +216,12 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise GraphcalError(f"--text needs the model folder's tokenizer: {str(e).splitlines()[0]}") from e
+            raise GraphcalError(f"--text needs the model folder's tokenizer: {first_line(e)}") from e
     names = list(tokenizer.model_input_names) if tokenizer is not None else ["input_ids", "attention_mask"]
     accepted = inspect.signature(model.forward).parameters
     names = [n for n in names if n in accepted]
     vocab = getattr(config, "vocab_size", 256)
-    ids = _example_ids(vocab, 2, min(seq, 16), 0)
+    ids = example_ids(vocab, 2, min(seq, 16), 0)
     examples = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
     inputs = {n: examples[n] for n in names}
     output = "logits" if causal else "last_hidden_state"
@@ -267,94 +277,3 @@ def _normalise(model) -> None:
         fn.doc_string = ""
         for node in fn.node:
             node.doc_string = ""
-
-
-# --------------------------------------------------------------------------------------------
-# Tiny reference models: random-initialised transformers configs with fixed seeds.
-# --------------------------------------------------------------------------------------------
-
-TINY_SEQ = 32
-
-
-def _example_ids(vocab_size: int, batch: int, seq: int, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64)
-
-
-def _build_llama(seed: int, batch: int, seq: int, **config_fields):
-    """A random-initialised eval-mode ``LlamaForCausalLM`` with eager attention (exports to plain
-    MatMul/Softmax, independent of the sdpa backend), example ``[batch, seq]`` inputs, ``["logits"]``
-    and batch/seq dynamic axes: ``(model, example_inputs, output_names, dynamic_axes)``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(use_cache=False, **config_fields)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    ids = _example_ids(config.vocab_size, batch, seq, seed)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    dynamic_axes = {name: dict(BATCH_SEQ_AXES) for name in ("input_ids", "attention_mask", "logits")}
-    return model, inputs, ["logits"], dynamic_axes
-
-
-def build_tiny_llama(seed: int = 0):
-    """A 2-layer random-initialised ``LlamaForCausalLM`` (vocab 256, hidden 128, GQA 4/2 heads).
-
-    Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
-    ``{"input_ids", "attention_mask"}`` of int64 ``[batch, seq]`` tensors, ``["logits"]`` and
-    batch/seq dynamic axes for the legacy exporter.
-    """
-    return _build_llama(seed, 2, TINY_SEQ, vocab_size=256, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-
-
-def build_bench_decoder(seed: int = 0, seq: int = 512):
-    """A random-initialised ``LlamaForCausalLM`` sized for benchmarks, not shipped: hidden 1024,
-    8 layers, intermediate 2816, GQA 16/4 heads, vocab 1024 (about 95M parameters, 380 MB fp32).
-
-    Returns ``(model, example_inputs, output_names, dynamic_axes)`` like :func:`build_tiny_llama`.
-    """
-    return _build_llama(seed, 1, seq, vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 512))
-
-
-def build_tiny_bert(seed: int = 0):
-    """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 128, 4 heads, with pooler).
-
-    Returns ``(model, example_inputs, output_names, dynamic_axes)``: the eval-mode model, a dict
-    ``{"input_ids", "attention_mask", "token_type_ids"}`` of int64 ``[batch, seq]`` tensors,
-    ``["last_hidden_state", "pooler_output"]`` and batch/seq dynamic axes. The pooler's Linear
-    exports as a ``Gemm`` (transB=1) in the legacy exporter.
-    """
-    import torch
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = BertModel(config).eval()
-    ids = _example_ids(config.vocab_size, 2, TINY_SEQ, seed)
-    inputs = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "token_type_ids": torch.zeros_like(ids),
-    }
-    output_names = ["last_hidden_state", "pooler_output"]
-    dynamic_axes = {
-        "input_ids": dict(BATCH_SEQ_AXES),
-        "attention_mask": dict(BATCH_SEQ_AXES),
-        "token_type_ids": dict(BATCH_SEQ_AXES),
-        "last_hidden_state": dict(BATCH_SEQ_AXES),
-        "pooler_output": {0: "batch"},
-    }
-    return model, inputs, output_names, dynamic_axes

@@ -14,7 +14,7 @@ from pathlib import Path
 from graphcal.config import RunConfig
 from graphcal.graph.targets import matches
 from graphcal.plan import RunPlan, plan
-from graphcal.types import FusedGroup, KVState, Target
+from graphcal.types import FusedGroup, KVState, Target, enum_value
 
 
 @dataclass
@@ -173,7 +173,7 @@ def _describe(scheme) -> str:
                         ("outputs", scheme.output_activations)):
         if args is None:
             continue
-        text = f"{args.type}{args.num_bits} {args.strategy}"
+        text = f"{enum_value(args.type)}{args.num_bits} {enum_value(args.strategy)}"
         if args.group_size:
             text += f" {args.group_size}"
         if args.block_structure:

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from graphcal.config import RunConfig, resolve_kv_cache_args, with_observers
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, first_line
 
 MODIFIER = "QuantizationModifier"
 NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
@@ -139,7 +139,7 @@ def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
     except RecursionError:
         raise UsageError(f"{where}: the YAML nests too deeply") from None
     except yaml.YAMLError as e:
-        raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from e
+        raise UsageError(f"{where}: not valid YAML ({first_line(e)})") from e
     if not isinstance(data, dict):
         raise UsageError(f"{where}: a recipe is a mapping of stages or a {MODIFIER}")
     found = []
@@ -227,7 +227,7 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
             except ValidationError as e:
                 raise UsageError(f"recipe: config_groups.{group}: {_first_error(e)}") from e
             except NotImplementedError as e:  # compressed-tensors refuses e.g. channel activations this way
-                raise UsageError(f"recipe: config_groups.{group}: unsupported ({str(e).strip().splitlines()[0]})") from e
+                raise UsageError(f"recipe: config_groups.{group}: unsupported ({first_line(e)})") from e
         name = "recipe"
     else:  # llm-compressor's default: QuantizationScheme(targets) with its default args (W8 per tensor)
         groups = {"group_0": QuantizationScheme(targets=mod_targets)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from graphcal.errors import GraphcalError, UsageError
+from graphcal.errors import GraphcalError, UsageError, first_line
 from graphcal.graph import io as graph_io
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -54,9 +54,19 @@ class Runtime:
         try:
             self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
         except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel
-            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GraphcalError(f"onnxruntime failed on a batch: {detail.removeprefix('Error in execution: ')}") from e
+            detail = first_line(e).removeprefix("Error in execution: ")
+            raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
         return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
+
+    def run_numpy(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch through ``session.run``: every output as a numpy array on the host, of
+        any element type onnxruntime returns (float8 and int4 included, which torch cannot take)."""
+        try:
+            values = self.session.run(self.outputs, feeds)
+        except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel
+            detail = first_line(e).removeprefix("Error in execution: ")
+            raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
+        return dict(zip(self.outputs, values))
 
     def close(self) -> None:
         """Drop the session (and its copy of the weights) and hand the memory back before the weight phase."""
@@ -112,8 +122,6 @@ def open_runtime(
     # The memory pattern planner keeps a tapped graph's activations apart (extra consumers):
     # measured on the bench decoder, off is both faster and 0.9 GB smaller (docs/benchmarks.md).
     opts.enable_mem_pattern = False
-    if external_folder is not None:  # weights stay in the model's own data files: onnxruntime reads them there
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp, keep = None, []
     graph, names, values = _inline_weights_apart(model, weights)
@@ -122,6 +130,8 @@ def open_runtime(
             opts.add_external_initializers(names, values)
             keep = values  # onnxruntime reads these buffers for the session's lifetime
         source: str | bytes = graph.SerializeToString()
+        if external_folder is not None:  # weights stay in the model's own data files: onnxruntime reads them there
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
     else:  # a graph over 2 GB even without its weights: one file with external data, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
@@ -130,14 +140,14 @@ def open_runtime(
         whole.graph.initializer.extend(weights)
         graph_io.save_with_external_data(whole, path, base_dir=external_folder)
         del whole
-        source = str(path)
+        source = str(path)  # its data file lies beside it, with every weight copied over
     del graph
     try:
         session = ort.InferenceSession(source, sess_options=opts, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types
         if tmp is not None:
             tmp.cleanup()
-        raise GraphcalError(f"onnxruntime cannot load the model: {str(e).strip().splitlines()[0]}") from e
+        raise GraphcalError(f"onnxruntime cannot load the model: {first_line(e)}") from e
     active = session.get_providers()[0]
     if device == "cuda" and active != _CUDA:
         raise GraphcalError(
@@ -145,6 +155,67 @@ def open_runtime(
             "must be loadable); run with --device cpu or fix the CUDA install"
         )
     return Runtime(session, list(outputs), active, observer_device(active, device, device_id), tmp, keep)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a whole model for its values: graphcal eval, tools/accuracy.py and the tests.
+# --------------------------------------------------------------------------------------------
+
+ONNXRUNTIME, REFERENCE = "onnxruntime", "onnx.reference"
+
+
+@dataclass
+class ModelRunner:
+    """A model opened once to run many batches: ``run(feeds)`` -> ``{output name: numpy array}``.
+
+    ``kind`` is ``"onnxruntime"`` (CPU provider, at the level :func:`open_model_runner` was given)
+    or ``"onnx.reference"`` (onnx's ReferenceEvaluator, for the fp4 / e8m0 models onnxruntime cannot run)."""
+
+    outputs: list[str]
+    kind: str
+    _run: Callable[[dict], dict[str, np.ndarray]] = field(repr=False)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._run(feeds)
+
+
+def open_model_runner(
+    model: onnx.ModelProto | str | os.PathLike,
+    outputs: Sequence[str] | None = None,
+    *,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+) -> ModelRunner:
+    """Open ``model`` (a ModelProto or an .onnx path) to fetch ``outputs`` (default: the graph's outputs).
+
+    onnxruntime on its CPU provider through :func:`open_runtime` (same session set-up as the
+    calibration pass, load errors as one line) at ``optimization``; ORT_ENABLE_BASIC, the default,
+    applies no QDQ fusions, so Q/DQ numerics are the ONNX spec's. Models onnxruntime cannot run
+    (``graph.io.runs_in_onnxruntime`` false: fp4 / e8m0 tensors) go to onnx.reference's
+    ReferenceEvaluator instead, where ``optimization`` does not apply. A path's external data is
+    loaded with the model, into memory."""
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model))
+    names = list(outputs) if outputs is not None else [o.name for o in model.graph.output]
+    if not graph_io.runs_in_onnxruntime(model):
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return ModelRunner(names, REFERENCE, lambda feeds: dict(zip(names, evaluator.run(names, feeds))))
+    runtime = open_runtime(model, names, device="cpu", optimization=optimization)
+    return ModelRunner(names, ONNXRUNTIME, runtime.run_numpy)
+
+
+def run_model(
+    model: onnx.ModelProto | str | os.PathLike,
+    feeds: dict[str, np.ndarray],
+    outputs: Sequence[str] | None = None,
+    *,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+) -> dict[str, np.ndarray]:
+    """Run ``model`` once on ``feeds``: ``{output name: numpy array}`` for ``outputs`` (default: the
+    graph's outputs), by onnxruntime on CPU at ``optimization`` or by onnx.reference for fp4 / e8m0
+    models (see :func:`open_model_runner`)."""
+    return open_model_runner(model, outputs, optimization=optimization).run(feeds)
 
 
 INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes

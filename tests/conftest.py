@@ -38,7 +38,8 @@ def exported(tmp_path_factory):
 
     def make(form: str) -> Path:
         if form not in cache:
-            from graphcal.export import build_tiny_llama, export_torch
+            from graphcal.export import export_torch
+            from tools.builders import build_tiny_llama
 
             model, inputs, output_names, dynamic_axes = build_tiny_llama()
             path = tmp_path_factory.mktemp(form) / "model.onnx"

@@ -1,26 +1,20 @@
-"""Test helpers: onnxruntime at ORT_ENABLE_BASIC, compressed-tensors references, error metrics."""
+"""Test helpers: compressed-tensors references, error metrics, the QDQ writer as the pipeline drives it.
+
+Models run through graphcal.runtime.run_model (onnxruntime on CPU at ORT_ENABLE_BASIC, or
+onnx.reference for fp4 / e8m0 models)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import torch
-
-from graphcal.graph.io import runs_in_onnxruntime  # picks the runner; the numbers come from the runners
-
-
-def ort_run(model: onnx.ModelProto | str | Path, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Run at ORT_ENABLE_BASIC (no QDQ fusions, so Q/DQ numerics are the ONNX spec's)."""
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
-    names = outputs or [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
 
 
 def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
@@ -86,16 +80,6 @@ def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, n
     return xq @ wq.T
 
 
-def run_model(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-    """onnxruntime at ORT_ENABLE_BASIC, or onnx.reference's ReferenceEvaluator for fp4 / e8m0 models."""
-    if runs_in_onnxruntime(model):
-        return ort_run(model, feeds, outputs)
-    from onnx.reference import ReferenceEvaluator
-
-    names = outputs or [o.name for o in model.graph.output]
-    return dict(zip(names, ReferenceEvaluator(model).run(names, feeds)))
-
-
 def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime") -> onnx.ModelProto:
     """The Q/DQ model for ``items``, written as graphcal.pipeline writes it: a QDQWriter at the opset
     ``items_opset`` gives, each weight read and quantized, then each input, then ``finish()``. It
@@ -112,3 +96,73 @@ def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime")
     for item in items:
         writer.quantize_input(item)
     return writer.finish()
+
+
+# `python -c PAUSED_RUN ARGS...` is `graphcal ARGS...` stopped at one named point of its write:
+# there it touches $GC_PAUSED and waits for $GC_GO to exist (at most 60 s), so a test can act on
+# the run (SIGKILL, SIGTERM, a second run) at that point and nowhere else, whatever the machine's speed.
+# The points, in the order a run reaches them (graphcal.output.OutputSlot.write):
+#   write       -- calibrated, -o locked and checked, nothing written yet (before OutputSlot._write_tmp)
+#   save_model  -- the temporary folder beside -o holds its marker and model.onnx, nothing else
+#   swap        -- the temporary folder is complete (all files and the manifest), -o untouched (before _swap)
+#   moved_aside -- the previous -o has been renamed to .NAME.old-*, the new folder is not moved in yet
+# (the last is reached by wrapping os.rename in the child: graphcal.output has no hook there).
+PAUSED_RUN = """
+import os, re, sys, time
+from pathlib import Path
+
+def pause():
+    Path(os.environ["GC_PAUSED"]).touch()
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["GC_GO"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+stage = os.environ["GC_PAUSE_AT"]
+if stage == "save_model":
+    import graphcal.pipeline as pipeline
+    real = pipeline.save_model
+    def save_model(*args, **kwargs):
+        files = real(*args, **kwargs)
+        pause()
+        return files
+    pipeline.save_model = save_model
+elif stage in ("write", "swap"):
+    from graphcal.output import OutputSlot
+    method = {"write": "_write_tmp", "swap": "_swap"}[stage]
+    real = getattr(OutputSlot, method)
+    def paused(self, *args, **kwargs):
+        pause()
+        return real(self, *args, **kwargs)
+    setattr(OutputSlot, method, paused)
+elif stage == "moved_aside":
+    real = os.rename
+    def rename(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if re.fullmatch(r"\\..+\\.old-\\d+-[0-9a-f]{8}", os.path.basename(os.fspath(dst))):
+            pause()
+    os.rename = rename
+else:
+    raise SystemExit(f"unknown pause point {stage!r}")
+from graphcal.cli import main
+sys.argv = ["graphcal", *sys.argv[1:]]
+main()
+"""
+PAUSE_POINTS = ("write", "save_model", "swap", "moved_aside")
+
+
+def paused_run(args: list[str], point: str, folder: Path) -> tuple[subprocess.Popen, Path]:
+    """Start ``graphcal *args`` in a subprocess and return it once it waits at ``point`` (one of
+    :data:`PAUSE_POINTS`), with the file whose creation lets it go on. ``folder`` holds the two
+    signal files (``paused``, ``go``)."""
+    assert point in PAUSE_POINTS, point
+    paused, go = folder / "paused", folder / "go"
+    env = {**os.environ, "GC_PAUSE_AT": point, "GC_PAUSED": str(paused), "GC_GO": str(go)}
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_RUN, *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not paused.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"the run never reached {point}"
+        time.sleep(0.05)
+    return proc, go
+

@@ -21,9 +21,11 @@ def test_presets_are_compressed_tensors_own():
 
 def test_static_int8_scheme_is_what_tensorrt_builds():
     s = resolve_scheme("INT8_STATIC", ["Linear"])
-    assert (s.weights.num_bits, s.weights.strategy, s.weights.symmetric) == (8, "channel", True)
+    assert s.weights == preset_name_to_scheme("W8A8", ["Linear"]).weights  # compressed-tensors' int8 channel weights
     a = s.input_activations
     assert (a.num_bits, a.strategy, a.dynamic, a.symmetric, a.observer) == (8, "tensor", False, True, "static_minmax")
+    # the observer compressed-tensors' own static activation preset (FP8: fp8 per tensor, static) sets
+    assert a.observer == preset_name_to_scheme("FP8", ["Linear"]).input_activations.observer
 
 
 def test_json_scheme_and_its_validation():
@@ -50,12 +52,20 @@ def test_observer_defaults_follow_llm_compressor():
 
 
 def test_most_specific_target_wins():
+    """Exact name > regex > class. Each pick is compared with a scheme compressed-tensors builds
+    itself (its preset, or its QuantizationScheme from the same fields), not with graphcal's groups."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
     config = build_config("W8A8")
     config.groups["group_1"] = resolve_scheme("W8A8_STATIC", ["re:.*q_proj"])
     config.groups["group_2"] = resolve_scheme('{"weights": {"num_bits": 8, "strategy": "tensor"}}', ["a.q_proj"])
-    assert config.scheme_for(_target("a.k_proj")) is config.groups["group_0"]
-    assert config.scheme_for(_target("b.q_proj")) is config.groups["group_1"]
-    assert config.scheme_for(_target("a.q_proj")) is config.groups["group_2"]
+    static_input = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False,
+                                    observer="static_minmax")
+    assert config.scheme_for(_target("a.k_proj")) == preset_name_to_scheme("W8A8", ["Linear"])  # class
+    assert config.scheme_for(_target("b.q_proj")) == QuantizationScheme(  # regex
+        targets=["re:.*q_proj"], weights=preset_name_to_scheme("W8A8", ["x"]).weights, input_activations=static_input)
+    assert config.scheme_for(_target("a.q_proj")) == QuantizationScheme(  # exact name, over the regex and the class
+        targets=["a.q_proj"], weights=QuantizationArgs(num_bits=8, strategy="tensor"))
 
 
 @pytest.mark.parametrize("via_recipe", [False, True])
@@ -75,7 +85,10 @@ def test_one_observer_override_rule_for_flags_and_recipes(tmp_path, via_recipe):
     recipe.write_text("QuantizationModifier: {scheme: NVFP4, input_observer: memoryless_minmax}\n")
     from_recipe = resolve(Options(recipe=recipe)).groups["group_0"]
     assert from_recipe.input_activations.observer == "memoryless_minmax"
-    assert from_recipe.weights.observer == preset_name_to_scheme("NVFP4", ["Linear"]).weights.observer
+    # the input override leaves the weights as compressed-tensors' NVFP4 preset has them (every field),
+    # observed by llm-compressor's weight default for an unset observer (initialize_observer: memoryless_minmax)
+    assert from_recipe.weights == preset_name_to_scheme("NVFP4", ["Linear"]).weights
+    assert from_recipe.weights.observer is None and observer_name(from_recipe.weights, "weight") == "memoryless_minmax"
 
 
 def test_flags_override_a_recipe_and_fill_defaults_without_one(tmp_path):

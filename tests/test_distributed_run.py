@@ -47,9 +47,44 @@ def test_two_ranks_write_what_one_process_writes(llama_dir, tmp_path, scheme):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
+def _ema_input_scales(llama_dir, ranks: int) -> dict[str, torch.Tensor]:
+    """``{module}.input_scale`` by llm-compressor's rule, from activations onnxruntime computes:
+    each rank's minmax EMA (first batch sets, then ``old * 0.99 + new * 0.01``) over its batches
+    (every ``ranks``-th of the 8 batches of 8 samples, from the rank's index), min/max averaged
+    over ranks (AVG), then compressed-tensors' calculate_qparams with W8A8_STATIC's input args."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from graphcal.config import resolve_scheme
+    from graphcal.graph.taps import add_taps
+    from graphcal.graph.targets import find_targets
+    from graphcal.runtime import open_model_runner
+
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = [t for t in find_targets(model)[0] if t.name != "lm_head"]  # ignored by default
+    fetch = list(dict.fromkeys(t.activation for t in targets))
+    runner = open_model_runner(add_taps(model, fetch)[0], fetch)
+    data = dict(np.load(llama_dir / "calib.npz"))
+    stats = [dict() for _ in range(ranks)]  # rank -> activation -> (min, max)
+    for index in range(8):
+        values = runner.run({k: v[index * 8:(index + 1) * 8] for k, v in data.items()})
+        for name in fetch:
+            x = torch.from_numpy(values[name])
+            new = (x.amin().reshape(1), x.amax().reshape(1))
+            old = stats[index % ranks].get(name)
+            stats[index % ranks][name] = new if old is None else tuple(o * 0.99 + n * 0.01 for o, n in zip(old, new))
+    args = resolve_scheme("W8A8_STATIC", ["Linear"]).input_activations
+    scales = {}
+    for t in targets:
+        lo = sum(s[t.activation][0] for s in stats) / ranks
+        hi = sum(s[t.activation][1] for s in stats) / ranks
+        scales[f"{t.name}.input_scale"] = calculate_qparams(lo, hi, args)[0]
+    return scales
+
+
 def test_moving_average_observers_average_the_ranks(llama_dir, tmp_path):
     """minmax (EMA) statistics are averaged over ranks (llm-compressor's AVG): each rank's EMA
-    covers its own batches, so the result is not the single-process EMA (README says so)."""
+    covers its own batches, so the result is not the single-process EMA (README says so). Both
+    outputs are checked against that rule computed here on onnxruntime's activations."""
     common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
               "--observer", "minmax"]
     assert _torchrun(2, *common, "-o", tmp_path / "two").returncode == 0
@@ -58,7 +93,11 @@ def test_moving_average_observers_average_the_ranks(llama_dir, tmp_path):
     assert two.keys() == one.keys()
     weights = [k for k in one if k.endswith("weight_scale")]
     assert all(torch.equal(two[k], one[k]) for k in weights)  # weights are not synced: identical
-    assert any(not torch.equal(two[k], one[k]) for k in one if k.endswith("input_scale"))
+    for written, expected in ((two, _ema_input_scales(llama_dir, 2)), (one, _ema_input_scales(llama_dir, 1))):
+        assert sorted(k for k in written if k.endswith("input_scale")) == sorted(expected)
+        for key, scale in expected.items():
+            torch.testing.assert_close(written[key], scale, rtol=1e-6, atol=0, msg=key)
+    assert any(not torch.equal(two[k], one[k]) for k in one if k.endswith("input_scale"))  # the README's point
 
 
 def _log_model(path):

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from graphcal.cli import cli
 from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
-from tests.helpers import ort_run, sqnr_db
+from graphcal.runtime import run_model
+from tests.helpers import sqnr_db
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,8 @@ def test_numbers_match_onnxruntime_runs(llama_dir, quantized):
     targets = find_targets(original)[0]
     nodes = {n.name: n for n in original.graph.node}
     tensors = ["logits"] + [nodes[t.node].output[0] for t in targets]
-    ref = ort_run(add_taps(original, tensors)[0], feeds, tensors)
-    got = ort_run(add_taps(onnx.load(quantized), tensors)[0], feeds, tensors)
+    ref = run_model(add_taps(original, tensors)[0], feeds, tensors)
+    got = run_model(add_taps(onnx.load(quantized), tensors)[0], feeds, tensors)
     out = report["outputs"][0]
     assert out["name"] == "logits" and report["samples"] == 16
     assert out["sqnr_db"] == pytest.approx(sqnr_db(ref["logits"], got["logits"]), abs=1e-9)

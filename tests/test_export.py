@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import zipfile
 from pathlib import Path
 
@@ -39,16 +38,11 @@ pytestmark = [
 ]
 
 
-def _load_make_models():
-    spec = importlib.util.spec_from_file_location("make_models", REPO / "tools" / "make_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def make_models():
-    return _load_make_models()
+    from tools import make_models
+
+    return make_models
 
 
 _BUILT: dict = {}
@@ -59,7 +53,7 @@ def _built(name):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     if name not in _BUILT:
-        from graphcal.export import build_tiny_bert, build_tiny_llama
+        from tools.builders import build_tiny_bert, build_tiny_llama
 
         _BUILT[name] = {"tiny-llama": build_tiny_llama, "tiny-bert": build_tiny_bert}[name]()
     return _BUILT[name]

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from graphcal.cli import cli
 from graphcal.graph.targets import find_targets
-from tests.helpers import ort_run
+from graphcal.runtime import run_model
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def folder(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from graphcal.export import build_tiny_llama
+    from tools.builders import build_tiny_llama
 
     path = tmp_path_factory.mktemp("llama")
     model = build_tiny_llama()[0]
@@ -50,7 +50,7 @@ def test_export_then_run(folder, tmp_path, dynamo):
     feeds = {k: v[:2] for k, v in data.items()}
     with torch.no_grad():
         ref = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
-    np.testing.assert_allclose(ort_run(exported, feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run_model(exported, feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
     names = {t.name for t in find_targets(exported)[0]}
     assert "model.layers.0.self_attn.q_proj" in names and "lm_head" in names  # module names survive
     run = CliRunner().invoke(cli, ["run", str(out / "model.onnx"), "--data", str(out / "calib.npz"),
@@ -80,4 +80,4 @@ def test_export_past_the_protobuf_limit_writes_external_data(folder, tmp_path, m
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     with torch.no_grad():
         ref = folder[1](**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
-    np.testing.assert_allclose(ort_run(out / "model.onnx", feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run_model(out / "model.onnx", feeds)["logits"], ref, rtol=1e-4, atol=1e-4)

@@ -15,10 +15,11 @@ import torch
 from click.testing import CliRunner
 
 from graphcal.cli import cli
-from graphcal.export import build_tiny_llama
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.taps import add_taps
-from tests.helpers import ct_torch_reference, load_written, ort_run, sqnr_db
+from graphcal.runtime import run_model
+from tests.helpers import ct_torch_reference, load_written, sqnr_db
+from tools.builders import build_tiny_llama
 
 PER_HEAD = '{"num_bits": 8, "type": "float", "strategy": "attn_head", "observer": "static_minmax"}'
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
@@ -72,7 +73,7 @@ def test_tapped_states_are_the_torch_models_and_scales_are_compressed_tensors(kv
     torch_states = _torch_states(config, feeds)
     states, _ = find_kv_states(onnx.load(src / "model.onnx"))
     tapped, names = add_taps(onnx.load(src / "model.onnx"), [s.key for s in states] + [s.value for s in states])
-    first = ort_run(tapped, {k: v[:8] for k, v in feeds.items()}, names)
+    first = run_model(tapped, {k: v[:8] for k, v in feeds.items()}, names)
     for s in states:
         k, v = torch_states[s.name][0]
         np.testing.assert_allclose(first[s.key], k.numpy(), rtol=1e-5, atol=1e-6)
@@ -106,8 +107,8 @@ def test_written_model_quantizes_kv_as_compressed_tensors_does(kv_run, tmp_path)
     kv_q = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith(("/k/QuantizeLinear", "/v/QuantizeLinear"))]
     assert len(kv_q) == 4 and all(a.i == 1 for n in kv_q for a in n.attribute if a.name == "axis")
     feeds = dict(np.load(src / "heldout.npz"))
-    got = ort_run(out / "model.onnx", feeds)["logits"]
-    fp32 = ort_run(src / "model.onnx", feeds)["logits"]
+    got = run_model(out / "model.onnx", feeds)["logits"]
+    fp32 = run_model(src / "model.onnx", feeds)["logits"]
     ref = ct_torch_reference(build_tiny_llama, out, feeds)
     margins = [sqnr_db(ref[i], got[i]) - sqnr_db(fp32[i], got[i]) for i in range(len(got))]
     assert np.median(margins) >= 15, margins
@@ -116,7 +117,7 @@ def test_written_model_quantizes_kv_as_compressed_tensors_does(kv_run, tmp_path)
     result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
                                       "--scheme", "FP8", "-o", str(no_kv), "-q"])
     assert result.exit_code == 0
-    assert sqnr_db(ref, ort_run(no_kv / "model.onnx", feeds)["logits"]) < sqnr_db(ref, got) - 10
+    assert sqnr_db(ref, run_model(no_kv / "model.onnx", feeds)["logits"]) < sqnr_db(ref, got) - 10
 
 
 @pytest.mark.parametrize("args, code, message", [

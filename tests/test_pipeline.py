@@ -17,7 +17,7 @@ def _observers(llama_dir, scheme: str):
 
 
 def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir):
-    from graphcal.export import build_tiny_llama
+    from tools.builders import build_tiny_llama
 
     run, observers = _observers(llama_dir, "NVFP4A16")
     targets, groups = run.chosen, run.groups

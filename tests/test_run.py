@@ -28,7 +28,8 @@ from graphcal.cli import cli
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.graph.taps import add_taps
-from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, ort_run, run_model, sqnr_db
+from graphcal.runtime import run_model
+from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, sqnr_db
 
 # scheme -> (format compressed-tensors infers, ONNX type of the stored weight, opset written, weight bits)
 SCHEMES = {
@@ -57,7 +58,7 @@ CASES = [(m, s) for m in FP32_SQNR_FLOOR for s in SCHEMES]
 
 
 def _builder(model_name):
-    from graphcal.export import build_tiny_bert, build_tiny_llama
+    from tools.builders import build_tiny_bert, build_tiny_llama
 
     return {"tiny-llama": build_tiny_llama, "tiny-bert": build_tiny_bert}[model_name]
 
@@ -173,7 +174,7 @@ def test_end_to_end_against_compressed_tensors_and_fp32(runs, model_name, scheme
     src, out, _ = runs(model_name, scheme)
     feeds = dict(np.load(src / "heldout.npz"))
     got = next(iter(run_model(onnx.load(out / "model.onnx"), feeds).values()))
-    fp32 = next(iter(ort_run(src / "model.onnx", feeds).values()))
+    fp32 = next(iter(run_model(src / "model.onnx", feeds).values()))
     ref = ct_torch_reference(_builder(model_name), out, feeds)
     to_fp32 = sqnr_db(fp32, got)
     assert to_fp32 >= FP32_SQNR_FLOOR[model_name][scheme]
@@ -230,8 +231,8 @@ def test_other_export_forms(exported, tmp_path, form, llama_dir):
     assert not any(i.name.endswith("proj.weight") for i in written.graph.initializer)
     batch = onnx.load(model_path).graph.input[0].type.tensor_type.shape.dim[0].dim_value or 1
     feeds = {k: v[:batch] for k, v in data.items()}
-    got = next(iter(ort_run(out / "model.onnx", feeds).values()))
-    ref = next(iter(ort_run(model_path, feeds).values()))
+    got = next(iter(run_model(out / "model.onnx", feeds).values()))
+    ref = next(iter(run_model(model_path, feeds).values()))
     assert sqnr_db(ref, got) >= 35
     _, params = load_written(out)
     assert "model.layers.0.self_attn.q_proj.weight_scale" in params
@@ -357,6 +358,8 @@ def test_tensorrt_nvfp4_form_computes_what_the_standard_form_does(runs, tmp_path
         list(inits[f"{q_proj}.weight_scale"].dims) == [128, 8]  # [out, in / 16]
     assert not [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    # Not graphcal.runtime.run_model: the trt:: custom op runs in neither onnxruntime nor stock
+    # onnx.reference, so this one evaluator is given its implementation (new_ops) by hand.
     got = ReferenceEvaluator(model, new_ops=[_trt_fp4_dynamic_quantize()]).run(None, feeds)[0]
     standard = run_model(onnx.load(runs("tiny-llama", "NVFP4")[1] / "model.onnx"), feeds)["logits"]
     np.testing.assert_allclose(got, standard, rtol=1e-5, atol=1e-5)
@@ -415,8 +418,8 @@ def test_external_data_in_gives_external_data_out(runs, tmp_path, llama_dir):
     assert (out / "model.onnx").stat().st_size < 0.3 * inline_size < (out / "model.onnx.data").stat().st_size
     assert _digest(src / "weights.bin") == before
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
-    got = ort_run(out / "model.onnx", feeds)["logits"]
-    inline = ort_run(runs("tiny-llama", "W4A16")[1] / "model.onnx", feeds)["logits"]
+    got = run_model(out / "model.onnx", feeds)["logits"]
+    inline = run_model(runs("tiny-llama", "W4A16")[1] / "model.onnx", feeds)["logits"]
     np.testing.assert_array_equal(got, inline)
 
 
@@ -482,5 +485,5 @@ def test_external_weights_stay_on_disk_until_read(tmp_path, llama_dir, runs, mon
     inline = runs("tiny-llama", "W8A8_STATIC")[1]
     assert (out / "qparams.safetensors").read_bytes() == (inline / "qparams.safetensors").read_bytes()
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
-    np.testing.assert_array_equal(ort_run(out / "model.onnx", feeds)["logits"],
-                                  ort_run(inline / "model.onnx", feeds)["logits"])
+    np.testing.assert_array_equal(run_model(out / "model.onnx", feeds)["logits"],
+                                  run_model(inline / "model.onnx", feeds)["logits"])

@@ -12,7 +12,16 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
 from graphcal.runtime import cuda_usable, open_runtime
-from tests.helpers import ort_run
+
+
+def _plain_ort(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    """The reference for open_runtime itself: a plain CPU session at ORT_ENABLE_BASIC (``session.run``,
+    the model serialized whole), not graphcal.runtime.run_model, which opens its session with open_runtime."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    names = outputs or [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
 
 
 def test_taps_come_back_as_torch_tensors_in_one_pass(llama_dir):
@@ -25,7 +34,7 @@ def test_taps_come_back_as_torch_tensors_in_one_pass(llama_dir):
     rt = open_runtime(tapped, fetch, device="cpu")
     assert rt.provider == "CPUExecutionProvider"
     values = rt.run(feeds)
-    reference = ort_run(tapped, feeds, fetch)  # plain onnxruntime at ORT_ENABLE_BASIC
+    reference = _plain_ort(tapped, feeds, fetch)  # plain onnxruntime at ORT_ENABLE_BASIC
     for name in fetch:
         np.testing.assert_array_equal(values[name].numpy(), reference[name])
 
@@ -61,7 +70,7 @@ def test_cuda_provider_runs_on_a_gpu(llama_dir):
     rt = open_runtime(model, ["logits"], device="cuda")
     assert rt.provider == "CUDAExecutionProvider"
     feeds = {k: v[:2] for k, v in np.load(llama_dir / "calib.npz").items()}
-    cpu = ort_run(model, feeds)["logits"]
+    cpu = _plain_ort(model, feeds)["logits"]
     logits = rt.run(feeds)["logits"]
     assert logits.device.type == "cuda"  # handed over through DLPack, no host round trip
     np.testing.assert_allclose(logits.cpu().numpy(), cpu, atol=1e-4)
@@ -104,4 +113,33 @@ def test_inline_weights_reach_onnxruntime_as_buffers_of_every_type():
     assert {i.name for i in stubbed.graph.initializer} == {i.name for i in model.graph.initializer}
     feeds = {"x": rng.standard_normal((2, 32)).astype(np.float16)}
     got = open_runtime(model, ["y"], device="cpu").run(feeds)["y"].numpy()
-    np.testing.assert_array_equal(got, ort_run(model, feeds)["y"])
+    np.testing.assert_array_equal(got, _plain_ort(model, feeds)["y"])
+
+
+def test_run_model_is_onnxruntime_or_onnx_reference(llama_dir):
+    """graphcal.runtime.run_model: onnxruntime on CPU where it runs the model (a path or a proto;
+    a plain session's numbers), onnx.reference's for a model with fp4 weights."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from graphcal.runtime import open_model_runner, run_model
+
+    feeds = {k: v[:2] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    runner = open_model_runner(llama_dir / "model.onnx")
+    assert runner.kind == "onnxruntime" and runner.outputs == ["logits"]
+    np.testing.assert_array_equal(runner.run(feeds)["logits"], _plain_ort(onnx.load(llama_dir / "model.onnx"), feeds)["logits"])
+
+    w = helper.make_tensor("w", TensorProto.FLOAT4E2M1, [2, 3], [0.5, 1.0, -6.0, 3.0, 0.0, -1.5])
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["w", "s"], ["wf"]), helper.make_node("MatMul", ["x", "wf"], ["y"])],
+        "fp4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        initializer=[w, numpy_helper.from_array(np.float32(0.25), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=11)
+    x = {"x": np.array([[1.0, 2.0]], np.float32)}
+    assert open_model_runner(model).kind == "onnx.reference"
+    got = run_model(model, x)["y"]
+    np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, x)[0])
+    np.testing.assert_array_equal(got, np.array([[0.5 * 0.25 + 3.0 * 0.5, 1.0 * 0.25 + 0.0, -6.0 * 0.25 - 1.5 * 0.5]],
+                                                np.float32))
+

@@ -12,18 +12,18 @@ of the written model.onnx against the fp32 one.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
-
-from graphcal.graph.io import runs_in_onnxruntime
-from graphcal.pipeline import calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python tools/accuracy.py`: graphcal (and tools) import from the repo root
+    sys.path.insert(0, str(ROOT))
 
+from graphcal.pipeline import calibrate  # noqa: E402
+from graphcal.runtime import open_model_runner  # noqa: E402
 
 SCHEMES = ["W8A8", "W8A8_STATIC", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK",
            "NVFP4A16", "NVFP4", "MXFP4A16"]
@@ -31,15 +31,9 @@ SCHEMES = ["W8A8", "W8A8_STATIC", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8",
 
 def run(model: Path, feeds: dict) -> tuple[str, np.ndarray, str]:
     """(name, value, evaluator) of the model's first output, at ORT_ENABLE_BASIC on CPU."""
-    proto = onnx.load(str(model))
-    if not runs_in_onnxruntime(proto):
-        from onnx.reference import ReferenceEvaluator
-
-        return proto.graph.output[0].name, ReferenceEvaluator(proto).run(None, feeds)[0].astype(np.float64), "onnx.reference"
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    sess = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
-    return sess.get_outputs()[0].name, sess.run(None, feeds)[0].astype(np.float64), "onnxruntime"
+    runner = open_model_runner(model)  # onnxruntime at ORT_ENABLE_BASIC on CPU, or onnx.reference for fp4 / e8m0
+    name = runner.outputs[0]
+    return name, runner.run(feeds)[name].astype(np.float64), runner.kind
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ The token ids are synthetic: uniform random ids from a seeded ``numpy.random.Gen
 ``attention_mask`` is all ones and ``token_type_ids`` (BERT) all zeros.
 
 The models come from random-initialised transformers configs with fixed seeds
-(:func:`graphcal.export.build_tiny_llama`, :func:`graphcal.export.build_tiny_bert`). The output is
+(:func:`tools.builders.build_tiny_llama`, :func:`tools.builders.build_tiny_bert`). The output is
 deterministic for a given torch / transformers / onnx version; ``.npz`` files are written with a
 fixed zip timestamp (``numpy.savez`` stamps the current time).
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
+if str(REPO) not in sys.path:  # `python tools/make_models.py`: `tools` (and graphcal) import from the repo root
     sys.path.insert(0, str(REPO))
 
 MODELS_DIR = REPO / "models"
@@ -43,7 +43,7 @@ OPSET = 17
 SEQ = 32
 #: file name -> (number of samples, numpy seed offset)
 DATASETS = {"calib.npz": (64, 0), "heldout.npz": (16, 1)}
-#: model directory name -> (builder function name in graphcal.export, base data seed)
+#: model directory name -> (builder function name in tools.builders, base data seed)
 MODELS = {
     "tiny-llama": ("build_tiny_llama", 1000),
     "tiny-bert": ("build_tiny_bert", 2000),
@@ -89,14 +89,15 @@ def make_data(input_names: list[str], vocab_size: int, n: int, seq: int, seed: i
 
 def make_model(name: str, out_dir: str | Path) -> list[Path]:
     """Write ``model.onnx``, ``calib.npz`` and ``heldout.npz`` of model ``name`` into ``out_dir``."""
-    from graphcal import export
+    from graphcal.export import export_torch
+    from tools import builders
 
     builder_name, data_seed = MODELS[name]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, inputs, output_names, dynamic_axes = getattr(export, builder_name)(seed=0)
+    model, inputs, output_names, dynamic_axes = getattr(builders, builder_name)(seed=0)
     written = [
-        export.export_torch(
+        export_torch(
             model,
             inputs,
             out_dir / "model.onnx",
@@ -118,17 +119,18 @@ BENCH_SEQ = 512
 
 
 def make_bench_decoder(out_dir: str | Path) -> Path:
-    """The benchmark decoder (graphcal.export.build_bench_decoder), not shipped: ``out_dir/model.onnx``.
+    """The benchmark decoder (tools.builders.build_bench_decoder), not shipped: ``out_dir/model.onnx``.
 
     Its data comes from :func:`make_data` with ``BENCH_SEQ`` tokens (tools/bench.py makes it).
     """
-    from graphcal import export
+    from graphcal.export import export_torch
+    from tools.builders import build_bench_decoder
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, inputs, output_names, dynamic_axes = export.build_bench_decoder(seed=0, seq=BENCH_SEQ)
-    return export.export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
-                               dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
+    model, inputs, output_names, dynamic_axes = build_bench_decoder(seed=0, seq=BENCH_SEQ)
+    return export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
+                        dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
 
 
 def make_all(root: str | Path, names=None) -> list[Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
 from graphcal.graph.external import (all_tensors, check_external_data, expected_bytes, inline, is_external,
                                      read_tensor_bytes)
@@ -53,7 +53,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
         try:
             model = onnx.load_model_from_string(f.read())
         except (DecodeError, RuntimeError, ValueError, OSError) as e:
-            raise GraphcalError(f"{path} is not a readable ONNX model ({_first_line(e)})") from e
+            raise GraphcalError(f"{path} is not a readable ONNX model ({first_line(e)})") from e
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
@@ -250,10 +250,5 @@ def check_written(path: Path) -> None:
     try:
         onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as e:
-        raise GraphcalError(f"the written model fails onnx's checker, so it was not kept ({_first_line(e)}); "
+        raise GraphcalError(f"the written model fails onnx's checker, so it was not kept ({first_line(e)}); "
                             "this is a graphcal bug or a model onnx cannot represent: please report it") from e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -18,8 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq import QDQWriter, Runtime, ir_for_opset, items_opset
 from graphcal.graph.targets import find_targets, torch_weight
+from graphcal.runtime import run_model
 from graphcal.types import QParams, QuantizedTarget
-from tests.helpers import ort_run, write_qdq
+from tests.helpers import write_qdq
 
 W_CHANNEL = QuantizationArgs(num_bits=8, strategy="channel", symmetric=True)
 A_STATIC = QuantizationArgs(num_bits=8, strategy="tensor", symmetric=True, dynamic=False)
@@ -79,7 +80,7 @@ def test_gemm_trans_b_0_with_static_input(rng):
     items = _items(model, torch.from_numpy(x), aargs=A_STATIC)
     out = write_qdq(model, items)
     onnx.checker.check_model(out, full_check=True)
-    got = ort_run(out, {"x": x})["y"]
+    got = run_model(out, {"x": x})["y"]
     ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-6, atol=1e-6)
     assert not np.allclose(got, x @ w, atol=1e-4)  # quantization really happened
@@ -100,7 +101,7 @@ def test_fp16_weight_behind_cast_and_transpose_with_dynamic_tokens(rng, opset):
     onnx.checker.check_model(out, full_check=True)
     assert not {"/p/Cast", "/p/Transpose"} & {n.name for n in out.graph.node}  # the weight path is folded away
     assert "w" not in {i.name for i in out.graph.initializer}
-    got = ort_run(out, {"x": x})["y"]
+    got = run_model(out, {"x": x})["y"]
     xq = _fq_input(torch.from_numpy(x), items[0])
     # per-token: every token row has its own scale
     assert len({float(v) for v in compute_dynamic_scales_and_zp(torch.from_numpy(x), A_TOKEN, None)[0].flatten()}) == 10
@@ -127,7 +128,7 @@ def test_shared_activation_gets_one_qdq_pair_and_tied_weight_stays(rng):
     ops = [n.op_type for n in out.graph.node]
     assert ops.count("QuantizeLinear") == 1 and ops.count("DequantizeLinear") == 3
     assert "wa" in {i.name for i in out.graph.initializer} and "wb" not in {i.name for i in out.graph.initializer}
-    got = ort_run(out, {"x": x})["y"]
+    got = run_model(out, {"x": x})["y"]
     xq = _fq_input(torch.from_numpy(x), items[0])
     ref = xq @ _fq_weight(model, items[0]).T + xq @ _fq_weight(model, items[1]).T + wa[0].sum()
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-5)
@@ -173,8 +174,6 @@ WEIGHT_FORMS = {
 def test_weight_forms_match_compressed_tensors(rng, form, op):
     """Every weight form on both layouts: [in, out] MatMul and [out, in] Gemm transB=1, with
     out = 6 rows (a partial block of 4) and in = 64 (whole groups of 16 and 32)."""
-    from tests.helpers import run_model
-
     args = WEIGHT_FORMS[form]
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w = (rng.standard_normal((6, 64)) * np.linspace(0.2, 2, 64)).astype(np.float32)  # torch [out, in]
@@ -208,7 +207,7 @@ def test_static_asymmetric_and_dynamic_group_activations(rng):
         items = _items(model, torch.from_numpy(x), aargs=aargs)
         out = write_qdq(model, items)
         onnx.checker.check_model(out, full_check=True)
-        got = ort_run(out, {"x": x})["y"]
+        got = run_model(out, {"x": x})["y"]
         ref = _fq_input(torch.from_numpy(x), items[0]) @ _fq_weight(model, items[0]).T
         np.testing.assert_allclose(got, ref.numpy(), rtol=1e-6, atol=1e-6, err_msg=str(aargs))
         assert not np.allclose(_fq_input(torch.from_numpy(x), items[0]).numpy(), x, atol=1e-4)

@@ -26,7 +26,7 @@ def _torch_weights(builder) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def llama_weights():
-    from graphcal.export import build_tiny_llama
+    from tools.builders import build_tiny_llama
 
     return _torch_weights(build_tiny_llama)
 
@@ -65,7 +65,7 @@ def test_dynamo_form_names_come_from_name_scopes(exported, llama_weights):
 
 
 def test_bert_pooler_is_gemm_trans_b(bert_dir):
-    from graphcal.export import build_tiny_bert
+    from tools.builders import build_tiny_bert
 
     weights = _torch_weights(build_tiny_bert)
     model = onnx.load(bert_dir / "model.onnx")

@@ -113,7 +113,9 @@ def test_ones_importance_equals_memoryless_mse_grid_20():
 
 
 def test_skewed_importance_changes_scales():
-    # upstream: importance [1000]*4 + [.01]*4 on an 8-wide layer
+    # upstream: importance [1000]*4 + [.01]*4 on an 8-wide layer. Each result is the weighted
+    # brute-force search's (importance sum / count, normalised by its mean) through
+    # compressed-tensors' calculate_qparams; that the two differ is upstream's own assertion.
     w = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="channel")
     scales = []
@@ -122,6 +124,9 @@ def test_skewed_importance_changes_scales():
         obs.load_stats({"_imatrix_sum": sq, "_imatrix_count": torch.tensor(1)})
         obs(w)
         scales.append(obs.get_qparams()["scale"])
+        imp = (sq / (sq.mean() + torch.finfo(torch.float32).tiny)).expand(w.shape[0], -1)
+        expected, _ = calculate_qparams(*imatrix_reference(w, args, imp), args)
+        assert torch.equal(scales[-1], expected)
     assert not torch.equal(*scales)
 
 

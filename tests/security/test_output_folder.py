@@ -22,29 +22,9 @@ from click.testing import CliRunner
 
 from graphcal.cli import cli
 from graphcal.output import MANIFEST, TMP_MARKER, reserve_output
+from tests.helpers import paused_run
 
 OURS = [MANIFEST, "model.onnx", "qparams.safetensors", "quantization_config.json"]
-
-# `graphcal ...` in a subprocess whose write phase stops after model.onnx is written: it touches
-# $GC_WRITING, then waits for $GC_GO to exist (at most 60 s), so a test can act while the
-# temporary folder beside -o exists and the lock is held.
-SLOW_WRITE = """
-import os, sys, time
-from pathlib import Path
-import graphcal.pipeline as pipeline
-real = pipeline.save_model
-def save_model(*args, **kwargs):
-    files = real(*args, **kwargs)
-    Path(os.environ["GC_WRITING"]).touch()
-    deadline = time.monotonic() + 60
-    while not Path(os.environ["GC_GO"]).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return files
-pipeline.save_model = save_model
-from graphcal.cli import main
-sys.argv = ["graphcal", *sys.argv[1:]]
-main()
-"""
 
 
 def run(model_dir, out, *extra, model=None, data=None):
@@ -66,6 +46,15 @@ def snapshot(folder):
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def contents(folder):
+    """Each file's bytes, the manifest left out (it records mtimes, which differ between runs)."""
+    return contents_of(snapshot(folder))
+
+
+def contents_of(snap):
+    return {name: data for name, (data, _mtime) in snap.items() if name != MANIFEST}
+
+
 def beside(out):
     """What graphcal may leave beside -o: its temporary folders and lock."""
     return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
@@ -76,17 +65,9 @@ def argv(model_dir, out, *extra):
 
 
 def slow_writer(tmp_path, model_dir, out):
-    """Start a run in a subprocess; return it once it is writing (temp folder made, lock held)."""
-    writing, go = tmp_path / "writing", tmp_path / "go"
-    env = {**os.environ, "GC_WRITING": str(writing), "GC_GO": str(go)}
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *argv(model_dir, out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not writing.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run never reached its write phase"
-        time.sleep(0.05)
-    return proc, go
+    """Start a run in a subprocess; return it once it is writing (temp folder made with model.onnx,
+    lock held), waiting there until the returned file exists (tests.helpers.paused_run)."""
+    return paused_run(argv(model_dir, out), "save_model", tmp_path)
 
 
 # --- deleting only what graphcal wrote ---------------------------------------------------------
@@ -200,7 +181,9 @@ def test_sigkill_while_writing_leaves_a_temp_folder_the_next_run_removes(tmp_pat
     assert snapshot(out) == before  # the previous output, whole
     result = run(bert_dir, out)
     assert result.exit_code == 0, result.output
-    assert beside(out) == [] and snapshot(out) != before
+    assert beside(out) == []
+    assert run(bert_dir, tmp_path / "fresh").exit_code == 0  # the same run into an empty folder
+    assert contents(out) == contents(tmp_path / "fresh") != contents_of(before)  # the new run's files, whole
 
 
 def test_sigterm_while_writing_cleans_up_like_ctrl_c(tmp_path, bert_dir):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.io import MAX_ORT_IR, default_opset, hollow_copy
 
 
@@ -39,7 +39,7 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
         except Exception as e:
             raise GraphcalError(
                 f"the scheme needs opset {opset} but the model (opset {default_opset(model)}) could not be converted: "
-                f"{str(e).strip().splitlines()[0]}; re-export the model at opset {opset}"
+                f"{first_line(e)}; re-export the model at opset {opset}"
             ) from e
         upgraded.ir_version = max(upgraded.ir_version, ir_for_opset(opset))
         return upgraded
