@@ -19,8 +19,8 @@ import numpy as np
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import load_model
-from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets
 
 
 @dataclass

@@ -14,8 +14,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import observer_device, open_runtime
 from tests.helpers import load_written
 

@@ -127,10 +127,10 @@ def test_a_failure_on_one_rank_ends_every_rank_with_an_error(tmp_path):
 
 def _gather_worker(rank, world, init, results):
     import torch.distributed as dist
+    from compressed_tensors.quantization import QuantizationArgs
 
     from graphcal.distributed import Dist, gather_statistics, settle
     from graphcal.observers import Observer
-    from compressed_tensors.quantization import QuantizationArgs
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     obs = Observer.load_from_registry("static_minmax", base_name="input", args=QuantizationArgs(num_bits=8))

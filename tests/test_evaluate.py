@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from graphcal.cli import cli
-from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets
 from graphcal.runtime import run_model
 from tests.helpers import sqnr_db
 

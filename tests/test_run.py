@@ -26,8 +26,8 @@ from click.testing import CliRunner
 
 from graphcal.cli import cli
 from graphcal.graph.external import expected_bytes
-from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import run_model
 from tests.helpers import ct_layer_reference, ct_torch_reference, load_written, sqnr_db
 

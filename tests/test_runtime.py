@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from graphcal.errors import GraphcalError, UsageError
-from graphcal.graph.targets import find_targets
 from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets
 from graphcal.runtime import cuda_usable, open_runtime
 
 

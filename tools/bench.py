@@ -92,8 +92,7 @@ def child(spec: dict) -> dict:
         calibrate(spec["model"], spec["data"], out, scheme=spec["scheme"], observer=spec.get("observer"),
                   device=spec["device"], batch_size=BATCH, reduce_in_graph=spec.get("reduce_in_graph", True))
     elif kind == "ort":
-        from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                              quantize_static)
+        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
         class Reader(CalibrationDataReader):
             def __init__(self):

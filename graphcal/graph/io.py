@@ -10,8 +10,7 @@ from google.protobuf.message import DecodeError
 
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
-from graphcal.graph.external import (all_tensors, check_external_data, expected_bytes, inline, is_external,
-                                     read_tensor_bytes)
+from graphcal.graph.external import all_tensors, check_external_data, expected_bytes, inline, is_external, read_tensor_bytes
 from graphcal.limits import check_fits, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):

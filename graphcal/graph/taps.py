@@ -64,9 +64,7 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
     The copy keeps only the constants the reductions add; every name in ``model`` stays reserved,
     so its initializers can be handed to the session beside the copy.
     """
-    from graphcal.graph.io import hollow_copy
-
-    from graphcal.graph.io import value_types
+    from graphcal.graph.io import hollow_copy, value_types
 
     types = value_types(model) if types is None else types
     hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied

@@ -9,8 +9,6 @@ Observers of one fused group (q/k/v, gate/up, ...) share one global scale throug
 (:func:`graphcal.fusion.find_fused_groups`).
 """
 
-import warnings
-from collections.abc import Iterable
 
 from graphcal.observers.base import (
     SYNC_OPS,
