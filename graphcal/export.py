@@ -21,9 +21,6 @@ from typing import Any
 
 from graphcal.output import releases_outputs, reserve_output
 
-#: IR version written into exported models. onnxruntime 1.20+ loads IR <= 10, which covers
-#: opsets up to 21 (IR 10 was introduced with opset 21).
-MAX_IR_VERSION = 10
 MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
 
 #: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
@@ -265,8 +262,9 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
 def _normalise(model) -> None:
     """Make an exported ModelProto loadable by onnxruntime and free of run-dependent fields."""
-    if model.ir_version > MAX_IR_VERSION:
-        model.ir_version = MAX_IR_VERSION
+    from graphcal.graph.io import MAX_ORT_IR  # the one IR cap: what onnxruntime loads
+
+    model.ir_version = min(model.ir_version, MAX_ORT_IR)
     # producer_version is the torch version: deterministic for a given torch, keep it.
     # The dynamo exporter may leave doc strings holding stack traces (file paths); drop them.
     model.doc_string = ""

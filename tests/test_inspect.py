@@ -236,3 +236,22 @@ def test_target_tensorrt_checks_the_scheme_as_run_does(llama_dir):
     one_line_error(inspect(llama_dir / "model.onnx", "--scheme", "W8A8", "--target", "tensorrt"), 1,
                    "--target tensorrt: TensorRT takes int8/fp8 activations per tensor with a static scale")
     assert inspect_json(llama_dir / "model.onnx", "--scheme", "NVFP4", "--target", "tensorrt")["opset"]["output"] == 23
+
+
+def test_inspect_takes_every_option_run_takes(llama_dir, tmp_path):
+    """So `inspect` can stand in for `run` as a dry run: the same options, and with them the same checks."""
+    from graphcal.cli import inspect_command, run
+
+    def options(command):
+        return {opt for p in command.params if isinstance(p, __import__("click").Option) for opt in p.opts}
+
+    assert options(run) - options(inspect_command) == {"--quiet", "-q"}  # run's summary switch only
+    args = ["--data", str(llama_dir / "calib.npz"), "--scheme", "W8A8_STATIC", "--observer", "mse",
+            "--kv-cache-scheme", "FP8", "--batch-size", "4", "--num-samples", "8", "--device", "cpu",
+            "-o", str(tmp_path / "out")]
+    report = inspect_json(llama_dir / "model.onnx", *args)
+    assert len(report["kv_states"]) == 2 and report["scheme_groups"]["group_0"]["input_activations"]["observer"] == "mse"
+    assert not (tmp_path / "out").exists()  # nothing written
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, input_ids=np.zeros((4, 8), np.int32))
+    one_line_error(inspect(llama_dir / "model.onnx", "--data", bad), 1, "input_ids")  # data checked as run checks it
