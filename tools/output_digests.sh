@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# sha256 of every file graphcal writes (model.onnx, quantization_config.json, qparams.safetensors)
+# for a fixed set of runs on the shipped models: every preset, the TensorRT forms, a kv-cache scheme,
+# MSE and imatrix observers. Run it before and after a refactor and diff the two lists:
+#   tools/output_digests.sh > before.txt; (change); tools/output_digests.sh > after.txt; diff before.txt after.txt
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+run() { local name=$1; shift; python -m graphcal run "$@" -o "$out/$name" -q 2>/dev/null || echo "FAILED $name"; }
+for m in tiny-llama tiny-bert; do
+  data=(models/$m/model.onnx --data models/$m/calib.npz)
+  for s in W8A8 W8A8_STATIC W8A16 W4A16 W4A16_ASYM W4A8 FP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 NVFP4 MXFP4A16; do
+    run "$m-$s" "${data[@]}" --scheme "$s"
+  done
+  for s in W8A8_STATIC FP8 W4A16 NVFP4; do
+    run "$m-trt-$s" "${data[@]}" --scheme "$s" --target tensorrt
+  done
+done
+llama=(models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz)
+run kv "${llama[@]}" --scheme W8A8_STATIC --kv-cache-scheme FP8
+run mse "${llama[@]}" --scheme W8A8_STATIC --observer mse
+run imatrix "${llama[@]}" --observer imatrix_mse \
+  --scheme '{"weights":{"num_bits":4,"strategy":"group","group_size":64},"input_activations":{"num_bits":8,"strategy":"tensor","dynamic":false}}'
+(cd "$out" && sha256sum */model.onnx */quantization_config.json */qparams.safetensors | sort -k2)
