@@ -3,7 +3,7 @@
 
     python tools/bench.py                                   # shipped tiny-llama and the bench decoder
     python tools/bench.py --models tiny-llama --samples 64 512 --device cpu
-    python tools/bench.py --markdown docs/benchmarks.md     # also write the results there
+    python tools/bench.py --markdown results.md     # also write the results table to a file of its own
 
 For each model and sample count it runs, each in a fresh child process (so each peak is its own):
 
@@ -196,8 +196,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decoder-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-bench-decoder",
                     help="where the bench decoder is (made there by tools/make_models.py if missing)")
     ap.add_argument("--mem-limit-gb", type=float, default=16.0)
-    ap.add_argument("--markdown", type=Path, help="also write the results table to this file")
+    ap.add_argument("--markdown", type=Path,
+                    help="also write the results table to this file (a file of its own: a hand-written page such as "
+                         "docs/benchmarks.md is refused, so it is never overwritten)")
     args = ap.parse_args(argv)
+    if args.markdown and args.markdown.exists() and not args.markdown.read_text().startswith("Machine: "):
+        raise SystemExit(f"{args.markdown} is not a file bench.py wrote; give a new file and paste the table")
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
