@@ -5,6 +5,7 @@ onnx.reference for fp4 / e8m0 models)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -166,3 +167,20 @@ def paused_run(args: list[str], point: str, folder: Path) -> tuple[subprocess.Po
         time.sleep(0.05)
     return proc, go
 
+
+
+@contextlib.contextmanager
+def time_box(seconds: float):
+    """Fail (TimeoutError) instead of hanging when the block runs past ``seconds`` (POSIX; main thread)."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -27,6 +27,7 @@ import graphcal.data as gdata
 from graphcal.cli import cli
 from graphcal.data import InputSpec, graph_inputs, load_data
 from graphcal.errors import GraphcalError
+from tests.helpers import time_box
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
 
@@ -490,8 +491,9 @@ def test_fuzzed_headers_and_sizes_load_or_fail_cleanly(tmp_path_factory, member,
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gdata, "_available_memory", lambda: 64 << 20)  # a declared huge batch is refused
         try:
-            calib = load_data(path, SPECS, batch_size=batch_size)
-            batches = list(calib.batches())
+            with time_box(20):  # never a hang
+                calib = load_data(path, SPECS, batch_size=batch_size)
+                batches = list(calib.batches())
         except GraphcalError as e:
             assert "\n" not in str(e)
             return
