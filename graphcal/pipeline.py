@@ -115,7 +115,7 @@ def calibrate(
         )
     # The writer takes the loaded model over and edits it in place (a big model is never copied);
     # nothing reads the plan's model after this.
-    writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types), run.base_dir)
+    writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types))
     weights = quantize_weights(run, observers, writer, observer_device(activations.provider, device, device_id),
                                skip_nonfinite=skip_nonfinite_weights, progress=progress)
     warnings += weights.warnings

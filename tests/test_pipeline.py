@@ -84,7 +84,6 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
     """The weight phase reads a weight, observes it, quantizes it into the output and drops it."""
     from collections import Counter
 
-    import graphcal.graph.qdq.writer
     import graphcal.weights
     from graphcal.pipeline import calibrate
 
@@ -96,7 +95,6 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
         return real(model, target, base_dir)
 
     monkeypatch.setattr(graphcal.weights, "torch_weight", counting)
-    monkeypatch.setattr(graphcal.graph.qdq.writer, "torch_weight", counting)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu")
     assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}
 

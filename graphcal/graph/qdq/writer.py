@@ -14,7 +14,6 @@ from graphcal.graph.qdq.kv import state_dq
 from graphcal.graph.qdq.opset import upgrade_opset
 from graphcal.graph.qdq.policy import Runtime
 from graphcal.graph.qdq.weights import weight_dq
-from graphcal.graph.targets import torch_weight
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 
@@ -25,25 +24,23 @@ class QDQWriter:
     ``items_opset``) is converted first (``self.model`` is then the converted copy)."""
 
     def __init__(self, model: onnx.ModelProto, opset: int, runtime: Runtime | str = Runtime.ONNXRUNTIME,
-                 types: dict | None = None, base_dir: str | None = None):
+                 types: dict | None = None):
         types = value_types(model) if types is None else types  # activation dtypes and ranks
         if default_opset(model) < opset:
             model = upgrade_opset(model, opset)
         self.model = model
         self.runtime = Runtime(runtime)
-        self.base_dir = base_dir  # folder of the model's external data, for weights not yet read
         self.graph = model.graph
         self.edits = Edits(self.graph, types, default_opset(model))
         self.shared: dict[tuple, str] = {}  # input_key -> dequantized tensor name
         self.detached: set[str] = set()  # weight-path node outputs / initializers that may be dead now
         self.node_by_name = {n.name: n for n in self.graph.node}
 
-    def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor | None = None) -> None:
+    def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
-        [out, in] value when the caller has read it already."""
+        [out, in] value, read once by the caller (graphcal.weights), which observed it too."""
         t = item.target
-        w = weight if weight is not None else torch.from_numpy(torch_weight(self.model, t, self.base_dir))
-        dq = weight_dq(self.edits, t, item.scheme.weights, item.qparams["weight"], w, self.runtime)
+        dq = weight_dq(self.edits, t, item.scheme.weights, item.qparams["weight"], weight, self.runtime)
         node = self.node_by_name[t.node]
         self.detached.update((node.input[1], t.weight))
         node.input[1] = dq
