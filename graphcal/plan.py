@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 
@@ -54,9 +55,13 @@ class RunPlan:
     kv_states: tuple[KVState, ...]
     model_opset: int
     opset: int  # what the schemes (and kv states) need
-    types: Mapping[str, onnx.TypeProto.Tensor]  # element types and shapes of graph values
     size: Mapping[str, int]  # terms of the expected size (graphcal.sizing)
     warnings: tuple[str, ...]
+
+    @cached_property
+    def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
+        """Element types and shapes of graph values (shape inference, once; only run needs them)."""
+        return MappingProxyType(value_types(self.model))
 
     @property
     def base_dir(self) -> str | None:
@@ -123,6 +128,6 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
-        types=MappingProxyType(value_types(model)), size=MappingProxyType(size_parts(model, model_path, items, data_files)),
+        size=MappingProxyType(size_parts(model, model_path, items, data_files)),
         warnings=tuple(warnings),
     )
