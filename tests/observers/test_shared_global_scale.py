@@ -40,12 +40,18 @@ def observers(name="static_minmax", n=3):
     return [Observer.load_from_registry(name, base_name="weight", args=nvfp4_args()) for _ in range(n)]
 
 
-def test_fused_members_share_global_scale_of_joint_absmax():
-    weights = qkv()
-    obs = observers()
+def shared_and_observed(weights, name="static_minmax"):
+    """One observer per weight, sharing one global scale, each having observed its weight."""
+    obs = observers(name, len(weights))
     share_global_scale(obs)
     for o, w in zip(obs, weights):
         o(w)
+    return obs
+
+
+def test_fused_members_share_global_scale_of_joint_absmax():
+    weights = qkv()
+    obs = shared_and_observed(weights)
     qps = [o.get_qparams() for o in obs]
     joint = torch.cat([w.flatten() for w in weights]).abs().max()
     expected = torch.tensor([2688.0]) / joint
@@ -72,10 +78,7 @@ def test_bf16_global_scale_rounds_in_bf16():
 def test_fused_mse_uses_searched_ranges():
     weights = qkv()
     weights[1][0, 0] = 20.0  # an outlier the search clips
-    obs = observers("memoryless_mse")
-    share_global_scale(obs)
-    for o, w in zip(obs, weights):
-        o(w)
+    obs = shared_and_observed(weights, "memoryless_mse")
     qp = obs[0].get_qparams()
     refs = [reference_search(w, nvfp4_args()) for w in weights]
     absmax = max(max(r[1].max().item(), -r[0].min().item()) for r in refs)
@@ -86,10 +89,7 @@ def test_fused_mse_uses_searched_ranges():
 
 def test_stats_dropped_only_after_every_member():
     weights = qkv()
-    obs = observers()
-    share_global_scale(obs)
-    for o, w in zip(obs, weights):
-        o(w)
+    obs = shared_and_observed(weights)
     first = obs[0].get_qparams()
     assert all(o.has_statistics for o in obs)
     obs[0](weights[0] * 100)  # weights observe once: still the old statistics
