@@ -157,8 +157,7 @@ def resolve_kv_cache(text: str):
     if stripped.upper() in KV_CACHE_PRESETS:
         return resolve_kv_cache_args(KV_CACHE_PRESETS[stripped.upper()])
     if not stripped.startswith("{"):
-        shown = text if len(text) <= 60 else text[:57] + "..."
-        raise UsageError(f"unknown kv-cache scheme {shown!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
+        raise UsageError(f"unknown kv-cache scheme {_shown(text)!r}; choose FP8, INT8 or JSON QuantizationArgs fields")
     try:
         fields = load_json(stripped, "--kv-cache-scheme")
     except json.JSONDecodeError as e:
@@ -176,7 +175,7 @@ def resolve_kv_cache_args(fields: dict):
     try:
         args = QuantizationArgs.model_validate(fields)
     except ValidationError as e:
-        raise UsageError(f"invalid kv-cache scheme: {_pydantic_message(e)}") from e
+        raise UsageError(f"invalid kv-cache scheme: {pydantic_message(e)}") from e
     if args.strategy not in ("tensor", "attn_head") or args.dynamic is not False:
         raise UsageError(f"kv-cache scheme: strategy {getattr(args.strategy, 'value', args.strategy)} "
                          f"dynamic={args.dynamic} is not supported; use static tensor or attn_head")
@@ -205,11 +204,10 @@ def resolve_scheme(scheme: str, targets: list[str]):
     except json.JSONDecodeError as e:
         raise UsageError(f"--scheme is neither a preset name nor valid JSON: {e}") from e
     except ValidationError as e:
-        raise UsageError(f"invalid scheme: {_pydantic_message(e)}") from e
+        raise UsageError(f"invalid scheme: {pydantic_message(e)}") from e
     except NotImplementedError as e:  # compressed-tensors refuses some valid-looking schemes this way
         raise UsageError(f"unsupported scheme: {first_line(e)}") from e
-    shown = scheme if len(scheme) <= 60 else scheme[:57] + "..."
-    raise UsageError(f"unknown scheme {shown!r}; choose one of: {', '.join(scheme_names())}")
+    raise UsageError(f"unknown scheme {_shown(scheme)!r}; choose one of: {', '.join(scheme_names())}")
 
 
 def scheme_names() -> list[str]:
@@ -252,7 +250,13 @@ def _specificity(pattern: str) -> int:
     return 1 if pattern.startswith("re:") else 0
 
 
-def _pydantic_message(e) -> str:
+def _shown(text: str) -> str:
+    """An option's value for a message, cut to 60 characters (a stranger's value may be huge)."""
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def pydantic_message(e) -> str:
+    """The first error of a pydantic ValidationError as one line: ``loc: message``."""
     err = e.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ()))
     msg = re.sub(r"\s+", " ", err.get("msg", str(e)))

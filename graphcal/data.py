@@ -41,7 +41,7 @@ import onnx
 
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.limits import available_memory as _available_memory  # a module name tests can patch
-from graphcal.limits import open_regular
+from graphcal.limits import format_size, open_regular
 
 DEFAULT_BATCH_SIZE = 8
 # numpy's own limit on an .npy header's text (np.load refuses longer headers without allow_pickle)
@@ -481,23 +481,16 @@ def _check_memory(sources: list[_Source], batch_size: int, num_samples: int) -> 
             name = max(need, key=need.get)
             member = source.members[name]
             if member.whole:
-                what = f"is Fortran-ordered and read whole: {_size(need[name])}"
+                what = f"is Fortran-ordered and read whole: {format_size(need[name])}"
                 hint = "save it C-ordered (np.ascontiguousarray) so that it is read a batch at a time"
             else:
-                what, hint = f"needs {_size(need[name])} per batch of {rows}", "use a smaller --batch-size"
-            others = f"; one batch of all inputs needs {_size(total)}" if len(need) > 1 else ""
+                what, hint = f"needs {format_size(need[name])} per batch of {rows}", "use a smaller --batch-size"
+            others = f"; one batch of all inputs needs {format_size(total)}" if len(need) > 1 else ""
             raise GraphcalError(
-                f"{source.label}: array {name!r} {what}{others}, more than half the {_size(available)} of memory "
+                f"{source.label}: array {name!r} {what}{others}, more than half the {format_size(available)} of memory "
                 f"available; {hint}"
             )
 
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} bytes"
 
 
 def _short(value, limit: int = 120) -> str:

@@ -84,16 +84,13 @@ def check_fits(nbytes: int, what: str, share: float = 0.5, hint: str = "") -> No
     """Refuse to hold ``nbytes`` at once when that exceeds ``share`` of the available memory."""
     free = available_memory()
     if free is not None and nbytes > share * free:
-        raise GraphcalError(f"{what} needs {_size(nbytes)} at once, more than {share:.0%} of the {_size(free)} of "
+        raise GraphcalError(f"{what} needs {format_size(nbytes)} at once, more than {share:.0%} of the {format_size(free)} of "
                             f"memory available{'; ' + hint if hint else ''}")
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def real_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
-    """Whether ``path`` (symlinks followed) lies inside ``folder`` (symlinks followed)."""
-    root = os.path.realpath(folder)
-    return os.path.commonpath([root, os.path.realpath(path)]) == root
-
+def format_size(n: float) -> str:
+    """A byte count for messages: 8.2 kB, 3.1 MB, 2.1 GB (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"

@@ -51,7 +51,7 @@ MODEL_FILE = "model.onnx"
 MANIFEST = ".graphcal-manifest.json"  # in every output folder: the files graphcal wrote there
 TMP_MARKER = ".graphcal-tmp"  # first file in a temporary folder: graphcal made it (holds the pid)
 _FORMAT = 1
-_LOCK_TEXT = re.compile(rb"(graphcal \d+\n)?")
+_LOCK_TEXT = re.compile(rb"(?:graphcal (\d+)\n)?")  # what a lock file holds: empty, or the pid
 
 
 class Terminated(KeyboardInterrupt):
@@ -125,12 +125,19 @@ def check_output_dir(out_dir: str | os.PathLike, inputs: Iterable[str | os.PathL
         raise GraphcalError(f"-o {out_dir} is a mount point; graphcal replaces the folder whole: give a folder inside it")
     if dest.is_dir():
         _refuse_foreign(dest, out_dir)
-    parent = dest.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = _missing_parents(dest)[0]
     if not os.access(parent, os.W_OK):
         raise GraphcalError(f"cannot write to {parent}: permission denied")
     return dest
+
+
+def _missing_parents(path: Path) -> tuple[Path, list[Path]]:
+    """(the nearest existing ancestor of ``path``, the ancestors below it that do not exist yet, nearest first)."""
+    parent, missing = path.parent, []
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return parent, missing
 
 
 def _read_manifest(folder: Path) -> dict | None:
@@ -268,10 +275,10 @@ class _Lock:
 
 def _lock_pid(fd: int) -> int | None:
     try:
-        m = re.fullmatch(rb"graphcal (\d+)\n", os.pread(fd, 64, 0))
+        m = _LOCK_TEXT.fullmatch(os.pread(fd, 64, 0))
     except OSError:
         return None
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and m.group(1) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,12 +354,7 @@ class OutputSlot:
             self.release()
 
     def _claim(self) -> None:
-        parent = self.path.parent
-        missing = []
-        while not parent.exists() and parent != parent.parent:
-            missing.append(parent)
-            parent = parent.parent
-        for folder in reversed(missing):
+        for folder in reversed(_missing_parents(self.path)[1]):
             try:
                 folder.mkdir()
             except FileExistsError:

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
-from graphcal.config import RunConfig, resolve_kv_cache_args, with_observers
+from graphcal.config import RunConfig, pydantic_message, resolve_kv_cache_args, with_observers
 from graphcal.errors import UsageError, first_line
 
 MODIFIER = "QuantizationModifier"
@@ -180,7 +180,7 @@ def _typed(fields: dict[str, Any], where: str = "recipe") -> ModifierFields:
     try:
         return ModifierFields.model_validate(fields)
     except ValidationError as e:
-        raise UsageError(f"{where}.{_first_error(e)}") from None
+        raise UsageError(f"{where}.{pydantic_message(e)}") from None
 
 
 def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets: list[str] | None = None,
@@ -225,7 +225,7 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
             try:
                 groups[str(group)] = QuantizationScheme.model_validate({"targets": mod_targets, **body})
             except ValidationError as e:
-                raise UsageError(f"recipe: config_groups.{group}: {_first_error(e)}") from e
+                raise UsageError(f"recipe: config_groups.{group}: {pydantic_message(e)}") from e
             except NotImplementedError as e:  # compressed-tensors refuses e.g. channel activations this way
                 raise UsageError(f"recipe: config_groups.{group}: unsupported ({first_line(e)})") from e
         name = "recipe"
@@ -257,9 +257,3 @@ def _with_observers(scheme, m: ModifierFields, cli_observer: str | None):
     if cli_observer is not None:
         individual = {"weight": cli_observer, "input": cli_observer, "output": cli_observer}
     return with_observers(scheme, **individual)
-
-
-def _first_error(e) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ()))
-    return f"{where}: {err.get('msg', str(e))}" if where else err.get("msg", str(e))

@@ -104,13 +104,8 @@ def open_runtime(
 
     ``weights`` are initializers that live beside ``model`` (the weightless tapped graph reads
     the original model's initializers, which are never copied into it)."""
-    if device not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    _check_device_choice(device)
     want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
-    if device == "cuda" and _CUDA not in ort.get_available_providers():
-        raise GraphcalError(
-            "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
-        )
     providers = [(_CUDA, {"device_id": device_id}), _CPU] if want_cuda else [_CPU]
     if want_cuda and hasattr(ort, "preload_dlls"):
         try:
@@ -248,18 +243,23 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
 
 
 
+def _check_device_choice(device: str) -> None:
+    """A known ``--device``, and for ``cuda`` an onnxruntime that has the CUDA provider at all."""
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and _CUDA not in ort.get_available_providers():
+        raise GraphcalError(
+            "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
+        )
+
+
 def check_device(device: str) -> None:
     """Refuse ``--device cuda`` up front when onnxruntime cannot run on a GPU here, whatever the
     scheme (a dynamic scheme opens no session of its own, so nothing else would notice): a
     one-node session must start on the CUDA provider."""
-    if device not in DEVICES:
-        raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    _check_device_choice(device)
     if device != "cuda":
         return
-    if _CUDA not in ort.get_available_providers():
-        raise GraphcalError(
-            "--device cuda: this onnxruntime has no CUDA provider; install onnxruntime-gpu (not onnxruntime)"
-        )
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])

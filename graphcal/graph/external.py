@@ -31,8 +31,6 @@ import onnx
 from graphcal.errors import GraphcalError
 from graphcal.limits import check_fits, file_kind, open_regular
 
-KNOWN_KEYS = {"location", "offset", "length", "checksum", "basepath"}
-
 
 @dataclass(frozen=True)
 class ExternalRef:
@@ -141,21 +139,22 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
     return ExternalRef(real, offset, length)
 
 
-def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike, where: str | os.PathLike) -> bool:
-    """Check every external reference of ``model`` against ``base_dir``; True if there are any.
-
+def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
+                        where: str | os.PathLike) -> tuple[str, ...]:
+    """Check every external reference of ``model`` against ``base_dir``; return the data files
+    they name (sorted; empty when every tensor is inline).
 
     Raises GraphcalError (prefixed with ``where``) for the first bad one, before anything is read.
     """
-    found = False
+    files = set()
     for t in all_tensors(model):
         if is_external(t):
-            found = True
             try:
                 resolve(t, base_dir)
             except GraphcalError as e:
                 raise GraphcalError(f"{where}: {e}") from None
-    return found
+            files.update(e.value for e in t.external_data if e.key == "location")
+    return tuple(sorted(files))
 
 
 def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:

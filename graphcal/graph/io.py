@@ -57,9 +57,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
     base_dir = path.parent
-    check_external_data(model, base_dir, path)
-    external = tuple(sorted({e.value for t in all_tensors(model) if is_external(t)
-                             for e in t.external_data if e.key == "location"}))
+    external = check_external_data(model, base_dir, path)
     # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),
     # and tensors outside the initializer list (Constant attributes, subgraphs), come inline.
     wanted = [t for t in model.graph.initializer if is_external(t) and not (lazy and expected_bytes(t) >= LAZY_MIN_BYTES)]
@@ -108,11 +106,6 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def read_external(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
-    """The raw bytes of one tensor kept in external data under ``base_dir`` (checked as it is read)."""
-    return read_tensor_bytes(t, base_dir)
-
-
 def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024,
                             base_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write ``model`` to ``path`` with tensors over ``threshold`` bytes in ``<name>.data``,
@@ -130,7 +123,7 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
         for t in model.graph.initializer:
             raw = t.raw_data if t.HasField("raw_data") else None
             if raw is None and is_external(t) and base_dir is not None:
-                raw = read_external(t, base_dir)
+                raw = read_tensor_bytes(t, base_dir)
                 if len(raw) < threshold:  # small: inline, no longer pointing at the source's file
                     g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, raw_data=raw))
                     continue
