@@ -82,11 +82,18 @@ CONFIG_OPTIONS = (
                  help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
                       "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
                       "--kv-cache-scheme given on the command line override it."),
-    click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+    click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt", "qdq"]), default="onnxruntime",
                  show_default=True,
-                 help="Runtime the QDQ model is for: onnxruntime (standard ONNX Q/DQ) or tensorrt (only what "
-                      "TensorRT builds: symmetric, static per-tensor int8/fp8 activations, int4 blocks of 64/128, "
-                      "NVFP4 activations through trt::TRT_FP4DynamicQuantize)."),
+                 help="Runtime the model is for. onnxruntime: compressed-tensors' numbers in forms onnxruntime's "
+                      "optimizer turns into integer kernels, loading at its default ORT_ENABLE_ALL (no fp4). "
+                      "tensorrt: only what TensorRT builds (symmetric, static per-tensor int8/fp8 activations, int4 "
+                      "blocks of 64/128, NVFP4 through trt::TRT_FP4DynamicQuantize). qdq: standard Q/DQ written "
+                      "literally, for other runtimes and readers (fp4 included)."),
+    click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
+                 metavar="[LEVEL]",
+                 help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "
+                      "models have them) with this accuracy_level (default 4: the kernel quantizes the input to int8 "
+                      "per block of K; 0: float input, the DequantizeLinear form's numbers)."),
 )
 PASS_OPTIONS = (
     click.option("--batch-size", type=click.IntRange(min=1), default=None,
@@ -117,8 +124,8 @@ def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe):
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
-def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, batch_size, num_samples,
-        device, skip_nonfinite_weights, as_json, quiet, debug):
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits, batch_size,
+        num_samples, device, skip_nonfinite_weights, as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -130,7 +137,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
     def call():
         return calibrate(
             model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe),
-            device=device, target=runtime, batch_size=batch_size, num_samples=num_samples,
+            device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
         )
 
@@ -146,7 +153,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "quantized": [i.target.name for i in result.targets], "ignored": result.ignored,
             "provider": result.provider, "samples": result.num_samples, "batches": result.num_batches,
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
-            "warnings": result.warnings,
+            "warnings": result.warnings, "onnxruntime_kernels": result.forms,
         }, sort_keys=True))
         return
     if quiet:
@@ -161,6 +168,12 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         ranks = f" across {result.world} ranks" if result.world > 1 else ""
         click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
                    f"with onnxruntime {result.provider}")
+    if result.forms:
+        click.echo("in onnxruntime (CPU, default settings) the quantized layers run as:")
+        for line in result.forms:
+            click.echo(f"  {line}")
+        click.echo("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/benchmarks.md has "
+                   "numbers)")
     click.echo(f"done in {result.seconds:.1f} s; wrote:")
     for f in result.files:
         click.echo(f"  {f}")
@@ -173,8 +186,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 @_options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
-def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, batch_size,
-                    num_samples, device, skip_nonfinite_weights, as_json, debug):
+def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits,
+                    batch_size, num_samples, device, skip_nonfinite_weights, as_json, debug):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
@@ -201,7 +214,7 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
             check_output_dir(output, [model, *([data] if data is not None else [])])
         config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe)
         check_device(device)
-        run_plan = plan(model, config, runtime)
+        run_plan = plan(model, config, runtime, matmulnbits)
         if data is not None:
             load_data(data, graph_inputs(run_plan.model), batch_size=batch_size, num_samples=num_samples)
         return from_plan(run_plan)
@@ -270,6 +283,48 @@ def eval_command(reference, quantized, data, batch_size, num_samples, as_json, h
     if html_path is not None:
         _guarded(lambda: html_path.write_text(format_html(report, f"{quantized} vs {reference}")), debug)
     click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report))
+
+
+@cli.command(name="bench")
+@click.argument("reference", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("quantized", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--data", "-d", required=True, type=click.Path(path_type=Path),
+              help="Inputs, as for run: an .npz keyed by input names, or a folder of them. Its first batch is timed.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples in the timed batch (default: the model's fixed batch, else 8).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where onnxruntime runs both models; auto picks CUDA when a GPU is usable.")
+@click.option("--rounds", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Timed rounds per shape; each runs both models, the order flipped every round.")
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Untimed runs of each model per shape before timing.")
+@click.option("--no-decode", is_flag=True, help="Skip the decode-like shape (batch 1, one token).")
+@click.option("--no-memory", is_flag=True, help="Skip the peak-memory measurement (a fresh process per model).")
+@click.option("--layers", "-v", "layers", is_flag=True, help="Also list the kernel of every layer in the text output.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
+@DEBUG_OPTION
+def bench_command(reference, quantized, data, batch_size, device, rounds, warmup, no_decode, no_memory, layers,
+                  as_json, debug):
+    """Time QUANTIZED against its fp32 REFERENCE in onnxruntime at its default settings
+    (ORT_ENABLE_ALL), and show which kernel onnxruntime really runs for every weight MatMul/Gemm.
+
+    Reports, for both models: time per batch and throughput on the first batch of --data
+    (prefill) and on one token of one sample (decode-like, for models with a free sequence
+    axis), with the ratio quantized/reference; file sizes; peak host memory of a fresh process
+    that opens the model and runs one batch; and the kernel behind every weight MatMul/Gemm
+    (MatMulNBits, an integer kernel, or float) with the execution provider it ran on.
+
+    \b
+    Example:
+      graphcal bench models/tiny-llama/model.onnx out/model.onnx --data models/tiny-llama/heldout.npz
+    """
+    import json
+
+    from graphcal.speed import bench, format_text
+
+    report = _guarded(lambda: bench(reference, quantized, data, batch_size=batch_size, device=device, warmup=warmup,
+                                    rounds=rounds, decode=not no_decode, memory=not no_memory), debug)
+    click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report, layers=layers))
 
 
 def _guarded(call, debug: bool):

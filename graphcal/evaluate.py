@@ -102,15 +102,16 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     if missing:
         raise GraphcalError(f"{candidate} lacks output(s) {', '.join(missing)} of {reference}")
     ref_nodes = {n.name: n for n in ref_model.graph.node}
-    cand_nodes = {n.name: n for n in cand_model.graph.node}
+    # a layer's output keeps its tensor name in graphcal's output (the onnxruntime form may compute
+    # it in a node after the MatMul: the row-normalized int8 scale, a Gemm's bias)
+    cand_values = {o for n in cand_model.graph.node for o in n.output}
     layers, skipped = [], []
     for t in find_targets(ref_model)[0]:
-        ref_node = ref_nodes[t.node]
-        cand_node = cand_nodes.get(t.node)
-        if cand_node is None or cand_node.output[0] != ref_node.output[0]:
+        tensor = ref_nodes[t.node].output[0]
+        if tensor not in cand_values:
             skipped.append(t.name)
             continue
-        layers.append((t.name, ref_node.output[0]))
+        layers.append((t.name, tensor))
     fetch = outputs + [tensor for _, tensor in layers]
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
 

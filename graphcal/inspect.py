@@ -48,6 +48,7 @@ class Inspection:
     warnings: list[str] = field(default_factory=list)
     kv_states: list[KVState] = field(default_factory=list)
     runtime: str = "onnxruntime"
+    forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
 
     @property
     def quantized(self) -> list[str]:
@@ -76,7 +77,7 @@ def from_plan(run: RunPlan) -> Inspection:
         model_opset=run.model_opset, required_opset=run.opset, output_opset=run.output_opset,
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
-        runtime=str(run.runtime),
+        runtime=str(run.runtime), forms=list(run.forms),
     )
 
 
@@ -122,6 +123,7 @@ def to_dict(report: Inspection) -> dict:
         "runtime": report.runtime,
         "unmatched_patterns": report.unmatched,
         "warnings": report.warnings,
+        "onnxruntime_kernels": report.forms,
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
         "size": {
             "input_bytes": report.input_size,
@@ -162,6 +164,8 @@ def format_text(report: Inspection) -> str:
     lines.append(f"ignored  {', '.join(f'{r.target.name} ({r.reason})' for r in report.rows if not r.quantized) or 'none'}")
     lines.append(f"opset    model {report.model_opset}, scheme needs {report.required_opset}, "
                  f"output {report.output_opset}" + (" (converted)" if report.output_opset > report.model_opset else ""))
+    if report.forms:
+        lines.append("kernels  in onnxruntime (CPU, default settings): " + "; ".join(report.forms))
     lines.append(f"size     input {report.input_size:,} bytes -> expected {report.expected_size:,} bytes "
                  f"({report.expected_size / report.input_size:.2f}x)")
     return "\n".join(lines)

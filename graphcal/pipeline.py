@@ -49,6 +49,7 @@ class CalibrationResult:
     num_batches: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    forms: list[str] = field(default_factory=list)  # what onnxruntime runs (plan.RunPlan.forms)
     rank: int = 0  # under torchrun: this process's rank (only rank 0 writes)
     world: int = 1
 
@@ -72,6 +73,7 @@ def calibrate(
     recipe: str | Path | None = None,
     device: str = "auto",
     target: str = "onnxruntime",
+    matmulnbits: int | None = None,
     batch_size: int | None = None,
     num_samples: int | None = None,
     progress: bool = False,
@@ -85,8 +87,11 @@ def calibrate(
     W8A8), ``targets``, ``ignore``, ``observer`` and ``kv_cache`` (FP8, INT8 or JSON
     QuantizationArgs for the key/value states entering attention) override ``recipe`` (an
     llm-compressor recipe file) where both are given. ``config`` (a resolved RunConfig) replaces
-    them all. ``target`` is the runtime the QDQ model is written for: "onnxruntime" (standard
-    ONNX) or "tensorrt" (only what TensorRT builds; other schemes fail before calibrating).
+    them all. ``target`` is the runtime the QDQ model is written for: "onnxruntime" (the forms
+    its optimizer turns into fast kernels, loading at ORT_ENABLE_ALL), "tensorrt" (only what
+    TensorRT builds; other schemes fail before calibrating) or "qdq" (standard Q/DQ written
+    literally). ``matmulnbits`` (onnxruntime only): write integer weights as
+    com.microsoft.MatMulNBits with this accuracy level (0: float input, 4: int8 input).
     With ``reduce_in_graph`` (the default), min/max observers get their batch extrema from
     ReduceMin/ReduceMax in the tapped graph. A weight holding NaN or Inf is an error naming it;
     with ``skip_nonfinite_weights`` its layer is left in float (listed as ignored) with a warning.
@@ -98,7 +103,7 @@ def calibrate(
     config = config or resolve(Options(scheme=scheme, targets=_tuple(targets), ignore=_tuple(ignore),
                                        observer=observer, kv_cache=kv_cache, recipe=recipe))
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
-    run = plan(model_path, config, target)
+    run = plan(model_path, config, target, matmulnbits)
     calib = load_data(data, graph_inputs(run.model), batch_size=batch_size, num_samples=num_samples)
     observers = ObserverSet(run)
     dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the pass
@@ -115,7 +120,7 @@ def calibrate(
         )
     # The writer takes the loaded model over and edits it in place (a big model is never copied);
     # nothing reads the plan's model after this.
-    writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types))
+    writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types), matmulnbits=run.matmulnbits)
     weights = quantize_weights(run, observers, writer, observer_device(activations.provider, device, device_id),
                                skip_nonfinite=skip_nonfinite_weights, progress=progress)
     warnings += weights.warnings
@@ -132,7 +137,8 @@ def calibrate(
     return CalibrationResult(
         output_dir=out_dir, files=files, targets=weights.items, ignored=ignored, provider=activations.provider,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
-        seconds=time.perf_counter() - start, warnings=warnings, rank=0, world=dist.world if dist else 1,
+        seconds=time.perf_counter() - start, warnings=warnings, forms=list(run.forms), rank=0,
+        world=dist.world if dist else 1,
     )
 
 

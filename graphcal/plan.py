@@ -24,7 +24,7 @@ from graphcal.errors import GraphcalError
 from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import default_opset, load_model_info, value_types
-from graphcal.graph.qdq import Runtime, items_opset, required_kv_opset, runtime_notes
+from graphcal.graph.qdq import Runtime, form_notes, items_opset, required_kv_opset, runtime_notes
 from graphcal.graph.targets import Skipped, find_targets, select
 from graphcal.sizing import size_parts
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
@@ -57,6 +57,8 @@ class RunPlan:
     opset: int  # what the schemes (and kv states) need
     size: Mapping[str, int]  # terms of the expected size (graphcal.sizing)
     warnings: tuple[str, ...]
+    matmulnbits: int | None = None  # accuracy level of com.microsoft.MatMulNBits written for int weights
+    forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
 
     @cached_property
     def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
@@ -89,9 +91,11 @@ class RunPlan:
         return [QuantizedTarget(t, self.schemes[t.name]) for t in self.chosen]
 
 
-def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Runtime.ONNXRUNTIME) -> RunPlan:
+def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Runtime.ONNXRUNTIME,
+         matmulnbits: int | None = None) -> RunPlan:
     """Load ``model_path`` (checked: see graphcal.graph.io) and decide what a run with ``config``
-    writes for ``runtime``; raises GraphcalError for everything that would fail before calibrating."""
+    writes for ``runtime`` (``matmulnbits``: write integer weights as com.microsoft.MatMulNBits with
+    this accuracy level); raises GraphcalError for everything that would fail before calibrating."""
     model_path, runtime = Path(model_path), Runtime(runtime)
     model, data_files = load_model_info(model_path, lazy=True)
     log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(model),
@@ -110,6 +114,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
     opset = items_opset(items, runtime=runtime)  # raises for a scheme with no ONNX form here
     warnings += runtime_notes(items, runtime)
+    forms = form_notes(items, runtime, matmulnbits)  # raises for a target with no form
     kv_states: list[KVState] = []
     if config.kv_cache is not None:
         kv_opset = required_kv_opset(config.kv_cache, runtime)
@@ -129,5 +134,5 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
-        warnings=tuple(warnings),
+        warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms),
     )

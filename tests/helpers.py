@@ -81,7 +81,8 @@ def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, n
     return xq @ wq.T
 
 
-def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime") -> onnx.ModelProto:
+def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime", matmulnbits: int | None = None
+              ) -> onnx.ModelProto:
     """The Q/DQ model for ``items``, written as graphcal.pipeline writes it: a QDQWriter at the opset
     ``items_opset`` gives, each weight read and quantized, then each input, then ``finish()``. It
     writes into a copy (the pipeline writes into a model it loaded itself), so ``model`` stays
@@ -91,7 +92,7 @@ def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime")
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    writer = QDQWriter(copy, items_opset(items, runtime=runtime), runtime)
+    writer = QDQWriter(copy, items_opset(items, runtime=runtime), runtime, matmulnbits=matmulnbits)
     for item in items:
         writer.quantize_weight(item, torch.from_numpy(torch_weight(writer.model, item.target)))
     for item in items:

@@ -66,7 +66,7 @@ def test_text_and_html(llama_dir, quantized, tmp_path):
 def test_fp4_models_run_in_onnx_reference(llama_dir, tmp_path):
     out = tmp_path / "nv"
     assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                    "--scheme", "NVFP4A16", "-o", str(out), "-q"]).exit_code == 0
+                                    "--scheme", "NVFP4A16", "--target", "qdq", "-o", str(out), "-q"]).exit_code == 0
     result = _eval(llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
                    "--num-samples", "2", "--json")
     assert result.exit_code == 0, result.output

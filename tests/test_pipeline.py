@@ -11,15 +11,15 @@ from graphcal.observe import ObserverSet
 from graphcal.plan import plan
 
 
-def _observers(llama_dir, scheme: str):
-    run = plan(llama_dir / "model.onnx", build_config(scheme))
+def _observers(llama_dir, scheme: str, target: str = "onnxruntime"):
+    run = plan(llama_dir / "model.onnx", build_config(scheme), target)
     return run, ObserverSet(run)
 
 
 def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir):
     from tools.builders import build_tiny_llama
 
-    run, observers = _observers(llama_dir, "NVFP4A16")
+    run, observers = _observers(llama_dir, "NVFP4A16", "qdq")
     targets, groups = run.chosen, run.groups
     for t in targets:
         observers.weight_observers[t.name](torch.from_numpy(torch_weight(run.model, t)))
@@ -65,10 +65,11 @@ def test_in_graph_reductions_give_the_same_files(llama_dir, tmp_path):
     cases = [("W8A8_STATIC", None), ("NVFP4", None),
              ("FP8", '{"num_bits": 8, "type": "float", "strategy": "attn_head"}')]
     for i, (scheme, kv) in enumerate(cases):
+        target = "qdq" if scheme == "NVFP4" else "onnxruntime"
         a = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / f"a{i}", scheme=scheme,
-                      kv_cache=kv, device="cpu")
+                      kv_cache=kv, device="cpu", target=target)
         calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / f"b{i}", scheme=scheme,
-                  kv_cache=kv, device="cpu", reduce_in_graph=False)
+                  kv_cache=kv, device="cpu", reduce_in_graph=False, target=target)
         assert digests(tmp_path / f"a{i}") == digests(tmp_path / f"b{i}"), scheme
         assert a.num_batches == 8
 
@@ -95,7 +96,8 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
         return real(model, target, base_dir)
 
     monkeypatch.setattr(graphcal.weights, "torch_weight", counting)
-    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu")
+    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu",
+                       target="qdq")
     assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}
 
 
@@ -122,12 +124,13 @@ def test_run_and_inspect_agree_by_construction(llama_dir, tmp_path):
     from graphcal.cli import cli
     from graphcal.pipeline import calibrate
 
-    args = ["--scheme", "NVFP4", "--kv-cache-scheme", "FP8", "--ignore", "lm_head", "--ignore", "re:.*down_proj"]
+    args = ["--scheme", "NVFP4", "--kv-cache-scheme", "FP8", "--ignore", "lm_head", "--ignore", "re:.*down_proj",
+            "--target", "qdq"]
     shown = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), *args, "--json"])
     assert shown.exit_code == 0, shown.output
     report = json.loads(shown.stdout)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4",
-                       kv_cache="FP8", ignore=["lm_head", "re:.*down_proj"], device="cpu")
+                       target="qdq", kv_cache="FP8", ignore=["lm_head", "re:.*down_proj"], device="cpu")
     assert report["quantized"] == [i.target.name for i in result.targets]
     assert report["ignored"] == result.ignored
     assert report["warnings"] == result.warnings  # the fp4 runtime note included

@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import FP8, QType, Runtime, qtype_of
+from graphcal.graph.qdq.policy import FP8, InputForm, QType, Runtime, qtype_of
 from graphcal.types import QParams, Target
 from graphcal.types import enum_value as _name
 
@@ -43,11 +43,21 @@ def input_key(t: Target, args, qp: QParams | None) -> tuple:
     return (t.activation, "dynamic", args.model_dump_json(), None if gs is None else gs.numpy().tobytes())
 
 
-def input_dq(edits: Edits, t: Target, args, qp: QParams | None, runtime: Runtime) -> str:
-    """Build the Q/DQ of the target's input; returns the tensor that replaces the node's A input."""
+def input_dq(edits: Edits, t: Target, args, qp: QParams | None, runtime: Runtime, form: InputForm = InputForm.QDQ
+             ) -> tuple[str, str | None]:
+    """Build the Q/DQ of the target's input: returns the tensor that replaces the node's A input,
+    and for the row-normalized form the scale the node's output must be multiplied by."""
     qtype = qtype_of(args, t.name, "input activations")
+    if form is InputForm.ROWNORM:
+        return _row_normalized(edits, t, args, qtype)
+    return _input_dq(edits, t, args, qp, runtime, qtype, form), None
+
+
+def _input_dq(edits: Edits, t: Target, args, qp: QParams | None, runtime: Runtime, qtype: QType, form: InputForm) -> str:
     if args.dynamic is False:
-        return _static(edits, t, args, qp, qtype)
+        if form is InputForm.CAST_MUL:
+            return _static_cast_mul(edits, t, qp, qtype)
+        return _static(edits, t, args, qp, qtype, unsigned=form is InputForm.UINT8)
     gs = _global_scale(args, qp)
     if gs is not None and runtime is Runtime.TENSORRT:
         return _tensorrt_fp4(edits, t, args, gs)
@@ -59,12 +69,67 @@ def _global_scale(args, qp: QParams | None) -> torch.Tensor | None:
     return qp.global_scale if qp is not None and args.dynamic == "local" else None
 
 
-def _static(edits: Edits, t: Target, args, qp: QParams, qtype: QType) -> str:
+def _static(edits: Edits, t: Target, args, qp: QParams, qtype: QType, unsigned: bool = False) -> str:
+    """A calibrated scale and zero point. ``unsigned``: int8 written as uint8 with the zero point
+    moved by 128, the same numbers (clamp [-128, 127] + 128 is clamp [0, 255]); onnxruntime fuses a
+    uint8 input Q/DQ into MatMulIntegerToFloat even when q/k/v share it (its int8 -> uint8 rewrite
+    takes a Q with a single DQ only)."""
     dtype = edits.dtype_of(t.activation)
     s = edits.const(f"{t.name}.input_scale", qp.scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
-    zp = qp.zero_point if not args.symmetric else torch.zeros(())
-    z = edits.const(f"{t.name}.input_zero_point", qtype.array(zp).reshape(()))
+    zp = qtype.array(qp.zero_point if not args.symmetric else torch.zeros(())).reshape(())
+    if unsigned:
+        zp = (zp.astype(np.int16) + UINT8_SHIFT).astype(np.uint8)
+    z = edits.const(f"{t.name}.input_zero_point", zp)
     return edits.qdq(t.node, t.activation, s, z, f"{t.name}/input")
+
+
+UINT8_SHIFT = 128
+
+
+def _static_cast_mul(edits: Edits, t: Target, qp: QParams, qtype: QType) -> str:
+    """Static symmetric fp8 by plain ops, the values QuantizeLinear/DequantizeLinear give::
+
+        Div(x, s) -> Cast(fp8, saturate) -> Cast(float) -> Mul(s)
+
+    (QuantizeLinear to fp8 is exactly a saturating, round-to-nearest-even cast of x / s)."""
+    dtype = edits.dtype_of(t.activation)
+    s = edits.const(f"{t.name}.input_scale", qp.scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
+    base = f"{t.name}/input"
+    x = edits.op(t.node, "Div", [t.activation, s], f"{base}/Div")
+    q = edits.op(t.node, "Cast", [x], f"{base}/CastFp8", to=qtype.onnx_type, saturate=1)
+    x = edits.op(t.node, "Cast", [q], f"{base}/Cast", to=helper.np_dtype_to_tensor_dtype(dtype))
+    return edits.op(t.node, "Mul", [x, s], f"{base}/Mul")
+
+
+def _row_normalized(edits: Edits, t: Target, args, qtype: QType) -> tuple[str, str]:
+    """Dynamic per-token (or per-tensor) symmetric int8 in the form onnxruntime runs as
+    MatMulIntegerToFloat::
+
+        s = where(amax == 0, eps, amax / 127.5)     (amax = ReduceMax(Abs(x)) per row, or whole)
+        MatMul(x, W) -> MatMul(DQ(Q(x / s, 1, u8 128)), W) * s
+
+    Q(x / s, 1) rounds x / s exactly as compressed-tensors' quantize does, so the integers are
+    compressed-tensors' own; the scale moves after the integer product (the caller multiplies the
+    node's output by the returned ``s``). Returns (input replacement, scale)."""
+    dtype = edits.dtype_of(t.activation)
+    base = f"{t.name}/input"
+    x = t.activation
+    absx = edits.op(t.node, "Abs", [x], f"{base}/Abs")
+    per_row = (_rank(edits, t) or 3) >= 3 and _name(args.strategy) == "token"
+    if per_row:
+        amax = _reduce_max(edits, t, absx, [-1], f"{base}/ReduceMax", keepdims=1)
+    else:
+        amax = _reduce_max(edits, t, absx, None, f"{base}/ReduceMax")
+    half_range = edits.const(f"{t.name}.input_half_range", np.array(qtype.half_range, dtype=dtype))
+    raw = edits.op(t.node, "Div", [amax, half_range], f"{base}/Div")
+    zero = edits.const(f"{t.name}.input_zero", np.array(0, dtype=dtype))
+    eps = edits.const(f"{t.name}.input_eps", np.array(np.finfo(dtype).eps, dtype=dtype))
+    is_zero = edits.op(t.node, "Equal", [raw, zero], f"{base}/Equal")
+    scale = edits.op(t.node, "Where", [is_zero, eps, raw], f"{base}/Where")
+    rows = edits.op(t.node, "Div", [x, scale], f"{base}/Normalize")
+    one = edits.const(f"{t.name}.input_unit_scale", np.array(1, dtype=dtype))
+    z = edits.const(f"{t.name}.input_zero_point", np.array(UINT8_SHIFT, dtype=np.uint8))
+    return edits.qdq(t.node, rows, one, z, f"{t.name}/input"), scale
 
 
 def _dynamic(edits: Edits, t: Target, args, qtype: QType, global_scale: torch.Tensor | None) -> str:
@@ -153,13 +218,13 @@ def _row_zero_points(edits: Edits, t: Target, scale: str, qtype: QType, base: st
     return edits.op(t.node, "Cast", [zeros], f"{base}/ZeroPoint", to=qtype.onnx_type)
 
 
-def _reduce_max(edits: Edits, t: Target, x: str, axes: list[int] | None, name: str) -> str:
+def _reduce_max(edits: Edits, t: Target, x: str, axes: list[int] | None, name: str, keepdims: int = 0) -> str:
     if axes is None:
         return edits.op(t.node, "ReduceMax", [x], name, keepdims=0)
     if edits.opset >= 18:
         ax = edits.const(f"{t.name}.input_reduce_axes", np.array(axes, dtype=np.int64))
-        return edits.op(t.node, "ReduceMax", [x, ax], name, keepdims=0)
-    return edits.op(t.node, "ReduceMax", [x], name, axes=axes, keepdims=0)
+        return edits.op(t.node, "ReduceMax", [x, ax], name, keepdims=keepdims)
+    return edits.op(t.node, "ReduceMax", [x], name, axes=axes, keepdims=keepdims)
 
 
 def _rank(edits: Edits, t: Target) -> int | None:

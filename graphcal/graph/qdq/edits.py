@@ -21,6 +21,7 @@ class Edits:
         self.opset = opset  # of the graph written into
         self.names = {n.name for n in graph.node} | {t.name for t in graph.initializer}
         self.nodes_before: dict[str, list[onnx.NodeProto]] = {}  # anchor node name -> nodes to insert before it
+        self.nodes_after: dict[str, list[onnx.NodeProto]] = {}  # anchor node name -> nodes to insert after it
         self.inits: list[onnx.TensorProto] = []
         self.domains: set[str] = set()  # custom op domains the new nodes use
 
@@ -40,6 +41,15 @@ class Edits:
 
     def add(self, anchor: str, node: onnx.NodeProto) -> None:
         self.nodes_before.setdefault(anchor, []).append(node)
+
+    def add_after(self, anchor: str, node: onnx.NodeProto) -> None:
+        self.nodes_after.setdefault(anchor, []).append(node)
+
+    def op_after(self, anchor: str, op: str, inputs: list[str], name: str, **attrs) -> str:
+        """One node ``op`` after ``anchor`` (after those added before it); returns its output's name."""
+        out = self.unique(name + "_output")
+        self.add_after(anchor, helper.make_node(op, inputs, [out], name=self.unique(name), **attrs))
+        return out
 
     def op(self, anchor: str, op: str, inputs: list[str], name: str, **attrs) -> str:
         """One node ``op`` before ``anchor``; returns its output's name."""
@@ -72,11 +82,12 @@ class Edits:
         return None
 
     def place(self, graph: onnx.GraphProto) -> None:
-        """Put the new nodes in front of their anchors and the new initializers in the graph."""
+        """Put the new nodes in front of (or after) their anchors and the new initializers in the graph."""
         new_nodes = []
         for node in graph.node:
             new_nodes.extend(self.nodes_before.get(node.name, []))
             new_nodes.append(node)
+            new_nodes.extend(self.nodes_after.get(node.name, []))
         del graph.node[:]
         graph.node.extend(new_nodes)
         graph.initializer.extend(self.inits)

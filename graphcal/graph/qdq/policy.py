@@ -21,13 +21,20 @@ from graphcal.types import enum_value as _name
 
 
 class Runtime(enum.StrEnum):
-    """The runtime a QDQ model is written for: standard ONNX forms, or only what TensorRT builds.
+    """The runtime a QDQ model is written for.
+
+    - ``onnxruntime``: compressed-tensors' numbers in the forms onnxruntime's optimizer turns into
+      its fast kernels, and that load at its default ORT_ENABLE_ALL (see :func:`ort_form`);
+    - ``tensorrt``: only what TensorRT builds;
+    - ``qdq``: compressed-tensors' operations written literally as standard ONNX Q/DQ, for other
+      runtimes and readers (onnx.reference runs every form).
 
     ``Runtime("tensorrt")`` converts a command-line string; an unknown one is a GraphcalError.
     """
 
     ONNXRUNTIME = "onnxruntime"
     TENSORRT = "tensorrt"
+    QDQ = "qdq"
 
     @classmethod
     def _missing_(cls, value):
@@ -128,12 +135,133 @@ def required_kv_opset(args, runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int
 
 def runtime_notes(items: list[QuantizedTarget], runtime: Runtime | str) -> list[str]:
     """Warnings about what the chosen runtime can execute of the written model."""
-    fp4 = sorted({_name(i.scheme.weights.type) + "4" for i in items
-                  if i.scheme.weights is not None and i.scheme.weights.num_bits == 4 and _name(i.scheme.weights.type) == "float"})
-    if Runtime(runtime) is Runtime.ONNXRUNTIME and fp4:
+    fp4 = any(_is_fp4(i.scheme.weights) for i in items if i.scheme.weights is not None)
+    if Runtime(runtime) is Runtime.QDQ and fp4:
         return ["onnxruntime 1.31 has no float4 (or e8m0) Q/DQ kernels: the written model is standard ONNX "
                 "(opset 23+, checked with onnx.reference) for runtimes that have them; for TensorRT use --target tensorrt"]
     return []
+
+
+class WeightForm(enum.StrEnum):
+    """How a weight reaches its MatMul/Gemm."""
+
+    DQ = "dq"  # DequantizeLinear of the stored weight
+    CAST_MUL = "cast_mul"  # fp8 initializer -> Cast(float) -> Mul(scale): onnxruntime folds it at load
+    MATMULNBITS = "matmulnbits"  # the node becomes com.microsoft.MatMulNBits with packed weights
+
+
+class InputForm(enum.StrEnum):
+    """How an input activation is quantized."""
+
+    NONE = "none"  # weight-only
+    QDQ = "qdq"  # QuantizeLinear -> DequantizeLinear, compressed-tensors' ops written literally
+    UINT8 = "uint8"  # static int8 as uint8 with zero point + 128 (same numbers; onnxruntime fuses it)
+    ROWNORM = "rownorm"  # per-token int8 on rows divided by their scale, scale re-applied after the MatMul
+    KERNEL = "kernel"  # MatMulNBits accuracy level 4 quantizes the activation itself (per block of K, max/127)
+    CAST_MUL = "cast_mul"  # static fp8: QuantizeLinear -> Cast(float) -> Mul(scale), no DequantizeLinear
+
+
+@dataclass(frozen=True)
+class Form:
+    """What is written for one target, and what onnxruntime makes of it (``kernel``, for notes)."""
+
+    weight: WeightForm
+    input: InputForm
+    kernel: str
+
+
+MATMULNBITS_BITS = (4, 8)
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+def choose_form(item: QuantizedTarget, runtime: Runtime | str, matmulnbits: int | None = None) -> Form:
+    """The form written for ``item``; raises for a combination with no form. ``matmulnbits`` is
+    the MatMulNBits accuracy level asked for (None: write DequantizeLinear)."""
+    runtime = Runtime(runtime)
+    w, a = item.scheme.weights, item.scheme.input_activations
+    where = item.target.name
+    wkind = (_name(w.type), w.num_bits)
+    if runtime is not Runtime.ONNXRUNTIME:
+        if matmulnbits is not None:
+            raise GraphcalError("--matmulnbits writes onnxruntime's com.microsoft.MatMulNBits: use it with --target "
+                                "onnxruntime")
+        return Form(WeightForm.DQ, InputForm.NONE if a is None else InputForm.QDQ, "as the runtime builds it")
+    if _is_fp4(w) or (a is not None and _is_fp4(a)):
+        raise GraphcalError(f"{where}: onnxruntime 1.31 has no float4 kernels (not even Cast), so a fp4 model does "
+                            "not load there; use --target qdq (standard ONNX, opset 23+, for runtimes with fp4) or "
+                            "--target tensorrt")
+    if matmulnbits is not None and wkind[0] == "int":
+        return _matmulnbits_form(item, matmulnbits)
+    if wkind[0] == "float":  # fp8: onnxruntime has no fp8 kernel on CPU and mis-fuses fp8 Q/DQ around MatMul
+        weight = WeightForm.CAST_MUL
+        if a is None:
+            return Form(weight, InputForm.NONE, "float MatMul (fp8 weight expanded to fp32 at load)")
+        return Form(weight, _fp8_input(a), "float MatMul after fp8 quantization of the input (fp8 weight "
+                    "expanded at load)")
+    if a is None:
+        bits = "4" if w.num_bits == 4 else "8"
+        return Form(WeightForm.DQ, InputForm.NONE,
+                    f"MatMulNBits {bits}-bit (at onnxruntime's default accuracy level 4 it quantizes the input to "
+                    "int8 per block of K)")
+    integer_kernel = (_name(a.type), a.num_bits) == ("int", 8) and w.num_bits == 8 and _name(w.strategy) in (
+        "tensor", "channel")
+    if not integer_kernel:  # no integer kernel takes it; a weight DQ beside an input DQ could be mis-fused
+        return Form(WeightForm.CAST_MUL, _fp8_input(a) if _name(a.type) == "float" else InputForm.QDQ,
+                    "float MatMul after run-time Q/DQ of the input (weight expanded to fp32 at load)"
+                    + ("; for int4 weights with int8 inputs --matmulnbits is fast" if w.num_bits == 4 else ""))
+    kernel = "QGemm (u8 x s8)" if item.target.op_type == "Gemm" else "MatMulIntegerToFloat (u8 x s8)"
+    if a.dynamic is False:
+        return Form(WeightForm.DQ, InputForm.UINT8, kernel)
+    if _name(a.strategy) in ("token", "tensor"):
+        return Form(WeightForm.DQ, InputForm.ROWNORM, f"{kernel} + Mul by the per-token scale")
+    return Form(WeightForm.CAST_MUL, InputForm.QDQ, f"float MatMul after run-time Q/DQ per {_name(a.strategy)} "
+                "(weight expanded to fp32 at load)")
+
+
+def _fp8_input(args) -> InputForm:
+    """Static fp8 inputs are written without DequantizeLinear: onnxruntime's Q/DQ propagation moves
+    a static fp8 Q/DQ pair above a Transpose or Reshape, which have no fp8 kernel (the model then
+    fails to load at ORT_ENABLE_ALL)."""
+    return InputForm.CAST_MUL if args.dynamic is False else InputForm.QDQ
+
+
+def _matmulnbits_form(item: QuantizedTarget, level: int) -> Form:
+    w, a = item.scheme.weights, item.scheme.input_activations
+    where = item.target.name
+    if level not in ACCURACY_LEVELS:
+        raise GraphcalError(f"--accuracy-level must be 0..4, got {level}")
+    if w.num_bits not in MATMULNBITS_BITS:
+        raise GraphcalError(f"{where}: MatMulNBits takes 4- or 8-bit integer weights, not {w.num_bits}-bit")
+    strategy = _name(w.strategy)
+    if strategy == "group" and not _pow2_block(w.group_size):
+        raise GraphcalError(f"{where}: MatMulNBits takes blocks of 16..256, a power of two; group size {w.group_size}")
+    if strategy == "block" and not _pow2_block(w.block_structure[1]):
+        raise GraphcalError(f"{where}: MatMulNBits takes blocks of 16..256 along the input, a power of two; "
+                            f"block {w.block_structure}")
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise GraphcalError(f"{where}: MatMulNBits has no form for weights per {strategy}")
+    kernel = f"MatMulNBits {w.num_bits}-bit, accuracy level {level}"
+    if a is None:
+        return Form(WeightForm.MATMULNBITS, InputForm.NONE,
+                    kernel + (" (input quantized to int8 per block of K by the kernel)" if level == 4 else ""))
+    if _name(a.type) != "int" or a.num_bits != 8 or a.dynamic is False or not a.symmetric:
+        raise GraphcalError(f"{where}: --matmulnbits: MatMulNBits quantizes inputs only dynamically to symmetric "
+                            "int8 (accuracy level 4); this scheme's input activations need Q/DQ: drop --matmulnbits")
+    if level != 4:
+        raise GraphcalError(f"{where}: --matmulnbits --accuracy-level {level} keeps the input in float, but the "
+                            "scheme quantizes it to int8: use --accuracy-level 4 (the kernel quantizes it per "
+                            "block of K) or drop --matmulnbits")
+    return Form(WeightForm.MATMULNBITS, InputForm.KERNEL,
+                kernel + " (the kernel quantizes the input to int8 per block of K with max/127, close to but not "
+                "compressed-tensors' per-token max/127.5)")
+
+
+def _pow2_block(size) -> bool:
+    return size is not None and 16 <= size <= 256 and size & (size - 1) == 0
+
+
+def _is_fp4(args) -> bool:
+    return _name(args.type) == "float" and args.num_bits == 4
 
 
 def tensorrt_problem(scheme) -> str | None:
@@ -199,3 +327,15 @@ def _input_opset(args, where: str) -> int:
     if dynamic == "local" and strategy == "tensor_group" and fp8_scales(args):
         return qtype.opset
     raise GraphcalError(f"{where}: dynamic={dynamic} input activations with strategy {strategy} are not written to ONNX")
+
+
+def form_notes(items: list[QuantizedTarget], runtime: Runtime | str, matmulnbits: int | None = None) -> list[str]:
+    """One line per kernel: how many targets onnxruntime runs on it (checks every form: raises
+    where there is none). Empty for other runtimes."""
+    counts: dict[str, int] = {}
+    for item in items:
+        form = choose_form(item, runtime, matmulnbits)
+        counts[form.kernel] = counts.get(form.kernel, 0) + 1
+    if Runtime(runtime) is not Runtime.ONNXRUNTIME:
+        return []
+    return [f"{n} layer{'s' if n != 1 else ''}: {kernel}" for kernel, n in counts.items()]

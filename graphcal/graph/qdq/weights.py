@@ -24,32 +24,44 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import onnx
 import torch
 from onnx import helper
 
+from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.policy import FP4, FP8, Runtime, fp8_scales, is_mx, qtype_of
 from graphcal.types import QParams, Target
 from graphcal.types import enum_value as _name
 
 
-def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runtime: Runtime) -> str:
-    """Build the target's quantized weight ``w`` (torch [out, in]) and its DequantizeLinear;
-    returns the tensor that replaces the node's B input."""
+def _quantize(args, qp: QParams, w: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' quantized values of ``w`` (torch [out, in]), on its grid, in w's dtype."""
     from compressed_tensors.quantization.lifecycle.forward import quantize
 
+    return quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
+
+
+def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runtime: Runtime,
+              stored: str | None = None, zero_point: bool = False) -> str:
+    """Build the target's quantized weight ``w`` (torch [out, in]) and its DequantizeLinear;
+    returns the tensor that replaces the node's B input. ``stored`` overrides the layout the
+    node reads (the writer stores a Gemm's weight [in, out] and clears transB, for onnxruntime);
+    ``zero_point`` writes a symmetric scheme's zero point (0) too (onnxruntime's QGemm fusion
+    needs it)."""
     qtype = qtype_of(args, t.name, "weights")
     strategy = _name(args.strategy)
-    q = quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
+    q = _quantize(args, qp, w)
     # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter
     # form); a MatMul then reads them through a Transpose.
     transpose = runtime is Runtime.TENSORRT and qtype is FP4 and t.layout == "in_out"
-    layout = _WeightLayout(t, strategy, args, "out_in" if transpose else t.layout)
+    layout = _WeightLayout(t, strategy, args, "out_in" if transpose else (stored or t.layout))
     stored = edits.const(f"{t.name}.weight_quantized", layout.weight(qtype.array(q)))
     scale = _weight_scale(edits, t, args, qp, w.dtype, layout)
     inputs = [stored, scale]
-    if not args.symmetric:
-        inputs.append(edits.const(f"{t.name}.weight_zero_point", layout.param(qtype.array(qp.zero_point))))
+    if not args.symmetric or zero_point:
+        zp = qp.zero_point if not args.symmetric else torch.zeros_like(qp.scale)
+        inputs.append(edits.const(f"{t.name}.weight_zero_point", layout.param(qtype.array(zp))))
     attrs = layout.attrs()
     if is_mx(args):
         attrs["output_dtype"] = helper.np_dtype_to_tensor_dtype(_np_dtype(w.dtype))
@@ -60,6 +72,124 @@ def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runti
     if transpose:
         dq_out = edits.op(t.node, "Transpose", [dq_out], f"{t.name}/weight/Transpose", perm=[1, 0])
     return dq_out
+
+
+def weight_cast_mul(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor) -> str:
+    """The quantized weight as an initializer of its storage type, expanded by plain ops::
+
+        Cast(Wq, float) [- zero_point] * scale     (blocks: Reshape -> * scale -> Reshape back)
+
+    Same values as DequantizeLinear; onnxruntime folds the chain into a float weight at load, so
+    no Q/DQ fusion sees a quantized weight (fp8 Q/DQ around a MatMul is mis-fused in 1.31)."""
+    qtype = qtype_of(args, t.name, "weights")
+    strategy = _name(args.strategy)
+    layout = _WeightLayout(t, strategy, args, t.layout)
+    q = layout.weight(qtype.array(_quantize(args, qp, w)))
+    dtype = _np_dtype(w.dtype)
+    scale = qp.scale.detach().to(torch.float32)
+    if qp.global_scale is not None:  # effective scale as compressed-tensors computes it
+        scale = scale / qp.global_scale.detach().to(torch.float32)
+    scale = layout.param(scale.to(w.dtype).numpy())
+    zp = None if args.symmetric else layout.param(qp.zero_point.detach().to(torch.float32).numpy()).astype(dtype)
+    base = f"{t.name}/weight"
+    x = edits.op(t.node, "Cast", [edits.const(f"{t.name}.weight_quantized", q)], f"{base}/Cast",
+                 to=helper.np_dtype_to_tensor_dtype(dtype))
+    shape, blocked = q.shape, layout.block is not None
+    if blocked:  # [in, out] blocked along axis 0 -> [in/B, B, out]; [out, in] along axis 1 -> [out, in/B, B]
+        block = layout.block
+        split = [shape[0] // block, block, shape[1]] if layout.stored == "in_out" else [shape[0], shape[1] // block, block]
+        x = edits.op(t.node, "Reshape", [x, edits.const(f"{t.name}.weight_blocks_shape", np.array(split, np.int64))],
+                     f"{base}/Reshape")
+        pad = 1 if layout.stored == "in_out" else 2
+        scale, zp = (None if a is None else np.expand_dims(a, pad) for a in (scale, zp))
+    elif strategy == "channel" and layout.stored == "out_in":
+        scale, zp = (None if a is None else a.reshape(-1, 1) for a in (scale, zp))
+    if zp is not None:
+        x = edits.op(t.node, "Sub", [x, edits.const(f"{t.name}.weight_zero_point", zp)], f"{base}/Sub")
+    x = edits.op(t.node, "Mul", [x, edits.const(f"{t.name}.weight_scale", scale)], f"{base}/Mul")
+    if blocked:
+        x = edits.op(t.node, "Reshape", [x, edits.const(f"{t.name}.weight_shape", np.array(shape, np.int64))],
+                     f"{base}/Restore")
+    return x
+
+
+def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, level: int,
+                       node: onnx.NodeProto) -> None:
+    """Turn ``node`` (MatMul, or Gemm with transA=0, alpha=1, beta=1) into onnxruntime's
+    ``com.microsoft.MatMulNBits`` with compressed-tensors' quantized weight packed as it reads it:
+
+    B uint8 [out, ceil(in/bs), bs*bits/8] (values + 2^(bits-1), low nibble first), scales
+    [out, ceil(in/bs)], zero points (asymmetric only; + 2^(bits-1), packed likewise) and the
+    node's bias. Per-channel / per-tensor scales repeat over blocks of ``bs`` (exact); groups
+    and blocks keep their size. ``level`` is the kernel's ``accuracy_level`` (4: it quantizes
+    the input to int8 per block of ``bs``; 0: float input)."""
+    qtype = qtype_of(args, t.name, "weights")
+    bits = args.num_bits
+    strategy = _name(args.strategy)
+    n, k = t.out_features, t.in_features
+    if strategy == "group":
+        block = args.group_size
+    elif strategy == "block":
+        block = args.block_structure[1]
+    else:
+        block = 16
+        while block * 2 <= min(k, 128):
+            block *= 2
+    blocks = -(-k // block)
+    q = qtype.array(_quantize(args, qp, w)).astype(np.int16) + (1 << (bits - 1))  # unsigned [n, k]
+    scale = qp.scale.detach().to(torch.float32)
+    if qp.global_scale is not None:
+        scale = scale / qp.global_scale.detach().to(torch.float32)
+    scale = _per_block(scale.numpy(), args, strategy, n, k, block, blocks).astype(_np_dtype(w.dtype))
+    padded = np.zeros((n, blocks * block), np.uint8)
+    padded[:, :k] = q
+    inputs = [node.input[0], edits.const(f"{t.name}.weight_packed", _pack(padded, bits).reshape(n, blocks, -1)),
+              edits.const(f"{t.name}.weight_scale", scale.reshape(n, blocks))]
+    if not args.symmetric:
+        zp = _per_block(qp.zero_point.detach().to(torch.float32).numpy(), args, strategy, n, k, block, blocks)
+        zp = (np.rint(zp).astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+        if bits == 4 and blocks % 2:
+            zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)
+        inputs.append(edits.const(f"{t.name}.weight_zero_point", _pack(zp, bits).reshape(-1)))
+    bias = None
+    if node.op_type == "Gemm":
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2]
+                                                                           and attrs.get("beta", 1.0) != 1.0):
+            raise GraphcalError(f"{t.name}: --matmulnbits takes Gemm with transA=0, alpha=1 and beta=1 only")
+        if len(node.input) > 2 and node.input[2]:
+            bias = node.input[2]
+    if bias is not None:
+        inputs += [""] * (5 - len(inputs)) + [bias]
+    del node.input[:]
+    node.input.extend(inputs)
+    del node.attribute[:]
+    node.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
+                           helper.make_attribute("bits", bits), helper.make_attribute("block_size", block),
+                           helper.make_attribute("accuracy_level", level)])
+    node.op_type, node.domain = "MatMulNBits", MS_DOMAIN
+    edits.domains.add(MS_DOMAIN)
+
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _per_block(param: np.ndarray, args, strategy: str, n: int, k: int, block: int, blocks: int) -> np.ndarray:
+    """A scale or zero point in compressed-tensors' shape as [out, blocks of the input]."""
+    if strategy in ("tensor", "channel"):  # one value, or one per output row: the same for every block
+        return np.broadcast_to(param.reshape(-1, 1), (n, blocks)).copy()
+    param = param.reshape(param.shape[0], -1)
+    if strategy == "block":
+        param = np.repeat(param, args.block_structure[0], axis=0)[:n]
+    return param
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned values along the last axis packed into bytes, low nibble first for 4 bits."""
+    values = values.astype(np.uint8)
+    if bits == 8:
+        return values
+    return (values[..., 0::2] & 0x0F) | (values[..., 1::2] << 4)
 
 
 def _weight_scale(edits: Edits, t: Target, args, qp: QParams, dtype: torch.dtype, layout: _WeightLayout) -> str:

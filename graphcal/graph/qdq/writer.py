@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper
@@ -12,38 +13,56 @@ from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.kv import state_dq
 from graphcal.graph.qdq.opset import upgrade_opset
-from graphcal.graph.qdq.policy import Runtime
-from graphcal.graph.qdq.weights import weight_dq
+from graphcal.graph.qdq.policy import Form, InputForm, Runtime, WeightForm, choose_form
+from graphcal.graph.qdq.weights import weight_cast_mul, weight_dq, weight_matmulnbits
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 
 class QDQWriter:
-    """Writes Q/DQ into ``model`` in place, in the forms ``runtime`` builds: weights one at a time
-    (so a caller can read each weight once, observe it, quantize it and let it go), then
-    activations and key/value states, then ``finish()``. A model below ``opset`` (from
-    ``items_opset``) is converted first (``self.model`` is then the converted copy)."""
+    """Writes Q/DQ into ``model`` in place, in the forms ``runtime`` builds (policy.choose_form):
+    weights one at a time (so a caller can read each weight once, observe it, quantize it and let
+    it go), then activations and key/value states, then ``finish()``. A model below ``opset``
+    (from ``items_opset``) is converted first (``self.model`` is then the converted copy).
+    ``matmulnbits``: the accuracy level of com.microsoft.MatMulNBits written for integer weights
+    (onnxruntime only; None writes DequantizeLinear)."""
 
     def __init__(self, model: onnx.ModelProto, opset: int, runtime: Runtime | str = Runtime.ONNXRUNTIME,
-                 types: dict | None = None):
+                 types: dict | None = None, matmulnbits: int | None = None):
         types = value_types(model) if types is None else types  # activation dtypes and ranks
         if default_opset(model) < opset:
             model = upgrade_opset(model, opset)
         self.model = model
         self.runtime = Runtime(runtime)
+        self.matmulnbits = matmulnbits
         self.graph = model.graph
         self.edits = Edits(self.graph, types, default_opset(model))
-        self.shared: dict[tuple, str] = {}  # input_key -> dequantized tensor name
+        self.shared: dict[tuple, tuple[str, str | None]] = {}  # (form, *input_key) -> (input, output scale)
         self.detached: set[str] = set()  # weight-path node outputs / initializers that may be dead now
         self.node_by_name = {n.name: n for n in self.graph.node}
 
     def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
         [out, in] value, read once by the caller (graphcal.weights), which observed it too."""
-        t = item.target
-        dq = weight_dq(self.edits, t, item.scheme.weights, item.qparams["weight"], weight, self.runtime)
+        t, args, qp = item.target, item.scheme.weights, item.qparams["weight"]
+        form = self.form(item)
         node = self.node_by_name[t.node]
         self.detached.update((node.input[1], t.weight))
-        node.input[1] = dq
+        if form.weight is WeightForm.MATMULNBITS:
+            weight_matmulnbits(self.edits, t, args, qp, weight, self.matmulnbits, node)
+            return
+        if form.weight is WeightForm.CAST_MUL:
+            node.input[1] = weight_cast_mul(self.edits, t, args, qp, weight)
+            return
+        stored = None
+        if self.runtime is Runtime.ONNXRUNTIME and t.layout == "out_in":
+            # onnxruntime fuses DQ -> Gemm into MatMulNBits only for a weight stored [in, out] (transB=0)
+            stored = "in_out"
+            _set_attr(node, "transB", 0)
+        gemm_kernel = t.op_type == "Gemm" and form.input in (InputForm.UINT8, InputForm.ROWNORM)
+        node.input[1] = weight_dq(self.edits, t, args, qp, weight, self.runtime, stored, zero_point=gemm_kernel)
+
+    def form(self, item: QuantizedTarget) -> Form:
+        return choose_form(item, self.runtime, self.matmulnbits)
 
     def quantize_input(self, item: QuantizedTarget) -> None:
         """Q/DQ the item's input activation; targets reading one activation with the same args and
@@ -51,11 +70,43 @@ class QDQWriter:
         args = item.scheme.input_activations
         if args is None:
             return
+        form = self.form(item).input
+        if form is InputForm.KERNEL:  # MatMulNBits quantizes its input itself
+            return
         t, qp = item.target, item.qparams.get("input")
-        key = input_key(t, args, qp)
+        key = (form, *input_key(t, args, qp))
         if key not in self.shared:
-            self.shared[key] = input_dq(self.edits, t, args, qp, self.runtime)
-        self.node_by_name[t.node].input[0] = self.shared[key]
+            self.shared[key] = input_dq(self.edits, t, args, qp, self.runtime, form)
+        replacement, scale = self.shared[key]
+        node = self.node_by_name[t.node]
+        node.input[0] = replacement
+        has_bias = node.op_type == "Gemm" and len(node.input) > 2 and bool(node.input[2])
+        if scale is not None or (has_bias and form is InputForm.UINT8):
+            self._rescale_output(node, scale, t.name)
+
+    def _rescale_output(self, node: onnx.NodeProto, scale: str | None, name: str) -> None:
+        """node's output times ``scale`` (the row-normalized form), under the output's own name;
+        a Gemm's bias moves after the product (onnxruntime fuses a Gemm into QGemm only with an
+        int32 bias, and the scale must come before the bias)."""
+        out = node.output[0]
+        product = self.edits.unique(f"{out}_{'normalized' if scale else 'product'}")
+        node.output[0] = product
+        bias = None
+        if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
+            bias = node.input[2]
+            beta = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "beta"), 1.0)
+            del node.input[2]
+            if beta != 1.0:
+                beta_name = self.edits.const(f"{name}.bias_beta", np.array(beta, dtype=self.edits.dtype_of(out)))
+                bias = self.edits.op_after(node.name, "Mul", [bias, beta_name], f"{name}/bias/Mul")
+        if bias is None:
+            self.edits.add_after(node.name, helper.make_node("Mul", [product, scale], [out],
+                                                             name=self.edits.unique(f"{name}/output/Mul")))
+            return
+        scaled = product if scale is None else self.edits.op_after(node.name, "Mul", [product, scale],
+                                                                   f"{name}/output/Mul")
+        self.edits.add_after(node.name, helper.make_node("Add", [scaled, bias], [out],
+                                                         name=self.edits.unique(f"{name}/output/Add")))
 
     def quantize_kv(self, kv: QuantizedKV) -> None:
         """Static Q/DQ on the key and value states, read by every node that read the state."""
@@ -77,3 +128,11 @@ class QDQWriter:
         for domain in sorted(self.edits.domains - have):
             self.model.opset_import.append(helper.make_opsetid(domain, 1))
         return self.model
+
+
+def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    for i, a in enumerate(node.attribute):
+        if a.name == name:
+            del node.attribute[i]
+            break
+    node.attribute.append(helper.make_attribute(name, value))
