@@ -54,3 +54,39 @@ def exported(tmp_path_factory):
         return cache[form]
 
     return make
+
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory):
+    """A model with three independent weight layers (two MatMuls reading one 3-D activation, a Gemm
+    with a bias), calibration data with uneven channels, and feeds: (folder, feeds)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tests.helpers import LAYER_NODES
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path_factory.mktemp("layers")
+    weights = {"w1": (256, 256), "w3": (256, 128), "w2": (128, 256)}  # MatMul [in, out]; Gemm transB [out, in]
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in weights.items()]
+    inits.append(numpy_helper.from_array(rng.standard_normal(128).astype(np.float32), "b2"))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["y1"], name=LAYER_NODES[0]),
+             helper.make_node("MatMul", ["x", "w3"], ["y3"], name=LAYER_NODES[1]),
+             helper.make_node("Gemm", ["x2", "w2", "b2"], ["y2"], name=LAYER_NODES[2], transB=1)]
+    graph = helper.make_graph(
+        nodes, "layers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 256]),
+         helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["batch", 256])],
+        [helper.make_tensor_value_info("y1", TensorProto.FLOAT, ["batch", "seq", 256]),
+         helper.make_tensor_value_info("y3", TensorProto.FLOAT, ["batch", "seq", 128]),
+         helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["batch", 128])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "model.onnx")
+    x = (rng.standard_normal((16, 8, 256)) * np.linspace(0.1, 3, 256)).astype(np.float32)
+    np.savez(folder / "calib.npz", x=x, x2=x[:, 0, :].copy())
+    feeds = {"x": x[:4], "x2": x[:4, 1, :].copy()}
+    return folder, feeds

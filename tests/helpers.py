@@ -185,3 +185,20 @@ def time_box(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+LAYER_NODES = ("/fc1/MatMul", "/fc3/MatMul", "/fc2/Gemm")  # the ``layers`` fixture's weight nodes
+
+
+def run_layers(layers, tmp_path, scheme, *extra) -> tuple:
+    """`graphcal run --json` on the ``layers`` fixture's model: (written model path, JSON summary)."""
+    from click.testing import CliRunner
+
+    from graphcal.cli import cli
+
+    folder, _ = layers
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
+                                      "--scheme", scheme, "-o", str(out), "--device", "cpu", "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return out / "model.onnx", json.loads(result.stdout)

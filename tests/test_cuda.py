@@ -17,7 +17,8 @@ import torch
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import observer_device, open_runtime
-from tests.helpers import load_written
+from tests.helpers import load_written, run_layers
+from tests.test_ort_forms import EXPECTED
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,7 +113,8 @@ def test_weight_searches_on_the_gpu_match_the_cpu(llama_dir, tmp_path, scheme, o
     runs = {}
     for device in ("cuda", "cpu"):
         runs[device] = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / device,
-                                 scheme=scheme, observer=observer, device=device).qparams
+                                 scheme=scheme, observer=observer, device=device,
+                                 target="qdq" if scheme == "NVFP4" else "onnxruntime").qparams
     for key, value in runs["cuda"].items():
         if key.endswith("weight_scale") or key.endswith("weight_global_scale"):
             same = (value.float() == runs["cpu"][key].float()).float().mean().item()
@@ -123,3 +125,26 @@ def test_observer_device_follows_the_session():
     assert observer_device("CUDAExecutionProvider", "auto", 0) == torch.device("cuda", 0)
     assert observer_device("CPUExecutionProvider", "cuda", 0) == torch.device("cpu")
     assert observer_device(None, "cuda", 0) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("scheme", list(EXPECTED), ids=lambda s: s if len(s) < 20 else "custom")
+def test_onnxruntime_forms_load_on_cuda_at_enable_all(layers, tmp_path, scheme):
+    """Every model written for onnxruntime loads on its CUDA provider at the default ORT_ENABLE_ALL
+    and computes what it computes on the CPU at ORT_ENABLE_BASIC (the Q/DQ spec), within the
+    CUDA kernels' rounding (TF32 matmuls) and, for MatMulNBits, fp16-class weight-only GEMMs."""
+    path, _ = run_layers(layers, tmp_path, scheme)
+    feeds = layers[1]
+    cpu = ort.InferenceSession(str(path), _basic(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(path), opts, providers=["CUDAExecutionProvider"])
+    assert session.get_providers()[0] == "CUDAExecutionProvider"
+    for a, b in zip(cpu, session.run(None, feeds)):
+        assert float(np.abs(a - b).max() / np.abs(a).max()) <= 2e-2
+
+
+def _basic():
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.log_severity_level = 3
+    return opts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from click.testing import CliRunner
@@ -104,8 +105,15 @@ def test_written_model_quantizes_kv_as_compressed_tensors_does(kv_run, tmp_path)
     src, out = kv_run
     model = onnx.load(out / "model.onnx")
     onnx.checker.check_model(model, full_check=True)
-    kv_q = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith(("/k/QuantizeLinear", "/v/QuantizeLinear"))]
-    assert len(kv_q) == 4 and all(a.i == 1 for n in kv_q for a in n.attribute if a.name == "axis")
+    # fp8 for onnxruntime: Div -> Cast(fp8) -> Cast -> Mul by the [kv_heads, 1, 1] scale (no
+    # DequantizeLinear for its Q/DQ propagation to move past repeat_kv's Unsqueeze)
+    kv_q = [n for n in model.graph.node if n.op_type == "Cast" and n.name.endswith(("/k/CastFp8", "/v/CastFp8"))]
+    assert len(kv_q) == 4
+    inits = {t.name: list(t.dims) for t in model.graph.initializer}
+    assert all(inits[f"{m}.{b}_scale"] == [2, 1, 1] for m in LAYERS for b in "kv")
+    onnxruntime_default = onnxruntime.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert onnxruntime_default.get_session_options().graph_optimization_level == \
+        onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL  # it loads at onnxruntime's default level
     feeds = dict(np.load(src / "heldout.npz"))
     got = run_model(out / "model.onnx", feeds)["logits"]
     fp32 = run_model(src / "model.onnx", feeds)["logits"]
@@ -139,3 +147,18 @@ def test_model_without_kv_cache_attention_warns(bert_dir, tmp_path):
     assert "warning: kv-cache scheme: no attention module" in result.output
     config, params = load_written(tmp_path / "o")
     assert config.kv_cache_scheme is None and not [k for k in params if k.endswith(("k_scale", "v_scale"))]
+
+
+def test_literal_qdq_form_keeps_per_head_quantize_linear(kv_run, tmp_path):
+    src, _ = kv_run
+    out = tmp_path / "qdq"
+    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"), "--scheme",
+                                      "FP8", "--kv-cache-scheme", PER_HEAD, "--target", "qdq", "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    model = onnx.load(out / "model.onnx")
+    kv_q = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith(("/k/QuantizeLinear", "/v/QuantizeLinear"))]
+    assert len(kv_q) == 4 and all(a.i == 1 for n in kv_q for a in n.attribute if a.name == "axis")
+    feeds = {k: v[:4] for k, v in np.load(src / "heldout.npz").items()}
+    got = run_model(out / "model.onnx", feeds)["logits"]
+    fast = run_model(kv_run[1] / "model.onnx", feeds)["logits"]
+    np.testing.assert_allclose(got, fast, rtol=0, atol=1e-5 * np.abs(got).max())  # the same numbers, two forms

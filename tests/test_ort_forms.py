@@ -14,19 +14,18 @@ MatMuls reading one 3-D activation (q/k/v-like: a shared input Q/DQ) and a Gemm 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from graphcal.cli import cli
+from tests.helpers import LAYER_NODES, run_layers
 
-LAYERS = ("/fc1/MatMul", "/fc3/MatMul", "/fc2/Gemm")
+LAYERS = LAYER_NODES
 INT8_GROUP_TOKEN = ('{"weights": {"num_bits": 8, "strategy": "group", "group_size": 128}, "input_activations": '
                     '{"num_bits": 8, "strategy": "token", "dynamic": true}}')
 STATIC_ASYM = ('{"weights": {"num_bits": 8, "strategy": "channel"}, "input_activations": '
@@ -51,43 +50,6 @@ EXPECTED = {
 WEIGHT_ONLY_INT = ("W4A16", "W4A16_ASYM", "W8A16")
 FLOAT_TOL = 2e-6  # relative to the output's largest magnitude: float summation order only
 INT8_INPUT_TOL = 2e-2  # MatMulNBits accuracy 4: the input quantized to int8 per block (max/127)
-
-
-@pytest.fixture(scope="module")
-def layers(tmp_path_factory):
-    """A model with three independent weight layers and calibration data with uneven channels."""
-    rng = np.random.default_rng(0)
-    folder = tmp_path_factory.mktemp("layers")
-    weights = {"w1": (256, 256), "w3": (256, 128), "w2": (128, 256)}  # MatMul [in, out]; Gemm transB [out, in]
-    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n) for n, s in weights.items()]
-    inits.append(numpy_helper.from_array(rng.standard_normal(128).astype(np.float32), "b2"))
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["y1"], name=LAYERS[0]),
-             helper.make_node("MatMul", ["x", "w3"], ["y3"], name=LAYERS[1]),
-             helper.make_node("Gemm", ["x2", "w2", "b2"], ["y2"], name=LAYERS[2], transB=1)]
-    graph = helper.make_graph(
-        nodes, "layers",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 256]),
-         helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["batch", 256])],
-        [helper.make_tensor_value_info("y1", TensorProto.FLOAT, ["batch", "seq", 256]),
-         helper.make_tensor_value_info("y3", TensorProto.FLOAT, ["batch", "seq", 128]),
-         helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["batch", 128])],
-        initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, folder / "model.onnx")
-    x = (rng.standard_normal((16, 8, 256)) * np.linspace(0.1, 3, 256)).astype(np.float32)
-    np.savez(folder / "calib.npz", x=x, x2=x[:, 0, :].copy())
-    feeds = {"x": x[:4], "x2": x[:4, 1, :].copy()}
-    return folder, feeds
-
-
-def _run(layers, tmp_path, scheme, *extra) -> tuple:
-    folder, _ = layers
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out), "--device", "cpu", "--json", *extra])
-    assert result.exit_code == 0, result.output
-    return out / "model.onnx", json.loads(result.stdout)
 
 
 def _session(path, level, tmp_path, **config):
@@ -128,7 +90,7 @@ def _max_rel(a, b) -> float:
 
 @pytest.mark.parametrize("scheme", list(EXPECTED), ids=lambda s: s if len(s) < 20 else "custom")
 def test_every_scheme_loads_at_enable_all_and_runs_the_expected_kernel(layers, tmp_path, scheme):
-    path, summary = _run(layers, tmp_path, scheme)
+    path, summary = run_layers(layers, tmp_path, scheme)
     feeds = layers[1]
     basic, _ = _outputs(path, feeds, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, tmp_path)
     fast, saved = _outputs(path, feeds, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, tmp_path)
@@ -153,11 +115,11 @@ def test_matmulnbits_written_directly_computes_what_the_dq_form_does(layers, tmp
     """--matmulnbits 0 equals the DequantizeLinear form at BASIC (float inputs); --matmulnbits
     (level 4) equals the DequantizeLinear form that onnxruntime fuses itself at its default level 4."""
     feeds = layers[1]
-    dq_path, _ = _run(layers, tmp_path / "dq", scheme)
+    dq_path, _ = run_layers(layers, tmp_path / "dq", scheme)
     dq_basic, _ = _outputs(dq_path, feeds, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, tmp_path)
     dq_all, _ = _outputs(dq_path, feeds, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, tmp_path)
     for level, reference in (("0", dq_basic), ("4", dq_all)):
-        path, summary = _run(layers, tmp_path / f"nbits{level}", scheme, "--matmulnbits", level)
+        path, summary = run_layers(layers, tmp_path / f"nbits{level}", scheme, "--matmulnbits", level)
         model = onnx.load(path)
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert len(nbits) == 3 and all(n.domain == "com.microsoft" for n in nbits)
@@ -173,9 +135,9 @@ def test_matmulnbits_written_directly_computes_what_the_dq_form_does(layers, tmp
 def test_matmulnbits_for_int8_inputs_lets_the_kernel_quantize_them(layers, tmp_path):
     """W8A8 --matmulnbits: the kernel's own per-block int8 inputs, close to compressed-tensors' per-token ones."""
     feeds = layers[1]
-    exact, _ = _outputs(_run(layers, tmp_path / "a", "W8A8")[0], feeds, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    exact, _ = _outputs(run_layers(layers, tmp_path / "a", "W8A8")[0], feeds, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                         tmp_path)
-    path, summary = _run(layers, tmp_path / "b", "W8A8", "--matmulnbits")
+    path, summary = run_layers(layers, tmp_path / "b", "W8A8", "--matmulnbits")
     assert not [n for n in onnx.load(path).graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     assert "max/127" in " ".join(summary["onnxruntime_kernels"])
     got, _ = _outputs(path, feeds, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, tmp_path)
@@ -207,7 +169,7 @@ def test_per_token_integers_are_compressed_tensors_own(layers, tmp_path):
 
     from graphcal.graph.taps import add_taps
 
-    path, _ = _run(layers, tmp_path, "W8A8")
+    path, _ = run_layers(layers, tmp_path, "W8A8")
     model = onnx.load(path)
     q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.startswith("fc1/"))
     tapped, names = add_taps(model, [q.output[0]])

@@ -73,7 +73,8 @@ def test_cuda_provider_runs_on_a_gpu(llama_dir):
     cpu = _plain_ort(model, feeds)["logits"]
     logits = rt.run(feeds)["logits"]
     assert logits.device.type == "cuda"  # handed over through DLPack, no host round trip
-    np.testing.assert_allclose(logits.cpu().numpy(), cpu, atol=1e-4)
+    # onnxruntime's CUDA matmuls run in TF32 on Ampere and later (10 mantissa bits): ~1e-3 relative
+    np.testing.assert_allclose(logits.cpu().numpy(), cpu, atol=2e-3 * np.abs(cpu).max())
 
 
 def test_inline_weights_reach_onnxruntime_as_buffers_of_every_type():

@@ -4,21 +4,26 @@ A state ``[batch, kv_heads, seq, head_dim]`` entering attention is read through 
 
     DequantizeLinear(QuantizeLinear(k, k_scale, zp), k_scale, zp)     (per tensor, or axis=1 per kv head)
 
-placed in front of the first node that reads it.
+placed in front of the first node that reads it. For onnxruntime, fp8 states are written
+without DequantizeLinear, ``Mul(Cast(Cast(Div(k, k_scale), fp8), float), k_scale)`` (the same
+values): its Q/DQ propagation would move an fp8 DequantizeLinear past the Unsqueeze/Reshape of
+``repeat_kv``, which have no fp8 kernel, and the model would not load at ORT_ENABLE_ALL.
 """
 
 from __future__ import annotations
 
 import torch
+from onnx import helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import qtype_of
+from graphcal.graph.qdq.policy import FP8, Runtime, qtype_of
 from graphcal.types import QuantizedKV
 from graphcal.types import enum_value as _name
 
 
-def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str) -> str:
+def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str,
+             runtime: Runtime = Runtime.ONNXRUNTIME) -> str:
     """Build the Q/DQ of state ``tensor`` ("k" or "v" in ``base``) before node ``anchor``; returns
     the tensor its readers take instead."""
     per_head = _name(kv.args.strategy) == "attn_head"
@@ -29,7 +34,15 @@ def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str)
     zp = qp.zero_point if not kv.args.symmetric else torch.zeros(scale.shape)
     if not anchor:
         raise GraphcalError(f"{kv.state.name}: the node reading {tensor!r} has no name; cannot place its Q/DQ")
+    label = f"{kv.state.name}/{base}"
+    if runtime is Runtime.ONNXRUNTIME and qtype is FP8:
+        # per kv head: [kv_heads, 1, 1] broadcasts over [batch, kv_heads, seq, head_dim]
+        s = edits.const(f"{kv.state.name}.{base}_scale", scale.reshape(-1, 1, 1) if per_head else scale)
+        x = edits.op(anchor, "Div", [tensor, s], f"{label}/Div")
+        x = edits.op(anchor, "Cast", [x], f"{label}/CastFp8", to=FP8.onnx_type, saturate=1)
+        x = edits.op(anchor, "Cast", [x], f"{label}/Cast", to=helper.np_dtype_to_tensor_dtype(scale.dtype))
+        return edits.op(anchor, "Mul", [x, s], f"{label}/Mul")
     s = edits.const(f"{kv.state.name}.{base}_scale", scale)
     z = edits.const(f"{kv.state.name}.{base}_zero_point", qtype.array(zp).reshape(scale.shape))
     attrs = {"axis": 1} if per_head else {}
-    return edits.qdq(anchor, tensor, s, z, f"{kv.state.name}/{base}", **attrs)
+    return edits.qdq(anchor, tensor, s, z, label, **attrs)

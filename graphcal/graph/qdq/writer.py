@@ -114,7 +114,7 @@ class QDQWriter:
             readers = [n for n in self.graph.node if tensor in n.input]
             if not readers:
                 continue
-            dq = state_dq(self.edits, kv, base, tensor, readers[0].name)
+            dq = state_dq(self.edits, kv, base, tensor, readers[0].name, self.runtime)
             for node in readers:
                 for i, name in enumerate(node.input):
                     if name == tensor:
