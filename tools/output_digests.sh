@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # sha256 of every file graphcal writes (model.onnx, quantization_config.json, qparams.safetensors)
-# for a fixed set of runs on the shipped models: every preset, the TensorRT forms, a kv-cache scheme,
+# for a fixed set of runs on the shipped models: every preset for onnxruntime (fp4 for --target qdq,
+# onnxruntime has no fp4) and as literal Q/DQ, MatMulNBits, the TensorRT forms, a kv-cache scheme,
 # MSE and imatrix observers. Run it before and after a refactor and diff the two lists:
 #   tools/output_digests.sh > before.txt; (change); tools/output_digests.sh > after.txt; diff before.txt after.txt
 set -euo pipefail
@@ -10,9 +11,13 @@ trap 'rm -rf "$out"' EXIT
 run() { local name=$1; shift; python -m graphcal run "$@" -o "$out/$name" -q 2>/dev/null || echo "FAILED $name"; }
 for m in tiny-llama tiny-bert; do
   data=(models/$m/model.onnx --data models/$m/calib.npz)
-  for s in W8A8 W8A8_STATIC W8A16 W4A16 W4A16_ASYM W4A8 FP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 NVFP4 MXFP4A16; do
+  for s in W8A8 W8A8_STATIC W8A16 W4A16 W4A16_ASYM W4A8 FP8 FP8_DYNAMIC FP8_BLOCK; do
     run "$m-$s" "${data[@]}" --scheme "$s"
   done
+  for s in W8A8 W8A8_STATIC W8A16 W4A16 W4A16_ASYM W4A8 FP8 FP8_DYNAMIC FP8_BLOCK NVFP4A16 NVFP4 MXFP4A16; do
+    run "$m-qdq-$s" "${data[@]}" --scheme "$s" --target qdq
+  done
+  run "$m-nbits-W4A16" "${data[@]}" --scheme W4A16 --matmulnbits
   for s in W8A8_STATIC FP8 W4A16 NVFP4; do
     run "$m-trt-$s" "${data[@]}" --scheme "$s" --target tensorrt
   done

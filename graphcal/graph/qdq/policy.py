@@ -207,15 +207,16 @@ def choose_form(item: QuantizedTarget, runtime: Runtime | str, matmulnbits: int 
         "tensor", "channel")
     if not integer_kernel:  # no integer kernel takes it; a weight DQ beside an input DQ could be mis-fused
         return Form(WeightForm.CAST_MUL, _fp8_input(a) if _name(a.type) == "float" else InputForm.QDQ,
-                    "float MatMul after run-time Q/DQ of the input (weight expanded to fp32 at load)"
+                    "float MatMul after run-time Q/DQ of the input, slower than fp32 (weight expanded to fp32 at "
+                    "load)"
                     + ("; for int4 weights with int8 inputs --matmulnbits is fast" if w.num_bits == 4 else ""))
     kernel = "QGemm (u8 x s8)" if item.target.op_type == "Gemm" else "MatMulIntegerToFloat (u8 x s8)"
     if a.dynamic is False:
         return Form(WeightForm.DQ, InputForm.UINT8, kernel)
     if _name(a.strategy) in ("token", "tensor"):
         return Form(WeightForm.DQ, InputForm.ROWNORM, f"{kernel} + Mul by the per-token scale")
-    return Form(WeightForm.CAST_MUL, InputForm.QDQ, f"float MatMul after run-time Q/DQ per {_name(a.strategy)} "
-                "(weight expanded to fp32 at load)")
+    return Form(WeightForm.CAST_MUL, InputForm.QDQ, f"float MatMul after run-time Q/DQ per {_name(a.strategy)}, "
+                "slower than fp32 (weight expanded to fp32 at load)")
 
 
 def _fp8_input(args) -> InputForm:
@@ -229,7 +230,7 @@ def _matmulnbits_form(item: QuantizedTarget, level: int) -> Form:
     w, a = item.scheme.weights, item.scheme.input_activations
     where = item.target.name
     if level not in ACCURACY_LEVELS:
-        raise GraphcalError(f"--accuracy-level must be 0..4, got {level}")
+        raise GraphcalError(f"--matmulnbits: the accuracy level must be 0..4, got {level}")
     if w.num_bits not in MATMULNBITS_BITS:
         raise GraphcalError(f"{where}: MatMulNBits takes 4- or 8-bit integer weights, not {w.num_bits}-bit")
     strategy = _name(w.strategy)
@@ -248,9 +249,9 @@ def _matmulnbits_form(item: QuantizedTarget, level: int) -> Form:
         raise GraphcalError(f"{where}: --matmulnbits: MatMulNBits quantizes inputs only dynamically to symmetric "
                             "int8 (accuracy level 4); this scheme's input activations need Q/DQ: drop --matmulnbits")
     if level != 4:
-        raise GraphcalError(f"{where}: --matmulnbits --accuracy-level {level} keeps the input in float, but the "
-                            "scheme quantizes it to int8: use --accuracy-level 4 (the kernel quantizes it per "
-                            "block of K) or drop --matmulnbits")
+        raise GraphcalError(f"{where}: --matmulnbits {level} keeps the input in float, but the scheme quantizes "
+                            "it to int8: use --matmulnbits 4 (the kernel quantizes it per block of K) or drop "
+                            "--matmulnbits")
     return Form(WeightForm.MATMULNBITS, InputForm.KERNEL,
                 kernel + " (the kernel quantizes the input to int8 per block of K with max/127, close to but not "
                 "compressed-tensors' per-token max/127.5)")
