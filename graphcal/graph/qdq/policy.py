@@ -339,4 +339,8 @@ def form_notes(items: list[QuantizedTarget], runtime: Runtime | str, matmulnbits
         counts[form.kernel] = counts.get(form.kernel, 0) + 1
     if Runtime(runtime) is not Runtime.ONNXRUNTIME:
         return []
-    return [f"{n} layer{'s' if n != 1 else ''}: {kernel}" for kernel, n in counts.items()]
+    notes = [f"{n} layer{'s' if n != 1 else ''}: {kernel}" for kernel, n in counts.items()]
+    if any(not kernel.startswith("MatMulNBits") for kernel in counts):
+        notes.append("on onnxruntime's CUDA provider only MatMulNBits runs quantized: int8/fp8 activation Q/DQ "
+                     "run in float there, slower than fp32 (docs/speed.md); for GPUs use --target tensorrt")
+    return notes
