@@ -52,7 +52,7 @@ MODELS = ("reference", "quantized")
 
 # Kernels that compute in integers (the activations quantized, by a node or inside the kernel).
 INTEGER_KERNELS = frozenset({"MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul", "QGemm", "MatMulInteger"})
-FLOAT_KERNELS = frozenset({"MatMul", "FusedMatMul", "Gemm"})
+FLOAT_KERNELS = frozenset({"MatMul", "FusedMatMul", "Gemm", "FusedGemm"})
 # Ops that may sit between a weight and the B input of a float MatMul in the optimized graph.
 _WEIGHT_PATH = frozenset({"DequantizeLinear", "Cast", "Mul", "Div", "Transpose", "Reshape", "Identity", "Unsqueeze",
                           "Squeeze", "Flatten"})
@@ -476,14 +476,17 @@ def kernels(path: Path, targets, source_outputs: dict[str, str], providers: list
 
 def classify_layers(graph: onnx.GraphProto, targets, source_outputs: dict[str, str],
                     ran_on: dict[str, str]) -> list[Layer]:
-    """One Layer per target, found in the optimized ``graph`` by node name, else as the producer
-    of the source node's output, else as a node onnxruntime named after it ("<name>/...Fusion/")."""
+    """One Layer per target, found in the optimized ``graph`` by node name (or the names
+    onnxruntime gives a node it rewrites: ``<name>_quant`` from quantize_dynamic, ``fused <name>``
+    from a Gemm + activation fusion), else as the producer of the source node's output, else as a
+    node onnxruntime named after it ("<name>/...Fusion/")."""
     by_name = {n.name: n for n in graph.node}
     producers = {out: n for n in graph.node for out in n.output}
     inits = {t.name for t in graph.initializer}
     layers = []
     for t in targets:
-        node = by_name.get(t.node) or producers.get(source_outputs.get(t.node, ""))
+        node = next((by_name[n] for n in (t.node, f"{t.node}_quant", f"fused {t.node}") if n in by_name), None)
+        node = node or producers.get(source_outputs.get(t.node, ""))
         if node is None:
             node = next((n for n in graph.node if t.node and n.name.startswith(t.node + "/")), None)
         if node is None:

@@ -196,8 +196,8 @@ def choose_form(item: QuantizedTarget, runtime: Runtime | str, matmulnbits: int 
         weight = WeightForm.CAST_MUL
         if a is None:
             return Form(weight, InputForm.NONE, "float MatMul (fp8 weight expanded to fp32 at load)")
-        return Form(weight, _fp8_input(a), "float MatMul after fp8 quantization of the input (fp8 weight "
-                    "expanded at load)")
+        return Form(weight, _fp8_input(a), "float MatMul after fp8 quantization of the input, slower than fp32 "
+                    "(no CPU fp8 kernel; the fp8 rounding runs as extra ops; weight expanded at load)")
     if a is None:
         bits = "4" if w.num_bits == 4 else "8"
         return Form(WeightForm.DQ, InputForm.NONE,
