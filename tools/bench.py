@@ -168,15 +168,19 @@ def make_data(path: Path, vocab: int, n: int, seq: int) -> None:
     save_npz(path, synth(["input_ids", "attention_mask"], vocab, n, seq, seed=4242))
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    cpu = cpu_name()
     import onnxruntime
     import torch
 

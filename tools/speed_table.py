@@ -534,14 +534,9 @@ def target_lines(results: list[dict]) -> list[str]:
 def machine(device: str) -> str:
     import onnxruntime
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from tools.bench import cpu_name
+
+    cpu = cpu_name()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     text = f"{cpu}, {os.cpu_count()} cores ({usable} usable)"
     if device == "cuda":
