@@ -172,7 +172,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         click.echo("in onnxruntime (CPU, default settings) the quantized layers run as:")
         for line in result.forms:
             click.echo(f"  {line}")
-        click.echo("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/benchmarks.md has "
+        click.echo("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/speed.md has "
                    "numbers)")
     click.echo(f"done in {result.seconds:.1f} s; wrote:")
     for f in result.files:
