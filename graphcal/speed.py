@@ -708,7 +708,8 @@ def format_text(report: BenchReport, layers: bool = False) -> str:
         lines.append(f"{'kernels' if i == 0 else '':<16} {label}: {text}")
     every = ref.layers + quant.layers
     if any(layer.attributes.get("accuracy_level") == 4 for layer in every):
-        lines.append(f"{'':<16} acc4: MatMulNBits accuracy_level 4, the kernel quantizes activations to int8 per block")
+        lines.append(f"{'':<16} acc4: MatMulNBits accuracy_level 4: on CPU the kernel quantizes activations to int8 "
+                     "per block (onnxruntime's CUDA kernel ignores the level: float activations)")
     if layers and ref.layers:
         width = max(len(layer.module) for layer in ref.layers)
         lines += ["", f"{'layer':<{width}}  {'reference kernel':<38}  {'quantized kernel':<46}  provider"]

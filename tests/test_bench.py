@@ -285,3 +285,25 @@ def test_tiny_llama_w4a16_every_target_is_matmulnbits(tmp_path, llama_dir):
     assert all(layer["kind"] == "float" for layer in report["reference"]["kernels"]["layers"])
     assert report["shapes"]["prefill"]["inputs"] == {"attention_mask": [8, 32], "input_ids": [8, 32]}
     assert report["shapes"]["decode"]["measured"] and report["shapes"]["decode"]["batch"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu")
+def test_bench_on_cuda_reports_the_provider_kernels_and_gpu_memory(tmp_path, llama_dir):
+    """On CUDA: both models time on the CUDA provider, every quantized layer is a MatMulNBits that
+    ran there (read from onnxruntime's profile), and the GPU memory of each model's process is measured."""
+    from graphcal.pipeline import calibrate
+
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "w4", scheme="W4A16", device="cpu")
+    quant = tmp_path / "w4" / "model.onnx"
+    report = _bench_json(llama_dir / "model.onnx", quant, "--data", llama_dir / "heldout.npz", "--device", "cuda",
+                         "--rounds", "3", "--warmup", "1")
+    assert report["device"] == "cuda" and report["provider"] == "CUDAExecutionProvider"
+    layers = [layer for layer in report["quantized"]["kernels"]["layers"] if layer["module"] != "lm_head"]
+    assert layers and all((layer["kind"], layer["provider"]) == ("matmulnbits", "CUDAExecutionProvider")
+                          for layer in layers)
+    for label in ("reference", "quantized"):
+        memory = report[label]["memory"]
+        assert memory["peak_rss_bytes"] > 0 and memory["provider"] == "CUDAExecutionProvider"
+        assert memory["device"] == "nvidia-smi" and memory["device_bytes"] > 0, memory
+    assert report["shapes"]["prefill"]["quantized"]["median_s"] > 0
