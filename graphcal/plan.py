@@ -111,6 +111,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float", len(found), len(chosen),
              len(found) - len(chosen))
     schemes = {t.name: config.scheme_for(t) for t in chosen}
+    _check_divisible(chosen, schemes, config)  # before any pass: a group that does not divide fails here
     items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
     opset = items_opset(items, runtime=runtime)  # raises for a scheme with no ONNX form here
     warnings += runtime_notes(items, runtime)
@@ -136,3 +137,78 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms),
     )
+
+
+def _group_width(args) -> int | None:
+    """The width a weight's or input's groups (or blocks) split its input features into."""
+    if args is None:
+        return None
+    strategy = enum_value(args.strategy)
+    if strategy in ("group", "tensor_group"):
+        return args.group_size
+    if strategy == "block" and args.block_structure:
+        return args.block_structure[1]
+    return None
+
+
+def _check_divisible(chosen: list[Target], schemes: Mapping[str, object], config: RunConfig) -> None:
+    """Every group or block width divides its target's input features (compressed-tensors' observers
+    and the ONNX forms take whole groups); otherwise one error that lists the targets and says what
+    to do: a width that divides them all, or the --ignore that leaves them in float."""
+    bad: dict[int, list[Target]] = {}
+    for t in chosen:
+        scheme = schemes[t.name]
+        for args in (scheme.weights, scheme.input_activations):
+            width = _group_width(args)
+            if width and t.in_features % width:
+                bad.setdefault(width, []).append(t)
+                break
+    if not bad:
+        return
+    width, targets = next(iter(bad.items()))
+    targets = [t for group in bad.values() for t in group]
+    shown = ", ".join(f"{t.name} (in {t.in_features})" for t in targets[:3])
+    more = f" and {len(targets) - 3} more" if len(targets) > 3 else ""
+    fits = _dividing_width(width, [t.in_features for t in targets])
+    kinds = sorted({t.name.rpartition(".")[2] for t in targets})
+    pattern = "re:.*\\.(" + "|".join(kinds) + ")$" if all(kinds) else None
+    advice = []
+    if fits:
+        advice.append(f"a group size of {fits} divides them all: --scheme '{_with_width(schemes[targets[0].name], width, fits)}'")
+    if pattern:
+        flags = " ".join(f"--ignore '{p}'" for p in [*config.ignore, pattern])
+        advice.append(f"or leave them in float: {flags}")
+    raise GraphcalError(
+        f"group size {width} does not divide the input features of {len(targets)} of {len(chosen)} targets: "
+        f"{shown}{more}; graphcal quantizes whole groups only (a recipe's bypass_divisibility_checks does not "
+        f"change that); " + " ".join(advice))
+
+
+def _dividing_width(width: int, features: list[int]) -> int | None:
+    """The largest power of two below ``width`` (at least 16) that divides every width in ``features``."""
+    candidate = width // 2
+    while candidate >= 16:
+        if all(f % candidate == 0 for f in features):
+            return candidate
+        candidate //= 2
+    return None
+
+
+def _with_width(scheme, width: int, new: int) -> str:
+    """The scheme as --scheme JSON, its groups (or blocks) of ``width`` made ``new`` wide."""
+    import json
+
+    fields = {}
+    for key in ("weights", "input_activations"):
+        args = getattr(scheme, key)
+        if args is None:
+            continue
+        data = {k: v for k, v in args.model_dump(mode="json", exclude_none=True).items()
+                if k in ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic",
+                         "observer", "scale_dtype", "zp_dtype")}
+        if data.get("group_size") == width:
+            data["group_size"] = new
+        if data.get("block_structure") and data["block_structure"][1] == width:
+            data["block_structure"] = [data["block_structure"][0], new]
+        fields[key] = data
+    return json.dumps(fields, separators=(",", ":"))
