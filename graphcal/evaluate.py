@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from graphcal.data import graph_inputs, load_data
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
@@ -64,6 +64,9 @@ class Agreement:
                 "max_abs_error": self.max_abs_err, "max_abs_reference": self.max_abs_ref}
 
 
+LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
+
+
 @dataclass
 class EvalReport:
     outputs: list[Agreement]
@@ -72,6 +75,7 @@ class EvalReport:
     batches: int
     runner: str  # "onnxruntime" or "onnx.reference"
     skipped_layers: list[str] = field(default_factory=list)
+    level: str = "basic"  # onnxruntime's optimization level for both models
 
     def worst(self, count: int = 3) -> list[Agreement]:
         return sorted(self.layers, key=lambda a: a.sqnr_db)[:count]
@@ -84,15 +88,21 @@ class EvalReport:
         return [a.name for a in sorted(self.layers, key=lambda a: a.sqnr_db) if a.sqnr_db < median - margin_db]
 
     def as_dict(self) -> dict:
-        return {"samples": self.samples, "batches": self.batches, "runner": self.runner,
+        return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "level": self.level,
                 "outputs": [a.as_dict() for a in self.outputs], "layers": [a.as_dict() for a in self.layers],
                 "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
                 "skipped_layers": self.skipped_layers}
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
-             num_samples: int | None = None) -> EvalReport:
-    """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output."""
+             num_samples: int | None = None, level: str = "basic") -> EvalReport:
+    """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
+
+    ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
+    graph as the ONNX spec computes it) or "all" (ORT_ENABLE_ALL, onnxruntime's default: its
+    fused integer kernels, what a deployment runs; MatMulNBits then quantizes its input on CPU)."""
+    if level not in LEVELS:
+        raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
     inputs = graph_inputs(ref_model)
     if {s.name for s in graph_inputs(cand_model)} != {s.name for s in inputs}:
@@ -113,10 +123,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             continue
         layers.append((t.name, tensor))
     fetch = outputs + [tensor for _, tensor in layers]
+    import onnxruntime as ort
+
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
 
-    ref_run = open_model_runner(add_taps(ref_model, fetch)[0], fetch)  # onnxruntime at ORT_ENABLE_BASIC, or onnx.reference
-    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch)
+    optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+    ref_run = open_model_runner(add_taps(ref_model, fetch)[0], fetch, optimization=optimization)  # or onnx.reference
+    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
     del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
@@ -133,7 +146,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             agreement.add(ref_values[tensor], cand_values[tensor])
         batches += 1
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped)
+                      cand_run.kind, skipped, level=level)
 
 
 def _finite(value: float) -> float | None:
@@ -145,7 +158,8 @@ def _fmt_db(value: float) -> str:
 
 
 def format_text(report: EvalReport) -> str:
-    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}, ORT_ENABLE_BASIC)", "",
+    level = f", ORT_ENABLE_{report.level.upper()}" if report.runner == "onnxruntime" else ""
+    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}{level})", "",
              "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
     for a in report.outputs:
         lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")

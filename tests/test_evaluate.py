@@ -80,3 +80,33 @@ def test_models_that_do_not_pair_fail_in_one_line(llama_dir, bert_dir, tmp_path)
     assert result.exit_code == 1 and "takes other inputs" in result.output and "Traceback" not in result.output
     result = _eval(llama_dir / "model.onnx", tmp_path / "missing.onnx", "--data", llama_dir / "heldout.npz")
     assert result.exit_code == 1 and "model file not found" in result.output
+
+
+def test_level_all_compares_what_onnxruntime_runs_by_default(llama_dir, tmp_path):
+    """--level all: both models as onnxruntime opens them by default (ORT_ENABLE_ALL), checked
+    against plain sessions with default options; for W8A16 the MatMulNBits kernel's int8 inputs
+    make it further from fp32 than the Q/DQ graph at ORT_ENABLE_BASIC."""
+    import onnxruntime as ort
+
+    out = tmp_path / "w8a16"
+    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                    "--scheme", "W8A16", "-o", str(out), "-q"]).exit_code == 0
+    reports = {}
+    for level in ("basic", "all"):
+        result = _eval(llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
+                       "--level", level, "--json")
+        assert result.exit_code == 0, result.output
+        reports[level] = json.loads(result.output)
+    assert reports["all"]["level"] == "all"
+    feeds = dict(np.load(llama_dir / "heldout.npz"))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+
+    def default_session(path):
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        return np.concatenate([session.run(["logits"], {k: v[i:i + 8] for k, v in feeds.items()})[0]
+                               for i in range(0, 16, 8)])
+
+    expected = sqnr_db(default_session(llama_dir / "model.onnx"), default_session(out / "model.onnx"))
+    assert reports["all"]["outputs"][0]["sqnr_db"] == pytest.approx(expected, abs=1e-3)
+    assert reports["all"]["outputs"][0]["sqnr_db"] < reports["basic"]["outputs"][0]["sqnr_db"] - 0.5
