@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import html
 import math
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from graphcal.config import DEFAULT_IGNORE
 from graphcal.data import graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model
@@ -76,6 +79,7 @@ class EvalReport:
     runner: str  # "onnxruntime" or "onnx.reference"
     skipped_layers: list[str] = field(default_factory=list)
     level: str = "basic"  # onnxruntime's optimization level for both models
+    ignored: list[str] | None = None  # the quantized model's ignore list (its quantization_config.json), if known
 
     def worst(self, count: int = 3) -> list[Agreement]:
         return sorted(self.layers, key=lambda a: a.sqnr_db)[:count]
@@ -87,11 +91,58 @@ class EvalReport:
         median = float(np.median([a.sqnr_db for a in self.layers]))
         return [a.name for a in sorted(self.layers, key=lambda a: a.sqnr_db) if a.sqnr_db < median - margin_db]
 
+    def suggested_flags(self) -> list[str]:
+        """The --ignore flags that keep the suggested layers in float, pasteable into `graphcal run`:
+        the ignores the quantized model was written with first (--ignore replaces the default), then
+        a ``re:`` pattern for each kind of layer flagged in every block, then single names."""
+        flagged = self.suggested_ignore()
+        if not flagged:
+            return []
+        kinds: dict[str, list[str]] = {}
+        for a in self.layers:
+            kinds.setdefault(_kind(a.name), []).append(a.name)
+        patterns, names = [], []
+        for kind, members in kinds.items():
+            if len(members) > 1 and all(m in flagged for m in members):
+                patterns.append("re:.*" + re.escape("." + kind) + "$")
+        covered = {m for kind, members in kinds.items() if "re:.*" + re.escape("." + kind) + "$" in patterns
+                   for m in members}
+        names = [n for n in flagged if n not in covered]
+        keep = self.ignored if self.ignored is not None else list(DEFAULT_IGNORE)
+        flags = []
+        for value in [*keep, *patterns, *names]:
+            flags += ["--ignore", value]
+        return flags
+
     def as_dict(self) -> dict:
         return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "level": self.level,
                 "outputs": [a.as_dict() for a in self.outputs], "layers": [a.as_dict() for a in self.layers],
                 "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
-                "skipped_layers": self.skipped_layers}
+                "suggested_flags": self.suggested_flags(), "skipped_layers": self.skipped_layers}
+
+
+def _kind(name: str) -> str:
+    """A layer's kind: its module name after the block index ("mlp.down_proj" of
+    "model.layers.3.mlp.down_proj"), or the whole name when it has no index."""
+    match = re.search(r"\.\d+\.(.+)$", name)
+    return match.group(1) if match else name
+
+
+def _written_ignore(candidate: Path) -> list[str] | None:
+    """The ignore list graphcal wrote beside ``candidate`` (quantization_config.json), if there is one."""
+    import json
+
+    from graphcal.limits import read_regular
+    from graphcal.metadata import CONFIG_FILE
+
+    path = candidate.parent / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        ignore = json.loads(read_regular(path, "quantization config", 1 << 20)).get("ignore")
+    except (GraphcalError, ValueError, AttributeError):
+        return None
+    return [str(x) for x in ignore] if isinstance(ignore, list) else None
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
@@ -146,7 +197,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             agreement.add(ref_values[tensor], cand_values[tensor])
         batches += 1
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped, level=level)
+                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)))
 
 
 def _finite(value: float) -> float | None:
@@ -169,10 +220,10 @@ def format_text(report: EvalReport) -> str:
         lines.append(f"{a.name:<{width}}  {_fmt_db(a.sqnr_db):>9}  {a.max_abs_err:.3e}")
     if report.layers:
         lines += ["", "worst layers: " + ", ".join(f"{a.name} ({_fmt_db(a.sqnr_db)} dB)" for a in report.worst())]
-        ignore = report.suggested_ignore()
-        if ignore:
-            lines.append("more than 6 dB under the median layer; to keep them in float add: "
-                         + " ".join(f"--ignore {name}" for name in ignore))
+        flags = report.suggested_flags()
+        if flags:
+            lines.append(f"{', '.join(report.suggested_ignore())}: more than 6 dB under the median layer; to keep "
+                         "them in float, run with: " + " ".join(shlex.quote(f) for f in flags))
         else:
             lines.append("no layer is more than 6 dB under the median layer")
     if report.skipped_layers:

@@ -110,3 +110,42 @@ def test_level_all_compares_what_onnxruntime_runs_by_default(llama_dir, tmp_path
     expected = sqnr_db(default_session(llama_dir / "model.onnx"), default_session(out / "model.onnx"))
     assert reports["all"]["outputs"][0]["sqnr_db"] == pytest.approx(expected, abs=1e-3)
     assert reports["all"]["outputs"][0]["sqnr_db"] < reports["basic"]["outputs"][0]["sqnr_db"] - 0.5
+
+
+def _agreement(name: str, sqnr: float):
+    from graphcal.evaluate import Agreement
+
+    return Agreement(name, ref_sq=10 ** (sqnr / 10), err_sq=1.0)
+
+
+def test_suggested_flags_keep_the_written_ignores_and_name_whole_kinds_by_pattern(llama_dir, tmp_path):
+    """Flagged in every block: one re: pattern for the kind; flagged in one block: its name; the
+    ignores the model was written with come first (--ignore replaces the default). Pasted into run,
+    exactly those layers stay in float."""
+    from graphcal.evaluate import EvalReport
+
+    sqnr = {"self_attn.q_proj": 40, "self_attn.k_proj": 40, "self_attn.v_proj": 41, "self_attn.o_proj": 39,
+            "mlp.gate_proj": 40, "mlp.up_proj": 40, "mlp.down_proj": 25}
+    layers = [_agreement(f"model.layers.{i}.{kind}", value - (12 if (i, kind) == (1, "self_attn.o_proj") else 0))
+              for i in (0, 1) for kind, value in sqnr.items()]
+    report = EvalReport([], layers, 16, 2, "onnxruntime", ignored=["lm_head"])
+    flags = report.suggested_flags()
+    assert flags == ["--ignore", "lm_head", "--ignore", r"re:.*\.mlp\.down_proj$",
+                     "--ignore", "model.layers.1.self_attn.o_proj"]
+    assert report.as_dict()["suggested_flags"] == flags
+    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json", *flags])
+    assert result.exit_code == 0, result.output
+    assert sorted(json.loads(result.stdout)["ignored"]) == sorted(
+        ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj"])
+
+
+def test_eval_reads_the_ignores_the_quantized_model_was_written_with(llama_dir, tmp_path):
+    out = tmp_path / "o"
+    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                    "--scheme", "W8A8_STATIC", "--ignore", "lm_head", "--ignore",
+                                    "model.layers.0.mlp.up_proj", "-o", str(out), "-q"]).exit_code == 0
+    from graphcal.evaluate import evaluate
+
+    report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz", num_samples=2)
+    assert report.ignored == ["lm_head", "model.layers.0.mlp.up_proj"]
