@@ -235,9 +235,13 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
               help="A text file, one calibration sample per line, tokenized into calib.npz.")
 @click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens per sample in calib.npz (padded or truncated).")
-@click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many lines of --text.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None,
+              help="Use at most this many lines of --text (with --pack: this many windows).")
+@click.option("--pack", is_flag=True,
+              help="Join the lines of --text (the tokenizer's end-of-sequence token between them) and cut them into "
+                   "full --seq windows: no padding in calib.npz (one padded row per line otherwise).")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, debug):
+def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, pack, debug):
     """Export a local transformers model folder to ONNX, ready for graphcal run (nothing is downloaded).
 
     \b
@@ -247,11 +251,14 @@ def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, deb
     """
     from graphcal.export import export_pretrained
 
-    files = _guarded(lambda: export_pretrained(model_dir, output, dynamo=dynamo, opset=opset, text=text, seq=seq,
-                                                num_samples=num_samples), debug)
+    exported = _guarded(lambda: export_pretrained(model_dir, output, dynamo=dynamo, opset=opset, text=text, seq=seq,
+                                                   num_samples=num_samples, pack=pack), debug)
     click.echo("wrote:")
-    for f in files:
+    for f in exported.files:
         click.echo(f"  {f}")
+    if exported.padding is not None:
+        click.echo(f"calib.npz: {exported.samples} samples x {seq} tokens, {exported.padding:.1%} of them padding"
+                   + ("" if pack or exported.padding == 0 else " (--pack fills whole windows)"))
 
 
 @cli.command(name="eval")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,18 +173,43 @@ def export_torch(
 
 
 @releases_outputs  # the -o reservation is released however the export ends
+@dataclass
+class Exported:
+    """What graphcal export wrote, and the calibration data's padding share (None without --text)."""
+
+    files: list[Path]
+    samples: int | None = None
+    padding: float | None = None  # padded positions / all positions in calib.npz
+
+
+def pack_windows(token_lists: list[list[int]], seq: int, separator: int | None) -> tuple[list[list[int]], int]:
+    """Token lists joined into one stream (``separator`` after each list that does not already end
+    with it) and cut into full windows of ``seq`` tokens; returns (windows, tokens dropped from
+    the last, partial window). A stream shorter than ``seq`` gives no window."""
+    stream: list[int] = []
+    for ids in token_lists:
+        stream.extend(ids)
+        if separator is not None and (not ids or ids[-1] != separator):
+            stream.append(separator)
+    count = len(stream) // seq
+    return [stream[i * seq:(i + 1) * seq] for i in range(count)], len(stream) - count * seq
+
+
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
-                      num_samples: int | None = None) -> list[Path]:
+                      num_samples: int | None = None, pack: bool = False) -> Exported:
     """Export a local transformers model folder to ``out_dir/model.onnx``, ready to calibrate.
 
     Reads the folder only (``local_files_only``: nothing is downloaded). A causal LM exports its
     ``logits``, any other model its first output (``last_hidden_state``), with eager attention
     (plain MatMul/Softmax, which graphcal's kv-cache finder recognises) and dynamic batch and
     sequence axes. ``text`` (one sample per non-empty line) becomes ``out_dir/calib.npz``
-    through the folder's tokenizer, padded or truncated to ``seq`` tokens. Models past 2 GB are
+    through the folder's tokenizer, padded or truncated to ``seq`` tokens, or with ``pack`` joined
+    (the end-of-sequence token between lines) and cut into full windows of ``seq`` tokens, with no
+    padding (``num_samples`` then counts windows). Models past 2 GB are
     written with external data. ``out_dir`` follows graphcal run's rules (graphcal.output): checked
-    and locked first, written in a temporary folder beside it and swapped in. Returns the files written.
+    and locked first, written in a temporary folder beside it and swapped in. Returns the files
+    written and the share of padding in calib.npz.
     """
     import numpy as np
     import torch
@@ -232,13 +258,20 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             lines = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
         except UnicodeDecodeError as e:
             raise UsageError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-        if num_samples is not None:
+        if num_samples is not None and not pack:
             lines = lines[:num_samples]
         if not lines:
             raise GraphcalError(f"{text} holds no non-empty lines")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-        encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
+        if pack:
+            windows, _ = pack_windows(tokenizer(lines)["input_ids"], seq, tokenizer.eos_token_id)
+            if not windows:
+                raise GraphcalError(f"--pack: {text} holds fewer than --seq {seq} tokens; lower --seq or add text")
+            ids = np.asarray(windows[:num_samples], dtype=np.int64)
+            encoded = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+        else:
+            encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
         arrays = {n: np.asarray(encoded[n], dtype=np.int64) for n in names if n in encoded}
         missing = [n for n in names if n not in arrays]
         if missing:
@@ -257,7 +290,12 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             written.append(tmp / "calib.npz")
         return written
 
-    return slot.write(write)
+    files = slot.write(write)
+    if arrays is None:
+        return Exported(files)
+    mask = arrays.get("attention_mask")
+    padding = float(1 - mask.mean()) if mask is not None else None
+    return Exported(files, len(arrays["input_ids"]), padding)
 
 
 def _normalise(model) -> None:

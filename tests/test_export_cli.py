@@ -81,3 +81,32 @@ def test_export_past_the_protobuf_limit_writes_external_data(folder, tmp_path, m
     with torch.no_grad():
         ref = folder[1](**{k: torch.from_numpy(v) for k, v in feeds.items()}).logits.numpy()
     np.testing.assert_allclose(run_model(out / "model.onnx", feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_pack_windows_joins_lines_with_the_separator_and_keeps_full_windows_only():
+    from graphcal.export import pack_windows
+
+    # the separator follows every line that does not already end with it
+    assert pack_windows([[1, 2], [3, 9], [4]], 3, 9) == ([[1, 2, 9], [3, 9, 4]], 1)
+    assert pack_windows([[1, 2], [3]], 2, None) == ([[1, 2]], 1)
+    assert pack_windows([[1]], 4, 9) == ([], 2)
+
+
+def test_export_pack_has_no_padding_and_says_how_much_padding_the_lines_had(folder, tmp_path):
+    path, _ = folder
+    words = [line.split() for line in (path / "calib.txt").read_text().splitlines() if line.strip()]
+    stream = [int(w[1:]) + 2 for line in words for w in line]  # the word-level ids: w0 is 2 (the test tokenizer has no EOS)
+    padded = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "a"), "--text", str(path / "calib.txt"),
+                                      "--seq", "24"])
+    assert padded.exit_code == 0, padded.output
+    assert "12 samples x 24 tokens, 16.7% of them padding (--pack fills whole windows)" in padded.output  # 4 of 24
+    packed = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "b"), "--text", str(path / "calib.txt"),
+                                      "--seq", "24", "--pack"])
+    assert packed.exit_code == 0, packed.output
+    assert "10 samples x 24 tokens, 0.0% of them padding" in packed.output
+    data = dict(np.load(tmp_path / "b" / "calib.npz"))
+    np.testing.assert_array_equal(data["input_ids"], np.array(stream[:240]).reshape(10, 24))
+    assert (data["attention_mask"] == 1).all()
+    few = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "c"), "--text", str(path / "calib.txt"),
+                                   "--seq", "24", "--pack", "--num-samples", "3"])
+    assert few.exit_code == 0 and dict(np.load(tmp_path / "c" / "calib.npz"))["input_ids"].shape == (3, 24)
