@@ -165,7 +165,7 @@ def _check_divisible(chosen: list[Target], schemes: Mapping[str, object], config
                 break
     if not bad:
         return
-    width, targets = next(iter(bad.items()))
+    width = next(iter(bad))  # the first width named (a scheme rarely has two that fail)
     targets = [t for group in bad.values() for t in group]
     shown = ", ".join(f"{t.name} (in {t.in_features})" for t in targets[:3])
     more = f" and {len(targets) - 3} more" if len(targets) > 3 else ""
