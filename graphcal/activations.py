@@ -10,10 +10,11 @@ its share of the batches and the ranks then exchange their statistics once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from graphcal.data import MASK_INPUT, CalibrationData
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, build_tapped
@@ -28,25 +29,63 @@ _QPARAM_SHAPE = {Reduction.ALL: lambda v: (1,), Reduction.GROUP: lambda v: (v.nu
                  Reduction.HEAD: lambda v: (v.numel(), 1, 1)}
 
 
+@dataclass
+class Padding:
+    """Padding seen in the data's ``attention_mask`` and, with ``exclude``, left out of the statistics."""
+
+    exclude: bool = False
+    padded: int = 0  # positions with attention_mask == 0
+    positions: int = 0  # all positions of the mask
+    unmasked: dict[str, tuple[int, ...]] = field(default_factory=dict)  # taps not shaped [batch, seq, ...]
+
+    @property
+    def share(self) -> float | None:
+        return self.padded / self.positions if self.positions else None
+
+    def count(self, batch: dict) -> torch.Tensor | None:
+        """Count ``batch``'s padding; returns its keep mask [batch, seq] (bool) when padding is excluded."""
+        mask = batch.get(MASK_INPUT)
+        if mask is None or mask.ndim != 2:
+            return None
+        keep = torch.from_numpy(mask != 0)
+        self.padded += int(keep.numel() - keep.sum())
+        self.positions += keep.numel()
+        return keep if self.exclude else None
+
+
 @dataclass(frozen=True)
 class PassResult:
-    """What the pass did: the provider that ran (None: no pass was needed) and the batches this rank ran."""
+    """What the pass did: the provider that ran (None: no pass was needed) and the batches this rank ran;
+    ``padding``: the attention_mask's padding over every rank's batches (None: no attention_mask)."""
 
     provider: str | None
     batches: int
+    padding: Padding | None = None
 
 
 def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device: str, device_id: int = 0,
-                        dist=None, progress: bool = False, reduce_in_graph: bool = True) -> PassResult:
+                        dist=None, progress: bool = False, reduce_in_graph: bool = True,
+                        exclude_padding: bool = False, inputs: tuple[str, ...] = ()) -> PassResult:
     """Stream ``calib`` through the tapped model and feed every activation observer.
 
     With ``reduce_in_graph``, observers that take extrema get them from ReduceMin/ReduceMax in
     the graph, so whole activations leave onnxruntime only for observers that need them. Without
     any activation observer the data is still read once, cheaply, so NaN/Inf in it is refused.
+    With ``exclude_padding``, every tap is fetched whole and, where it is shaped [batch, seq, ...]
+    like the attention_mask, only its unpadded rows reach the observers (key/value states and other
+    taps are observed whole and listed in ``padding.unmasked``). ``inputs``: the model's input
+    names; with an attention_mask among them the pass counts the padding it sees.
     """
+    padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if not observers.consumers:
-        calib.check_values()
-        return PassResult(None, 0)
+        if padding is not None and isinstance(calib, CalibrationData):
+            for batch in calib.batches():  # what check_values does, counting the padding
+                padding.count(batch)
+        else:
+            calib.check_values()
+        return PassResult(None, 0, padding if padding is not None and padding.positions else None)
+    if exclude_padding:
+        reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
     tapped = build_tapped(plan.model, observers.requests(reduce_in_graph), dict(plan.types))
     provider, batches, error = None, 0, None
     try:
@@ -58,7 +97,7 @@ def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device:
                  "reductions fetched per batch", provider, runtime.device, whole, len(tapped.outputs) - whole)
         try:
             batches = _feed_batches(runtime, calib, observers, tapped, reduce_in_graph,
-                                    progress and (dist is None or dist.is_main), dist)
+                                    progress and (dist is None or dist.is_main), dist, padding)
         finally:
             runtime.close()
     except Exception as e:  # noqa: BLE001 -- under torchrun every rank must hear of it
@@ -66,11 +105,24 @@ def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device:
             raise
         error = e
     if dist is not None:
-        gather_statistics(dist, observers.activation_observers(), error)
-    return PassResult(provider, batches)
+        counts = (padding.padded, padding.positions) if padding is not None else None
+        counts = gather_statistics(dist, observers.activation_observers(), error, counts)
+        if padding is not None:
+            padding.padded, padding.positions = counts
+    return PassResult(provider, batches, padding)
 
 
-def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool, progress: bool, dist=None) -> int:
+def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:
+    """``x``'s unpadded rows [N, ...] when ``x`` is [batch, seq, ...] like the mask (else None, and
+    ``tensor`` is listed as observed with its padding); key/value states are never masked."""
+    if all(c.feed is Feed.KV for c in consumers) or x.ndim < 3 or tuple(x.shape[:2]) != tuple(keep.shape):
+        padding.unmasked.setdefault(tensor, tuple(x.shape))
+        return None
+    return x[keep.to(x.device)]
+
+
+def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool, progress: bool, dist=None,
+                  padding: Padding | None = None) -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
     from tqdm import tqdm
 
@@ -85,6 +137,7 @@ def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool
             if dist is not None and index % dist.world != dist.rank:
                 continue
             values = runtime.run(batch)
+            keep = padding.count(batch) if padding is not None else None
             for tensor, consumers in routes.items():
                 x = values.get(tensor)
                 probe = tapped.finite.get(tensor)
@@ -95,7 +148,13 @@ def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool
                         f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
                         f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations"
                     )
+                rows = _unpadded(x, keep, consumers, padding, tensor) if keep is not None else None
                 for c in consumers:
+                    seen = x
+                    if rows is not None and c.feed is not Feed.KV:
+                        if rows.shape[0] == 0:
+                            continue  # all padding in this batch: nothing to observe
+                        seen = rows
                     request = c.request(in_graph)
                     try:
                         if request.reduction is not Reduction.WHOLE:
@@ -103,11 +162,11 @@ def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool
                             shape = _QPARAM_SHAPE[request.reduction](lo)
                             c.observer.observe_extrema(lo.reshape(shape), hi.reshape(shape))
                         elif c.feed is Feed.IMPORTANCE:
-                            c.observer.accumulate_importance(x)
+                            c.observer.accumulate_importance(seen)
                         elif c.feed is Feed.KV:
-                            c.observer(x)
+                            c.observer(seen)
                         else:
-                            c.observer(_as_bsh(x))
+                            c.observer(_as_bsh(seen))
                     except ValueError as e:  # e.g. a group size that does not divide the hidden size
                         raise GraphcalError(f"tap {tensor!r} {tuple(x.shape) if x is not None else ''}: {e}") from e
             count += 1

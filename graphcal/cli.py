@@ -103,6 +103,11 @@ PASS_OPTIONS = (
                  help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable."),
     click.option("--skip-nonfinite-weights", is_flag=True,
                  help="Leave layers whose weight holds NaN or Inf in float (with a warning) instead of failing."),
+    click.option("--exclude-padding", is_flag=True,
+                 help="Leave positions where the data's attention_mask is 0 (padding, as graphcal export --text "
+                      "writes it) out of the activation statistics; activations not shaped [batch, seq, ...] "
+                      "(key/value states, 2-D inputs) are observed whole, with a warning. Needs an attention_mask "
+                      "input; the taps then leave onnxruntime whole. run always prints the share of padding."),
 )
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
@@ -125,7 +130,7 @@ def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
 def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits, batch_size,
-        num_samples, device, skip_nonfinite_weights, as_json, quiet, debug):
+        num_samples, device, skip_nonfinite_weights, exclude_padding, as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -139,6 +144,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe),
             device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
+            exclude_padding=exclude_padding,
         )
 
     result = _guarded(call, debug)
@@ -154,6 +160,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "provider": result.provider, "samples": result.num_samples, "batches": result.num_batches,
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
+            "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
         }, sort_keys=True))
         return
     if quiet:
@@ -168,6 +175,15 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         ranks = f" across {result.world} ranks" if result.world > 1 else ""
         click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
                    f"with onnxruntime {result.provider}")
+    if result.padding_share is not None:
+        if result.provider is None:
+            what = "no activation statistics are taken for this scheme"
+        elif result.exclude_padding:
+            what = "left out of the statistics"
+        else:
+            what = "--exclude-padding leaves them out of the statistics"
+        click.echo(f"calibration data: {result.padding_share:.1%} of positions are padding (attention_mask == 0); "
+                   + what)
     if result.forms:
         click.echo("in onnxruntime (CPU, default settings) the quantized layers run as:")
         for line in result.forms:
@@ -187,7 +203,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
 def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits,
-                    batch_size, num_samples, device, skip_nonfinite_weights, as_json, debug):
+                    batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding, as_json, debug):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
@@ -215,8 +231,14 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
         config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe)
         check_device(device)
         run_plan = plan(model, config, runtime, matmulnbits)
+        inputs = graph_inputs(run_plan.model)
         if data is not None:
-            load_data(data, graph_inputs(run_plan.model), batch_size=batch_size, num_samples=num_samples)
+            load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+        if exclude_padding:
+            from graphcal.data import check_padding_input
+
+            check_padding_input(f"the data {data}" if data is not None else f"the model {model}",
+                                [i.name for i in inputs])
         return from_plan(run_plan)
 
     report = _guarded(call, debug)

@@ -584,3 +584,19 @@ def _check_finite(batch: dict[str, np.ndarray], where: str, start: int) -> None:
 
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(d) if d not in (None, "") else "?" for d in shape) + "]"
+
+
+MASK_INPUT = "attention_mask"  # positions where it is 0 are padding
+
+
+def check_padding_input(label: str, input_names) -> None:
+    """--exclude-padding needs an attention_mask among the model's inputs (so in the data)."""
+    if MASK_INPUT not in input_names:
+        raise UsageError(f"--exclude-padding: {label} has no {MASK_INPUT} (the model's inputs: "
+                         f"{', '.join(input_names)}); without it no position is known to be padding")
+
+
+def data_label(data) -> str:
+    if isinstance(data, Mapping):
+        return "the data <arrays>"
+    return "the CalibrationDataReader" if hasattr(data, "get_next") else f"the data {data}"

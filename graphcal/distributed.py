@@ -90,9 +90,10 @@ def timeout_seconds() -> int:
     return seconds
 
 
-def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> None:
+def gather_statistics(d: Dist, observers: list, error: BaseException | None, counts: tuple[int, ...] | None = None):
     """Fold every rank's activation statistics into ``observers`` (the same list, in the same
-    order, on every rank), or raise on every rank if any rank failed before this point."""
+    order, on every rank), or raise on every rank if any rank failed before this point.
+    ``counts`` (e.g. the padded and all positions a rank saw) are summed over the ranks and returned."""
     import torch.distributed as dist
 
     payload = {
@@ -101,6 +102,7 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
             {k: v.detach().cpu() for k, v in obs.state_dict_stats().items() if k in obs.sync_ops}
             for obs in observers
         ],
+        "counts": counts,
     }
     gathered: list = [None] * d.world
     try:
@@ -117,8 +119,9 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
         failure = GraphcalError(f"rank {rank} failed: {message}")
         failure.graphcal_exchanged = True
         raise failure
+    total = None if counts is None else tuple(sum(c) for c in zip(*(p["counts"] for p in gathered)))
     if not d.is_main:
-        return  # only rank 0 computes qparams and writes
+        return total  # only rank 0 computes qparams and writes
     for i, obs in enumerate(observers):  # fold in rank order, as merge() documents
         peers = []
         for r in range(1, d.world):
@@ -130,6 +133,7 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None) -> 
                 peers.append(peer)
         if peers:
             obs.merge(*peers)
+    return total
 
 
 def settle(error: BaseException, seconds: float = 10.0) -> None:

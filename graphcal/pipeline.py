@@ -21,7 +21,7 @@ import torch
 
 from graphcal.activations import run_activation_pass
 from graphcal.config import Options, RunConfig, resolve
-from graphcal.data import graph_inputs, load_data
+from graphcal.data import check_padding_input, data_label, graph_inputs, load_data
 from graphcal.distributed import from_env
 from graphcal.graph.io import save_model
 from graphcal.graph.qdq import QDQWriter
@@ -52,6 +52,8 @@ class CalibrationResult:
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs (plan.RunPlan.forms)
     rank: int = 0  # under torchrun: this process's rank (only rank 0 writes)
     world: int = 1
+    padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
+    exclude_padding: bool = False  # padded positions were left out of the activation statistics
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -79,6 +81,7 @@ def calibrate(
     progress: bool = False,
     reduce_in_graph: bool = True,
     skip_nonfinite_weights: bool = False,
+    exclude_padding: bool = False,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -95,6 +98,9 @@ def calibrate(
     With ``reduce_in_graph`` (the default), min/max observers get their batch extrema from
     ReduceMin/ReduceMax in the tapped graph. A weight holding NaN or Inf is an error naming it;
     with ``skip_nonfinite_weights`` its layer is left in float (listed as ignored) with a warning.
+    With ``exclude_padding``, positions where the data's ``attention_mask`` is 0 are left out of
+    the activation statistics (activations shaped [batch, seq, ...]; others are observed whole,
+    with a warning); data without an attention_mask input is a usage error.
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -104,19 +110,30 @@ def calibrate(
                                        observer=observer, kv_cache=kv_cache, recipe=recipe))
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     run = plan(model_path, config, target, matmulnbits)
-    calib = load_data(data, graph_inputs(run.model), batch_size=batch_size, num_samples=num_samples)
+    inputs = graph_inputs(run.model)
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+    input_names = tuple(i.name for i in inputs)
+    if exclude_padding:
+        check_padding_input(data_label(data), input_names)
     observers = ObserverSet(run)
     dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the pass
     device_id = dist.local_rank if dist else 0  # under torchrun each rank has its own GPU
     main = dist is None or dist.is_main
     activations = run_activation_pass(run, observers, calib, device=device, device_id=device_id, dist=dist,
-                                      progress=progress and main, reduce_in_graph=reduce_in_graph)
+                                      progress=progress and main, reduce_in_graph=reduce_in_graph,
+                                      exclude_padding=exclude_padding, inputs=input_names)
     warnings = list(run.warnings)
+    padding = activations.padding
+    if padding is not None and padding.unmasked:
+        warnings.append("--exclude-padding: observed with their padding (not shaped [batch, seq, ...] like the "
+                        "attention_mask): " + ", ".join(f"{t} {list(s)}" for t, s in padding.unmasked.items()))
+    share = padding.share if padding is not None else None
     if not main:
         return CalibrationResult(
             output_dir=out_dir, files=[], targets=[], ignored=run.ignored, provider=activations.provider,
             num_samples=0, num_batches=activations.batches, seconds=time.perf_counter() - start,
-            warnings=warnings, rank=dist.rank, world=dist.world,
+            warnings=warnings, rank=dist.rank, world=dist.world, padding_share=share,
+            exclude_padding=exclude_padding,
         )
     # The writer takes the loaded model over and edits it in place (a big model is never copied);
     # nothing reads the plan's model after this.
@@ -138,7 +155,7 @@ def calibrate(
         output_dir=out_dir, files=files, targets=weights.items, ignored=ignored, provider=activations.provider,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
         seconds=time.perf_counter() - start, warnings=warnings, forms=list(run.forms), rank=0,
-        world=dist.world if dist else 1,
+        world=dist.world if dist else 1, padding_share=share, exclude_padding=exclude_padding,
     )
 
 
