@@ -175,9 +175,11 @@ def _check_divisible(chosen: list[Target], schemes: Mapping[str, object], config
     advice = []
     if fits:
         advice.append(f"a group size of {fits} divides them all: --scheme '{_with_width(schemes[targets[0].name], width, fits)}'")
-    if pattern:
+    if pattern and len(targets) < len(chosen):  # leaving every target in float is no advice
         flags = " ".join(f"--ignore '{p}'" for p in [*config.ignore, pattern])
-        advice.append(f"or leave them in float: {flags}")
+        advice.append(("or leave" if advice else "leave") + f" them in float: {flags}")
+    if not advice:
+        advice.append("choose a group size that divides the input features")
     raise GraphcalError(
         f"group size {width} does not divide the input features of {len(targets)} of {len(chosen)} targets: "
         f"{shown}{more}; graphcal quantizes whole groups only (a recipe's bypass_divisibility_checks does not "
@@ -186,7 +188,7 @@ def _check_divisible(chosen: list[Target], schemes: Mapping[str, object], config
 
 def _dividing_width(width: int, features: list[int]) -> int | None:
     """The largest power of two below ``width`` (at least 16) that divides every width in ``features``."""
-    candidate = width // 2
+    candidate = 1 << ((width - 1).bit_length() - 1)  # the largest power of two below width
     while candidate >= 16:
         if all(f % candidate == 0 for f in features):
             return candidate

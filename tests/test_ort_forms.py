@@ -149,7 +149,7 @@ def test_matmulnbits_for_int8_inputs_lets_the_kernel_quantize_them(layers, tmp_p
     ("W8A8", ["--matmulnbits", "0"], "keeps the input in float"),
     ("W8A8_STATIC", ["--matmulnbits"], "drop --matmulnbits"),
     ("W4A16", ["--matmulnbits", "--target", "tensorrt"], "use it with --target onnxruntime"),
-    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 96}}', ["--matmulnbits"], "power of two"),
+    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 8}}', ["--matmulnbits"], "power of two"),
 ])
 def test_matmulnbits_refuses_what_it_cannot_write(layers, tmp_path, scheme, extra, message):
     folder, _ = layers
