@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from graphcal.config import DEFAULT_IGNORE
 from graphcal.data import graph_inputs, load_data
@@ -80,16 +81,23 @@ class EvalReport:
     skipped_layers: list[str] = field(default_factory=list)
     level: str = "basic"  # onnxruntime's optimization level for both models
     ignored: list[str] | None = None  # the quantized model's ignore list (its quantization_config.json), if known
+    isolated: list[Agreement] | None = None  # each layer's own error, on the reference's inputs (eval --isolated)
+
+    @property
+    def ranked(self) -> list[Agreement]:
+        """The per-layer agreements advice follows: each layer's own error when measured, else the cumulative one."""
+        return self.isolated if self.isolated is not None else self.layers
 
     def worst(self, count: int = 3) -> list[Agreement]:
-        return sorted(self.layers, key=lambda a: a.sqnr_db)[:count]
+        return sorted(self.ranked, key=lambda a: a.sqnr_db)[:count]
 
     def suggested_ignore(self, margin_db: float = 6.0) -> list[str]:
         """Layers more than ``margin_db`` under the median layer SQNR (else none)."""
-        if len(self.layers) < 2:
+        quantized = [a for a in self.ranked if math.isfinite(a.sqnr_db)]  # "exact": a layer left in float
+        if len(quantized) < 2:
             return []
-        median = float(np.median([a.sqnr_db for a in self.layers]))
-        return [a.name for a in sorted(self.layers, key=lambda a: a.sqnr_db) if a.sqnr_db < median - margin_db]
+        median = float(np.median([a.sqnr_db for a in quantized]))
+        return [a.name for a in sorted(quantized, key=lambda a: a.sqnr_db) if a.sqnr_db < median - margin_db]
 
     def suggested_flags(self) -> list[str]:
         """The --ignore flags that keep the suggested layers in float, pasteable into `graphcal run`:
@@ -116,7 +124,10 @@ class EvalReport:
 
     def as_dict(self) -> dict:
         return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "level": self.level,
-                "outputs": [a.as_dict() for a in self.outputs], "layers": [a.as_dict() for a in self.layers],
+                "outputs": [a.as_dict() for a in self.outputs],
+                "layers": [{**a.as_dict(), **({"isolated_sqnr_db": _finite(b.sqnr_db)} if b is not None else {})}
+                           for a, b in zip(self.layers, self.isolated or [None] * len(self.layers))],
+                "ranked_by": "isolated" if self.isolated is not None else "cumulative",
                 "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
                 "suggested_flags": self.suggested_flags(), "skipped_layers": self.skipped_layers}
 
@@ -146,12 +157,18 @@ def _written_ignore(candidate: Path) -> list[str] | None:
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
-             num_samples: int | None = None, level: str = "basic") -> EvalReport:
+             num_samples: int | None = None, level: str = "basic", isolated: bool = False) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
     graph as the ONNX spec computes it) or "all" (ORT_ENABLE_ALL, onnxruntime's default: its
-    fused integer kernels, what a deployment runs; MatMulNBits then quantizes its input on CPU)."""
+    fused integer kernels, what a deployment runs; MatMulNBits then quantizes its input on CPU).
+
+    A layer's SQNR is cumulative: the quantized model's own output at that layer, with the error
+    of every layer before it. With ``isolated``, a third run gives each layer's own error: a copy
+    of the quantized model in which every layer's input activation is the reference's (fed from
+    the reference run), so each quantized layer sees float input; worst layers and advice then
+    follow that error."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
@@ -179,11 +196,20 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
 
     optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+    forced, forced_run = {}, None
+    if isolated:  # the reference run also hands over every layer's float input
+        forced, forced_model = _forced_inputs(cand_model, find_targets(ref_model)[0], {n for _, n in layers})
+        fetch = fetch + [a for a in forced if a not in fetch]
+        forced_run = open_model_runner(add_taps(forced_model, [t for _, t in layers])[0], [t for _, t in layers],
+                                       optimization=optimization)
+        del forced_model
     ref_run = open_model_runner(add_taps(ref_model, fetch)[0], fetch, optimization=optimization)  # or onnx.reference
-    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
+    cand_fetch = [f for f in fetch if f not in forced or f in outputs or f in {t for _, t in layers}]
+    cand_run = open_model_runner(add_taps(cand_model, cand_fetch)[0], cand_fetch, optimization=optimization)
     del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
+    alone = [Agreement(name) for name, _ in layers] if isolated else None
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
     from tqdm import tqdm
 
@@ -195,9 +221,37 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             agreement.add(ref_values[name], cand_values[name])
         for agreement, (_, tensor) in zip(layer_agree, layers):
             agreement.add(ref_values[tensor], cand_values[tensor])
+        if forced_run is not None:
+            feeds = {**batch, **{name: ref_values[act] for act, name in forced.items()}}
+            forced_values = forced_run.run(feeds)
+            for agreement, (_, tensor) in zip(alone, layers):
+                agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)))
+                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)), isolated=alone)
+
+
+FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations
+
+
+def _forced_inputs(model: onnx.ModelProto, targets, layer_outputs: set[str]) -> tuple[dict[str, str], onnx.ModelProto]:
+    """A copy of ``model`` whose every reader of a target's input activation reads a new graph input
+    instead ({activation: input name}), to be fed the reference's value of that activation."""
+    graph_inputs_ = {i.name for i in model.graph.input}
+    acts = [t.activation for t in targets if t.activation not in graph_inputs_]
+    forced = {a: FORCED + a for a in dict.fromkeys(acts)}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    types = {}
+    for vi in [*copy.graph.value_info, *copy.graph.output]:
+        types[vi.name] = vi.type.tensor_type.elem_type
+    for node in copy.graph.node:
+        for i, name in enumerate(node.input):
+            if name in forced:
+                node.input[i] = forced[name]
+    for act, name in forced.items():
+        copy.graph.input.append(onnx.helper.make_tensor_value_info(name, types.get(act) or onnx.TensorProto.FLOAT, None))
+    return forced, copy
 
 
 def _finite(value: float) -> float | None:
@@ -214,12 +268,20 @@ def format_text(report: EvalReport) -> str:
              "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
     for a in report.outputs:
         lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")
-    lines += ["", "layer (MatMul/Gemm output)" + " " * 30 + "SQNR (dB)  max abs error"]
+    alone = report.isolated
     width = max([len(a.name) for a in report.layers] + [50])
-    for a in report.layers:
-        lines.append(f"{a.name:<{width}}  {_fmt_db(a.sqnr_db):>9}  {a.max_abs_err:.3e}")
+    lines += ["", f"{'layer (MatMul/Gemm output)':<{width}}  SQNR (dB)  max abs error"
+              + ("  alone (dB)" if alone is not None else "")]
+    for i, a in enumerate(report.layers):
+        lines.append(f"{a.name:<{width}}  {_fmt_db(a.sqnr_db):>9}  {a.max_abs_err:.3e}"
+                     + (f"  {_fmt_db(alone[i].sqnr_db):>10}" if alone is not None else ""))
+    if alone is not None:
+        lines.append("SQNR: the quantized model's own output at the layer (errors of earlier layers included); "
+                     "alone: the layer's own error, its input taken from fp32")
     if report.layers:
-        lines += ["", "worst layers: " + ", ".join(f"{a.name} ({_fmt_db(a.sqnr_db)} dB)" for a in report.worst())]
+        which = "on their own" if alone is not None else "cumulative; --isolated ranks by each layer's own error"
+        lines += ["", f"worst layers ({which}): "
+                  + ", ".join(f"{a.name} ({_fmt_db(a.sqnr_db)} dB)" for a in report.worst())]
         flags = report.suggested_flags()
         if flags:
             lines.append(f"{', '.join(report.suggested_ignore())}: more than 6 dB under the median layer; to keep "

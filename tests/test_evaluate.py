@@ -58,7 +58,7 @@ def test_text_and_html(llama_dir, quantized, tmp_path):
     page = tmp_path / "report.html"
     result = _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--html", page)
     assert result.exit_code == 0, result.output
-    assert "worst layers: " in result.output and "model.layers.0.self_attn.q_proj" in result.output
+    assert "worst layers (cumulative; " in result.output and "model.layers.0.self_attn.q_proj" in result.output
     text = page.read_text()
     assert "<svg" in text and text.count("<rect") == 15 and "model.layers.1.mlp.down_proj" in text
 
@@ -149,3 +149,27 @@ def test_eval_reads_the_ignores_the_quantized_model_was_written_with(llama_dir, 
 
     report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz", num_samples=2)
     assert report.ignored == ["lm_head", "model.layers.0.mlp.up_proj"]
+
+
+def test_isolated_error_is_the_error_of_the_layer_quantized_alone(llama_dir, tmp_path):
+    """--isolated: each layer's own error equals, by brute force, the error at that layer of a
+    model where only that layer is quantized (same qparams: activations are observed on the fp32
+    model either way), for layers deep in the model where the cumulative error differs."""
+    from graphcal.evaluate import evaluate
+    from graphcal.pipeline import calibrate
+
+    full = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "full", scheme="W8A8_STATIC",
+                     device="cpu")
+    report = evaluate(llama_dir / "model.onnx", tmp_path / "full" / "model.onnx", llama_dir / "heldout.npz",
+                      isolated=True)
+    alone = {a.name: a.sqnr_db for a in report.isolated}
+    cumulative = {a.name: a.sqnr_db for a in report.layers}
+    assert report.as_dict()["ranked_by"] == "isolated" and alone["lm_head"] == float("inf")  # left in float
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+        calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / name, scheme="W8A8_STATIC",
+                  targets=[name], device="cpu")
+        only = evaluate(llama_dir / "model.onnx", tmp_path / name / "model.onnx", llama_dir / "heldout.npz")
+        brute = next(a.sqnr_db for a in only.layers if a.name == name)
+        assert alone[name] == pytest.approx(brute, abs=0.05), name
+        assert cumulative[name] < alone[name] - 1  # the cumulative number carries earlier layers' error
+    assert {i.target.name for i in full.targets} == set(alone) - {"lm_head"}
