@@ -86,10 +86,7 @@ def weight_cast_mul(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor)
     layout = _WeightLayout(t, strategy, args, t.layout)
     q = layout.weight(qtype.array(_quantize(args, qp, w)))
     dtype = _np_dtype(w.dtype)
-    scale = qp.scale.detach().to(torch.float32)
-    if qp.global_scale is not None:  # effective scale as compressed-tensors computes it
-        scale = scale / qp.global_scale.detach().to(torch.float32)
-    scale = layout.param(scale.to(w.dtype).numpy())
+    scale = layout.param(_effective_scale(qp).to(w.dtype).numpy())
     zp = None if args.symmetric else layout.param(qp.zero_point.detach().to(torch.float32).numpy()).astype(dtype)
     base = f"{t.name}/weight"
     x = edits.op(t.node, "Cast", [edits.const(f"{t.name}.weight_quantized", q)], f"{base}/Cast",
@@ -137,16 +134,14 @@ def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tens
             block *= 2
     blocks = -(-k // block)
     q = qtype.array(_quantize(args, qp, w)).astype(np.int16) + (1 << (bits - 1))  # unsigned [n, k]
-    scale = qp.scale.detach().to(torch.float32)
-    if qp.global_scale is not None:
-        scale = scale / qp.global_scale.detach().to(torch.float32)
-    scale = _per_block(scale.numpy(), args, strategy, n, k, block, blocks).astype(_np_dtype(w.dtype))
+    layout = _WeightLayout(t, strategy, args, "out_in")  # groups and blocks as [out, in / block]
+    scale = _per_block(layout, _effective_scale(qp).numpy(), blocks).astype(_np_dtype(w.dtype))
     padded = np.zeros((n, blocks * block), np.uint8)
     padded[:, :k] = q
     inputs = [node.input[0], edits.const(f"{t.name}.weight_packed", _pack(padded, bits).reshape(n, blocks, -1)),
               edits.const(f"{t.name}.weight_scale", scale.reshape(n, blocks))]
     if not args.symmetric:
-        zp = _per_block(qp.zero_point.detach().to(torch.float32).numpy(), args, strategy, n, k, block, blocks)
+        zp = _per_block(layout, qp.zero_point.detach().to(torch.float32).numpy(), blocks)
         zp = (np.rint(zp).astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
         if bits == 4 and blocks % 2:
             zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)
@@ -174,14 +169,20 @@ def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tens
 MS_DOMAIN = "com.microsoft"
 
 
-def _per_block(param: np.ndarray, args, strategy: str, n: int, k: int, block: int, blocks: int) -> np.ndarray:
-    """A scale or zero point in compressed-tensors' shape as [out, blocks of the input]."""
-    if strategy in ("tensor", "channel"):  # one value, or one per output row: the same for every block
-        return np.broadcast_to(param.reshape(-1, 1), (n, blocks)).copy()
-    param = param.reshape(param.shape[0], -1)
-    if strategy == "block":
-        param = np.repeat(param, args.block_structure[0], axis=0)[:n]
-    return param
+def _per_block(layout: _WeightLayout, param: np.ndarray, blocks: int) -> np.ndarray:
+    """A scale or zero point in compressed-tensors' shape as [out, blocks of the input]: per tensor
+    and per channel repeated over the blocks, groups and blocks as the [out, in] layout has them."""
+    if layout.strategy in ("tensor", "channel"):  # one value, or one per output row: the same for every block
+        return np.broadcast_to(param.reshape(-1, 1), (layout.t.out_features, blocks)).copy()
+    return layout.param(param)
+
+
+def _effective_scale(qp: QParams) -> torch.Tensor:
+    """The scale a weight is dequantized with, as compressed-tensors computes it: scale / global_scale."""
+    scale = qp.scale.detach().to(torch.float32)
+    if qp.global_scale is not None:
+        scale = scale / qp.global_scale.detach().to(torch.float32)
+    return scale
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
@@ -205,9 +206,7 @@ def _weight_scale(edits: Edits, t: Target, args, qp: QParams, dtype: torch.dtype
         edits.add(t.node, helper.make_node("DequantizeLinear", [fp8, inv_name], [out],
                                            name=edits.unique(f"{t.name}/weight_scale/DequantizeLinear")))
         return out
-    if qp.global_scale is not None:  # effective scale as compressed-tensors computes it: scale / global_scale
-        scale = scale / qp.global_scale.detach().to(torch.float32)
-    return edits.const(f"{t.name}.weight_scale", layout.param(scale.to(dtype).numpy()))
+    return edits.const(f"{t.name}.weight_scale", layout.param(_effective_scale(qp).to(dtype).numpy()))
 
 
 class _WeightLayout:
