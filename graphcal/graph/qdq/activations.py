@@ -94,11 +94,17 @@ def _static_cast_mul(edits: Edits, t: Target, qp: QParams, qtype: QType) -> str:
     (QuantizeLinear to fp8 is exactly a saturating, round-to-nearest-even cast of x / s)."""
     dtype = edits.dtype_of(t.activation)
     s = edits.const(f"{t.name}.input_scale", qp.scale.detach().to(torch.float32).numpy().astype(dtype).reshape(()))
-    base = f"{t.name}/input"
-    x = edits.op(t.node, "Div", [t.activation, s], f"{base}/Div")
-    q = edits.op(t.node, "Cast", [x], f"{base}/CastFp8", to=qtype.onnx_type, saturate=1)
-    x = edits.op(t.node, "Cast", [q], f"{base}/Cast", to=helper.np_dtype_to_tensor_dtype(dtype))
-    return edits.op(t.node, "Mul", [x, s], f"{base}/Mul")
+    return fp8_rounded(edits, t.node, t.activation, s, dtype, f"{t.name}/input")
+
+
+def fp8_rounded(edits: Edits, anchor: str, x: str, scale: str, dtype: np.dtype, label: str) -> str:
+    """``x`` quantized to fp8 and back with a constant ``scale`` (zero point 0), by plain ops:
+    Div -> Cast(fp8, saturate) -> Cast(float) -> Mul. The values of QuantizeLinear ->
+    DequantizeLinear, with no Q/DQ pair for onnxruntime's fusions to move or mis-fuse."""
+    x = edits.op(anchor, "Div", [x, scale], f"{label}/Div")
+    x = edits.op(anchor, "Cast", [x], f"{label}/CastFp8", to=FP8.onnx_type, saturate=1)
+    x = edits.op(anchor, "Cast", [x], f"{label}/Cast", to=helper.np_dtype_to_tensor_dtype(dtype))
+    return edits.op(anchor, "Mul", [x, scale], f"{label}/Mul")
 
 
 def _row_normalized(edits: Edits, t: Target, args, qtype: QType) -> tuple[str, str]:
@@ -120,12 +126,7 @@ def _row_normalized(edits: Edits, t: Target, args, qtype: QType) -> tuple[str, s
         amax = _reduce_max(edits, t, absx, [-1], f"{base}/ReduceMax", keepdims=1)
     else:
         amax = _reduce_max(edits, t, absx, None, f"{base}/ReduceMax")
-    half_range = edits.const(f"{t.name}.input_half_range", np.array(qtype.half_range, dtype=dtype))
-    raw = edits.op(t.node, "Div", [amax, half_range], f"{base}/Div")
-    zero = edits.const(f"{t.name}.input_zero", np.array(0, dtype=dtype))
-    eps = edits.const(f"{t.name}.input_eps", np.array(np.finfo(dtype).eps, dtype=dtype))
-    is_zero = edits.op(t.node, "Equal", [raw, zero], f"{base}/Equal")
-    scale = edits.op(t.node, "Where", [is_zero, eps, raw], f"{base}/Where")
+    scale = _symmetric_scale(edits, t, amax, qtype, dtype, base)
     rows = edits.op(t.node, "Div", [x, scale], f"{base}/Normalize")
     one = edits.const(f"{t.name}.input_unit_scale", np.array(1, dtype=dtype))
     z = edits.const(f"{t.name}.input_zero_point", np.array(UINT8_SHIFT, dtype=np.uint8))
@@ -151,6 +152,25 @@ def _dynamic(edits: Edits, t: Target, args, qtype: QType, global_scale: torch.Te
         x = edits.op(t.node, "Reshape", [x, shape2d], f"{base}/Reshape")
     absx = edits.op(t.node, "Abs", [x], f"{base}/Abs")
     amax = _reduce_max(edits, t, absx, [1] if width is not None else None, f"{base}/ReduceMax")
+    scale = _symmetric_scale(edits, t, amax, qtype, dtype, base, global_scale)
+    if width is not None:  # one zero point per row, of the quantized type
+        zp = _row_zero_points(edits, t, scale, qtype, base)
+        attrs = {"axis": 0}
+    else:
+        zp = edits.const(f"{t.name}.input_zero_point", np.zeros((), dtype=qtype.np_dtype))
+        attrs = {}
+    q = edits.op(t.node, "QuantizeLinear", [x, scale, zp], f"{base}/QuantizeLinear", **attrs)
+    dq = edits.op(t.node, "DequantizeLinear", [q, scale, zp], f"{base}/DequantizeLinear", **attrs)
+    if width is None:
+        return dq
+    shape = edits.op(t.node, "Shape", [t.activation], f"{base}/Shape")
+    return edits.op(t.node, "Reshape", [dq, shape], f"{base}/Restore")
+
+
+def _symmetric_scale(edits: Edits, t: Target, amax: str, qtype: QType, dtype: np.dtype, base: str,
+                     global_scale: torch.Tensor | None = None) -> str:
+    """compressed-tensors' symmetric run-time scale from ``amax``: amax / half_range, 0 -> eps;
+    with NVFP4's ``global_scale``: fp8(amax / 6 * global_scale), 0 -> 0.125, divided by global_scale."""
     half_range = edits.const(f"{t.name}.input_half_range", np.array(qtype.half_range, dtype=dtype))
     raw = edits.op(t.node, "Div", [amax, half_range], f"{base}/Div")
     zero = edits.const(f"{t.name}.input_zero", np.array(0, dtype=dtype))
@@ -170,18 +190,7 @@ def _dynamic(edits: Edits, t: Target, args, qtype: QType, global_scale: torch.Te
         eps = edits.const(f"{t.name}.input_eps", np.array(np.finfo(dtype).eps, dtype=dtype))
         is_zero = edits.op(t.node, "Equal", [raw, zero], f"{base}/Equal")
         scale = edits.op(t.node, "Where", [is_zero, eps, raw], f"{base}/Where")
-    if width is not None:  # one zero point per row, of the quantized type
-        zp = _row_zero_points(edits, t, scale, qtype, base)
-        attrs = {"axis": 0}
-    else:
-        zp = edits.const(f"{t.name}.input_zero_point", np.zeros((), dtype=qtype.np_dtype))
-        attrs = {}
-    q = edits.op(t.node, "QuantizeLinear", [x, scale, zp], f"{base}/QuantizeLinear", **attrs)
-    dq = edits.op(t.node, "DequantizeLinear", [q, scale, zp], f"{base}/DequantizeLinear", **attrs)
-    if width is None:
-        return dq
-    shape = edits.op(t.node, "Shape", [t.activation], f"{base}/Shape")
-    return edits.op(t.node, "Reshape", [dq, shape], f"{base}/Restore")
+    return scale
 
 
 def _tensorrt_fp4(edits: Edits, t: Target, args, global_scale: torch.Tensor) -> str:

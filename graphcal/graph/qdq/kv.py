@@ -13,9 +13,9 @@ values): its Q/DQ propagation would move an fp8 DequantizeLinear past the Unsque
 from __future__ import annotations
 
 import torch
-from onnx import helper
 
 from graphcal.errors import GraphcalError
+from graphcal.graph.qdq.activations import fp8_rounded
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.policy import FP8, Runtime, qtype_of
 from graphcal.types import QuantizedKV
@@ -38,10 +38,7 @@ def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str,
     if runtime is Runtime.ONNXRUNTIME and qtype is FP8:
         # per kv head: [kv_heads, 1, 1] broadcasts over [batch, kv_heads, seq, head_dim]
         s = edits.const(f"{kv.state.name}.{base}_scale", scale.reshape(-1, 1, 1) if per_head else scale)
-        x = edits.op(anchor, "Div", [tensor, s], f"{label}/Div")
-        x = edits.op(anchor, "Cast", [x], f"{label}/CastFp8", to=FP8.onnx_type, saturate=1)
-        x = edits.op(anchor, "Cast", [x], f"{label}/Cast", to=helper.np_dtype_to_tensor_dtype(scale.dtype))
-        return edits.op(anchor, "Mul", [x, s], f"{label}/Mul")
+        return fp8_rounded(edits, anchor, tensor, s, scale.dtype, label)
     s = edits.const(f"{kv.state.name}.{base}_scale", scale)
     z = edits.const(f"{kv.state.name}.{base}_zero_point", qtype.array(zp).reshape(scale.shape))
     attrs = {"axis": 1} if per_head else {}
