@@ -195,6 +195,32 @@ def pack_windows(token_lists: list[list[int]], seq: int, separator: int | None) 
     return [stream[i * seq:(i + 1) * seq] for i in range(count)], len(stream) - count * seq
 
 
+def tokenize_lines(tokenizer, lines: list[str], names: list[str], seq: int, *, pack: bool = False,
+                   num_samples: int | None = None, source: str = "the text") -> dict:
+    """The model inputs ``names`` for ``lines`` as int64 arrays [samples, seq]: one row per line,
+    padded or truncated to ``seq`` (pad: the tokenizer's, else its EOS or UNK), or with ``pack``
+    full windows of the joined lines (:func:`pack_windows`, at most ``num_samples``)."""
+    import numpy as np
+
+    from graphcal.errors import GraphcalError
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if pack:
+        windows, _ = pack_windows(tokenizer(lines)["input_ids"], seq, tokenizer.eos_token_id)
+        if not windows:
+            raise GraphcalError(f"--pack: {source} holds fewer than --seq {seq} tokens; lower --seq or add text")
+        ids = np.asarray(windows[:num_samples], dtype=np.int64)
+        encoded = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    else:
+        encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
+    arrays = {n: np.asarray(encoded[n], dtype=np.int64) for n in names if n in encoded}
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
+    return arrays
+
+
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
                       num_samples: int | None = None, pack: bool = False) -> Exported:
@@ -262,20 +288,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             lines = lines[:num_samples]
         if not lines:
             raise GraphcalError(f"{text} holds no non-empty lines")
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-        if pack:
-            windows, _ = pack_windows(tokenizer(lines)["input_ids"], seq, tokenizer.eos_token_id)
-            if not windows:
-                raise GraphcalError(f"--pack: {text} holds fewer than --seq {seq} tokens; lower --seq or add text")
-            ids = np.asarray(windows[:num_samples], dtype=np.int64)
-            encoded = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-        else:
-            encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
-        arrays = {n: np.asarray(encoded[n], dtype=np.int64) for n in names if n in encoded}
-        missing = [n for n in names if n not in arrays]
-        if missing:
-            raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
+        arrays = tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
 
     def write(tmp: Path) -> list[Path]:
         path = export_torch(model, inputs, tmp / "model.onnx", output_names=[output], dynamic_axes=axes,

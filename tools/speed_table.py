@@ -295,13 +295,13 @@ def _tokenize(model_dir: Path, model: Path, text: Path, out: Path) -> None:
     import onnx
     import transformers
 
+    from graphcal.export import tokenize_lines
     from tools.make_models import save_npz
 
     names = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    lines = [line for line in text.read_text().splitlines() if line.strip()]
-    encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=MINILM_SEQ, return_tensors="np")
-    save_npz(out, {n: np.asarray(encoded[n], dtype=np.int64) for n in names})
+    lines = [line.strip() for line in text.read_text().splitlines() if line.strip()]
+    save_npz(out, tokenize_lines(tokenizer, lines, names, MINILM_SEQ))
 
 
 # ---------------------------------------------------------------------------------------------
