@@ -109,12 +109,11 @@ class EvalReport:
         kinds: dict[str, list[str]] = {}
         for a in self.layers:
             kinds.setdefault(_kind(a.name), []).append(a.name)
-        patterns, names = [], []
+        patterns, covered = [], set()
         for kind, members in kinds.items():
             if len(members) > 1 and all(m in flagged for m in members):
                 patterns.append("re:.*" + re.escape("." + kind) + "$")
-        covered = {m for kind, members in kinds.items() if "re:.*" + re.escape("." + kind) + "$" in patterns
-                   for m in members}
+                covered.update(members)
         names = [n for n in flagged if n not in covered]
         keep = self.ignored if self.ignored is not None else list(DEFAULT_IGNORE)
         flags = []
@@ -183,8 +182,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     # a layer's output keeps its tensor name in graphcal's output (the onnxruntime form may compute
     # it in a node after the MatMul: the row-normalized int8 scale, a Gemm's bias)
     cand_values = {o for n in cand_model.graph.node for o in n.output}
+    targets = find_targets(ref_model)[0]
     layers, skipped = [], []
-    for t in find_targets(ref_model)[0]:
+    for t in targets:
         tensor = ref_nodes[t.node].output[0]
         if tensor not in cand_values:
             skipped.append(t.name)
@@ -196,16 +196,16 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
 
     optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-    forced, forced_run = {}, None
+    forced, forced_run, ref_fetch = {}, None, fetch
     if isolated:  # the reference run also hands over every layer's float input
-        forced, forced_model = _forced_inputs(cand_model, find_targets(ref_model)[0], {n for _, n in layers})
-        fetch = fetch + [a for a in forced if a not in fetch]
-        forced_run = open_model_runner(add_taps(forced_model, [t for _, t in layers])[0], [t for _, t in layers],
+        forced, forced_model = _forced_inputs(cand_model, targets)
+        ref_fetch = fetch + [a for a in forced if a not in fetch]
+        layer_tensors = [tensor for _, tensor in layers]
+        forced_run = open_model_runner(add_taps(forced_model, layer_tensors)[0], layer_tensors,
                                        optimization=optimization)
         del forced_model
-    ref_run = open_model_runner(add_taps(ref_model, fetch)[0], fetch, optimization=optimization)  # or onnx.reference
-    cand_fetch = [f for f in fetch if f not in forced or f in outputs or f in {t for _, t in layers}]
-    cand_run = open_model_runner(add_taps(cand_model, cand_fetch)[0], cand_fetch, optimization=optimization)
+    ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
+    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
     del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
@@ -234,7 +234,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations
 
 
-def _forced_inputs(model: onnx.ModelProto, targets, layer_outputs: set[str]) -> tuple[dict[str, str], onnx.ModelProto]:
+def _forced_inputs(model: onnx.ModelProto, targets) -> tuple[dict[str, str], onnx.ModelProto]:
     """A copy of ``model`` whose every reader of a target's input activation reads a new graph input
     instead ({activation: input name}), to be fed the reference's value of that activation."""
     graph_inputs_ = {i.name for i in model.graph.input}
