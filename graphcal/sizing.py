@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 
 from graphcal.errors import GraphcalError
+from graphcal.graph.io import model_files
 from graphcal.types import QuantizedTarget, Target
 
 # Scale dtypes stored as one byte per scale (NVFP4's fp8 scales, MX's uint8 exponents).
@@ -55,7 +56,7 @@ def size_parts(model: onnx.ModelProto, model_path: str | os.PathLike, items: lis
     model_path = Path(model_path)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    parts = {"input": model_path.stat().st_size + sum((model_path.parent / f).stat().st_size for f in data_files), "float_weights": 0, "quantized_weights": 0,
+    parts = {"input": sum(model_files(model_path, data_files).values()), "float_weights": 0, "quantized_weights": 0,
              "scales": 0, "zero_points": 0}
     for name in _removed_by_writer(graph, [item.target for item in items]):
         init = inits[name]

@@ -38,7 +38,7 @@ import onnx
 
 from graphcal.data import InputSpec, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError, first_line
-from graphcal.graph.io import load_model_info
+from graphcal.graph.io import load_model_info, model_files
 from graphcal.graph.targets import find_targets
 from graphcal.limits import format_size
 
@@ -222,8 +222,8 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
     log.info("loading %s and %s", paths["reference"], paths["quantized"])
     ref_model, ref_files = load_model_info(paths["reference"], lazy=True)
     quant_model, quant_files = load_model_info(paths["quantized"], lazy=True)
-    facts = {"reference": ModelFacts(str(paths["reference"]), _files(paths["reference"], ref_files)),
-             "quantized": ModelFacts(str(paths["quantized"]), _files(paths["quantized"], quant_files))}
+    facts = {"reference": ModelFacts(str(paths["reference"]), model_files(paths["reference"], ref_files)),
+             "quantized": ModelFacts(str(paths["quantized"]), model_files(paths["quantized"], quant_files))}
     inputs = graph_inputs(ref_model)
     _same_inputs(inputs, graph_inputs(quant_model), paths)
     targets = find_targets(ref_model)[0]
@@ -297,15 +297,6 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         warmup=warmup, rounds=rounds, reference=facts["reference"], quantized=facts["quantized"], shapes=shapes,
         memory_skipped=memory_skipped,
     )
-
-
-def _files(path: Path, data_files: tuple[str, ...]) -> dict[str, int]:
-    """Bytes of the model file and of every external data file it names (resolved in its folder)."""
-    files = {str(path): os.path.getsize(path)}
-    for name in data_files:
-        data_path = path.parent / name
-        files[str(data_path)] = os.path.getsize(data_path)
-    return files
 
 
 def _same_inputs(ref: list[InputSpec], quant: list[InputSpec], paths: dict[str, Path]) -> None:

@@ -70,6 +70,13 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     return model, external
 
 
+def model_files(path: str | os.PathLike, data_files: tuple[str, ...] = ()) -> dict[str, int]:
+    """Bytes on disk of the model file and of each external data file it reads (``data_files``
+    from :func:`load_model_info`, which checked them), keyed by path."""
+    path = Path(path)
+    return {str(p): p.stat().st_size for p in [path, *(path.parent / name for name in data_files)]}
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     """Element type and shape of every graph value, by name, from onnx shape inference.
 
