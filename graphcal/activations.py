@@ -18,7 +18,7 @@ from graphcal.data import MASK_INPUT, CalibrationData
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, build_tapped
-from graphcal.observe import Feed, ObserverSet
+from graphcal.observe import Consumers, Feed
 from graphcal.plan import RunPlan
 from graphcal.runtime import open_runtime
 
@@ -63,9 +63,10 @@ class PassResult:
     padding: Padding | None = None
 
 
-def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device: str, device_id: int = 0,
+def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: str, device_id: int = 0,
                         dist=None, progress: bool = False, reduce_in_graph: bool = True,
-                        exclude_padding: bool = False, inputs: tuple[str, ...] = ()) -> PassResult:
+                        exclude_padding: bool = False, inputs: tuple[str, ...] = (),
+                        prelude: tuple[list, list] = ((), ()), label: str = "calibrating") -> PassResult:
     """Stream ``calib`` through the tapped model and feed every activation observer.
 
     With ``reduce_in_graph``, observers that take extrema get them from ReduceMin/ReduceMax in
@@ -74,7 +75,9 @@ def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device:
     With ``exclude_padding``, every tap is fetched whole and, where it is shaped [batch, seq, ...]
     like the attention_mask, only its unpadded rows reach the observers (key/value states and other
     taps are observed whole and listed in ``padding.unmasked``). ``inputs``: the model's input
-    names; with an attention_mask among them the pass counts the padding it sees.
+    names; with an attention_mask among them the pass counts the padding it sees. ``prelude``:
+    nodes that make tensors to tap which the model lacks (see :func:`graphcal.graph.taps.build_tapped`);
+    ``label`` names the pass on the progress bar and in the log.
     """
     padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if not observers.consumers:
@@ -86,18 +89,18 @@ def run_activation_pass(plan: RunPlan, observers: ObserverSet, calib, *, device:
         return PassResult(None, 0, padding if padding is not None and padding.positions else None)
     if exclude_padding:
         reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
-    tapped = build_tapped(plan.model, observers.requests(reduce_in_graph), dict(plan.types))
+    tapped = build_tapped(plan.model, observers.requests(reduce_in_graph), dict(plan.types), prelude)
     provider, batches, error = None, 0, None
     try:
         runtime = open_runtime(tapped.model, tapped.fetch, device, device_id=device_id,
                                external_folder=plan.base_dir, weights=plan.model.graph.initializer)
         provider = runtime.provider
         whole = sum(r.reduction is Reduction.WHOLE for r in tapped.outputs)
-        log.info("calibration pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
-                 "reductions fetched per batch", provider, runtime.device, whole, len(tapped.outputs) - whole)
+        log.info("%s pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
+                 "reductions fetched per batch", label, provider, runtime.device, whole, len(tapped.outputs) - whole)
         try:
             batches = _feed_batches(runtime, calib, observers, tapped, reduce_in_graph,
-                                    progress and (dist is None or dist.is_main), dist, padding)
+                                    progress and (dist is None or dist.is_main), dist, padding, label)
         finally:
             runtime.close()
     except Exception as e:  # noqa: BLE001 -- under torchrun every rank must hear of it
@@ -121,8 +124,8 @@ def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, 
     return x[keep.to(x.device)]
 
 
-def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool, progress: bool, dist=None,
-                  padding: Padding | None = None) -> int:
+def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
+                  padding: Padding | None = None, label: str = "calibrating") -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
     from tqdm import tqdm
 
@@ -131,7 +134,7 @@ def _feed_batches(runtime, calib, observers: ObserverSet, tapped, in_graph: bool
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     total = known if dist is None or known is None else len(range(dist.rank, known, dist.world))
     # disable=None: a bar only on a terminal, so logs and pipes stay clean
-    bar = tqdm(total=total, desc="calibrating", unit="batch", disable=None if progress else True, leave=False)
+    bar = tqdm(total=total, desc=label, unit="batch", disable=None if progress else True, leave=False)
     with torch.no_grad(), bar:
         for index, batch in enumerate(calib.batches()):
             if dist is not None and index % dist.world != dist.rank:

@@ -80,8 +80,9 @@ CONFIG_OPTIONS = (
                       "'{\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"attn_head\"}'."),
     click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
-                      "ignore, observer fields, kv_cache_scheme). --scheme, --targets, --ignore, --observer and "
-                      "--kv-cache-scheme given on the command line override it."),
+                      "ignore, observer fields, kv_cache_scheme), optionally after a SmoothQuantModifier "
+                      "(smoothing_strength, mappings, ignore, algorithm). --scheme, --targets, --ignore, --observer and "
+                      "--kv-cache-scheme, --smoothquant and --smoothing-strength given on the command line override it."),
     click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt", "qdq"]), default="onnxruntime",
                  show_default=True,
                  help="Runtime the model is for. onnxruntime: compressed-tensors' numbers in forms onnxruntime's "
@@ -89,6 +90,16 @@ CONFIG_OPTIONS = (
                       "tensorrt: only what TensorRT builds (symmetric, static per-tensor int8/fp8 activations, int4 "
                       "blocks of 64/128, NVFP4 through trt::TRT_FP4DynamicQuantize). qdq: standard Q/DQ written "
                       "literally, for other runtimes and readers (fp4 included)."),
+    click.option("--smoothquant", type=click.Choice(["norms", "all", "mul"]), is_flag=False, flag_value="norms",
+                 default=None, metavar="[norms|all|mul]",
+                 help="Smooth activation outliers into the weights first, as llm-compressor's SmoothQuantModifier "
+                      "does (per input channel s = range(x)^a / (2 max|W|)^(1-a)). norms (the flag alone): fold s "
+                      "into the norms and constant scales before the MatMuls (llm-compressor's q/k/v and gate/up "
+                      "mappings; no node added); all: also into linear layers (up_proj -> down_proj); mul: also an "
+                      "explicit Mul(x, 1/s) where no fold is exact (post-LN encoders such as BERT; one elementwise "
+                      "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
+    click.option("--smoothing-strength", type=float, default=None, metavar="ALPHA",
+                 help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "
@@ -112,12 +123,13 @@ PASS_OPTIONS = (
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
 
-def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe):
+def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant=None, smoothing_strength=None):
     """The run's config from the command line: flags given override the recipe (graphcal.config.resolve)."""
     from graphcal.config import Options, resolve
 
     return resolve(Options(scheme=scheme, targets=tuple(targets) or None, ignore=tuple(ignore) or None,
-                           observer=observer, kv_cache=kv_cache, recipe=recipe))
+                           observer=observer, kv_cache=kv_cache, recipe=recipe, smoothquant=smoothquant,
+                           smoothing_strength=smoothing_strength))
 
 
 @cli.command()
@@ -129,8 +141,9 @@ def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe):
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
-def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits, batch_size,
-        num_samples, device, skip_nonfinite_weights, exclude_padding, as_json, quiet, debug):
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+        smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
+        as_json, quiet, debug):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -141,7 +154,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 
     def call():
         return calibrate(
-            model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe),
+            model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe,
+                                                        smoothquant, smoothing_strength),
             device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
             exclude_padding=exclude_padding,
@@ -202,8 +216,9 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 @_options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
-def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, matmulnbits,
-                    batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding, as_json, debug):
+def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+                    smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
+                    exclude_padding, as_json, debug):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
@@ -228,7 +243,7 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
 
         if output is not None:
             check_output_dir(output, [model, *([data] if data is not None else [])])
-        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe)
+        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength)
         check_device(device)
         run_plan = plan(model, config, runtime, matmulnbits)
         inputs = graph_inputs(run_plan.model)

@@ -39,6 +39,32 @@ DEFAULT_ACTIVATION_OBSERVER = "minmax"
 _WEIGHT_OBSERVER_SUBSTITUTES = {"static_minmax": "memoryless_minmax", "minmax": "memoryless_minmax", "mse": "memoryless_mse"}
 
 
+# llm-compressor's SmoothQuant defaults (SmoothQuantModifier; its DEFAULT_SMOOTHQUANT_MAPPINGS, the Llama entry)
+DEFAULT_SMOOTHING_STRENGTH = 0.5
+LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS = (
+    (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
+    (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
+)
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """SmoothQuant settings (llm-compressor's SmoothQuantModifier fields, plus where graphcal may smooth).
+
+    ``mappings`` None: every activation of the quantized layers whose producer allows an exact
+    fold, found by graph structure; otherwise llm-compressor's ``(balance regexes, smooth regex)``
+    pairs matched by module name. ``scope`` (graphcal's): "norms" folds into norms and constant
+    scales, "all" also into linear layers (up_proj -> down_proj), "mul" also smooths what has no
+    fold through an explicit Mul.
+    """
+
+    strength: float = DEFAULT_SMOOTHING_STRENGTH
+    mappings: tuple[tuple[tuple[str, ...], str], ...] | None = None
+    ignore: tuple[str, ...] = ()
+    algorithm: str = "smoothquant"  # or "log_equalization"
+    scope: str = "norms"
+
+
 @dataclass
 class RunConfig:
     """Config groups (compressed-tensors schemes, each with targets) and what to ignore."""
@@ -47,6 +73,7 @@ class RunConfig:
     ignore: list[str] = field(default_factory=lambda: list(DEFAULT_IGNORE))
     scheme_name: str = "custom"
     kv_cache: "object | None" = None  # QuantizationArgs for the key/value states (kv_cache_scheme)
+    smoothing: Smoothing | None = None  # SmoothQuant before quantizing (None: none)
 
     def scheme_for(self, target: Target):
         """The scheme of the most specific matching target string (exact > regex > class), or None."""
@@ -80,19 +107,49 @@ class Options:
     observer: str | None = None
     kv_cache: str | None = None
     recipe: str | os.PathLike | None = None
+    smoothquant: str | None = None  # --smoothquant: "norms", "all" or "mul"
+    smoothing_strength: float | None = None
 
 
 def resolve(options: Options) -> RunConfig:
     """The run's config from flags and/or a recipe (see :class:`Options` for the override rule)."""
+    from dataclasses import replace
+
     targets = list(options.targets) if options.targets is not None else None
     ignore = list(options.ignore) if options.ignore is not None else None
     if options.recipe is not None:
         from graphcal.recipe import load_recipe, recipe_config
 
-        return recipe_config(load_recipe(options.recipe), scheme=options.scheme, targets=targets, ignore=ignore,
-                             observer=options.observer, kv_cache=options.kv_cache)
-    return build_config(options.scheme or DEFAULT_SCHEME, targets or list(DEFAULT_TARGETS),
-                        list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
+        config = recipe_config(load_recipe(options.recipe), scheme=options.scheme, targets=targets, ignore=ignore,
+                               observer=options.observer, kv_cache=options.kv_cache)
+    else:
+        config = build_config(options.scheme or DEFAULT_SCHEME, targets or list(DEFAULT_TARGETS),
+                              list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
+    if options.smoothquant is not None or options.smoothing_strength is not None:
+        smoothing = config.smoothing or Smoothing()
+        if options.smoothquant is not None:
+            smoothing = replace(smoothing, scope=check_scope(options.smoothquant))
+        if options.smoothing_strength is not None:
+            smoothing = replace(smoothing, strength=check_strength(options.smoothing_strength))
+        config.smoothing = smoothing
+    return config
+
+
+def check_scope(scope: str) -> str:
+    from graphcal.graph.smooth import SCOPES
+
+    if scope not in SCOPES:
+        raise UsageError(f"--smoothquant takes one of {', '.join(SCOPES)}, got {_shown(scope)!r}")
+    return scope
+
+
+def check_strength(value) -> float:
+    """SmoothQuant's alpha: any finite number, as llm-compressor takes it (0.5 by default; 0 to 1 is usual)."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"smoothing strength must be a finite number, got {value!r}")
+    return float(value)
 
 
 def build_config(

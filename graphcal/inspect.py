@@ -49,6 +49,7 @@ class Inspection:
     kv_states: list[KVState] = field(default_factory=list)
     runtime: str = "onnxruntime"
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
+    smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
 
     @property
     def quantized(self) -> list[str]:
@@ -77,7 +78,7 @@ def from_plan(run: RunPlan) -> Inspection:
         model_opset=run.model_opset, required_opset=run.opset, output_opset=run.output_opset,
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
-        runtime=str(run.runtime), forms=list(run.forms),
+        runtime=str(run.runtime), forms=list(run.forms), smoothing=run.smoothing,
     )
 
 
@@ -124,6 +125,14 @@ def to_dict(report: Inspection) -> dict:
         "unmatched_patterns": report.unmatched,
         "warnings": report.warnings,
         "onnxruntime_kernels": report.forms,
+        "smoothquant": None if report.smoothing is None else {
+            "strength": report.config.smoothing.strength, "algorithm": report.config.smoothing.algorithm,
+            "scope": report.config.smoothing.scope,
+            "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                          "balance": list(m.balance), "activation": m.candidate.activation}
+                         for m in report.smoothing.mappings],
+            "not_smoothed": list(report.smoothing.notes),
+        },
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
         "size": {
             "input_bytes": report.input_size,
@@ -161,6 +170,12 @@ def format_text(report: Inspection) -> str:
     if report.config.kv_cache is not None:
         lines.append(f"kv cache {len(report.kv_states)} attention module(s): "
                      + (", ".join(k.name for k in report.kv_states) or "none found"))
+    if report.smoothing is not None:
+        sq = report.config.smoothing
+        lines.append(f"smoothquant {len(report.smoothing.mappings)} mapping(s), strength {sq.strength:g}"
+                     + (f", {sq.algorithm}" if sq.algorithm != "smoothquant" else "") + ":")
+        lines += [f"  {m.describe()}" for m in report.smoothing.mappings]
+        lines += [f"  {n}" for n in report.smoothing.notes]
     lines.append(f"ignored  {', '.join(f'{r.target.name} ({r.reason})' for r in report.rows if not r.quantized) or 'none'}")
     lines.append(f"opset    model {report.model_opset}, scheme needs {report.required_opset}, "
                  f"output {report.output_opset}" + (" (converted)" if report.output_opset > report.model_opset else ""))

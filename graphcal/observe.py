@@ -48,41 +48,10 @@ class Consumer:
         return TapRequest(self.tensor)
 
 
-class ObserverSet:
-    """Every observer of a run, built from its plan."""
+class Consumers:
+    """Observers fed by tapped tensors, as the activation pass reads them (``consumers``)."""
 
-    def __init__(self, plan: RunPlan):
-        self.kv_args = plan.config.kv_cache
-        self.weight_observers: dict[str, object] = {}
-        self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
-        self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
-        self.consumers: list[Consumer] = []
-        self._input_qparams: dict[int, QParams] = {}
-        shared: dict[tuple, object] = {}
-        for t in plan.chosen:
-            scheme = plan.schemes[t.name]
-            wargs = scheme.weights.model_copy(deep=True)
-            wobs = make_observer(observer_name(wargs, "weight"), "weight", wargs)
-            self.weight_observers[t.name] = wobs
-            if getattr(wobs, "needs_activations", False):
-                self.consumers.append(Consumer(t.activation, Feed.IMPORTANCE, wobs, None))
-            iargs = scheme.input_activations
-            name = observer_name(iargs, "input")
-            if name is None:
-                continue
-            key = (t.activation, name, iargs.model_dump_json())
-            if key not in shared:
-                shared[key] = make_observer(name, "input", iargs.model_copy(deep=True))
-                self.consumers.append(Consumer(t.activation, Feed.INPUT, shared[key], _input_reduction(iargs, t)))
-            self.input_observers[t.name] = shared[key]
-        for state in plan.kv_states:
-            for base, tensor in (("k", state.key), ("v", state.value)):
-                args = self.kv_args.model_copy(deep=True)
-                obs = make_observer(observer_name(args, base), base, args)
-                self.kv_observers[state, base] = obs
-                per_head = enum_value(args.strategy) == "attn_head"
-                self.consumers.append(Consumer(tensor, Feed.KV, obs, TapRequest(
-                    tensor, Reduction.HEAD if per_head else Reduction.ALL)))
+    consumers: list[Consumer]
 
     def by_tensor(self) -> dict[str, list[Consumer]]:
         """Consumers grouped by tensor, in the order they were made (the same on every rank)."""
@@ -98,6 +67,50 @@ class ObserverSet:
     def activation_observers(self) -> list:
         """Every observer a tap feeds, once each, in the same order on every rank."""
         return list({id(c.observer): c.observer for c in self.consumers}.values())
+
+
+class ObserverSet(Consumers):
+    """Every observer of a run, built from its plan.
+
+    ``taps`` (target name -> tensor) names what a target's input and importance observers tap
+    instead of its activation: under SmoothQuant, the smoothed activation ``x / s``.
+    """
+
+    def __init__(self, plan: RunPlan, taps: dict[str, str] | None = None):
+        taps = taps or {}
+        self.kv_args = plan.config.kv_cache
+        self.weight_observers: dict[str, object] = {}
+        self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
+        self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
+        self.consumers: list[Consumer] = []
+        self._input_qparams: dict[int, QParams] = {}
+        shared: dict[tuple, object] = {}
+        for t in plan.chosen:
+            scheme = plan.schemes[t.name]
+            wargs = scheme.weights.model_copy(deep=True)
+            wobs = make_observer(observer_name(wargs, "weight"), "weight", wargs)
+            self.weight_observers[t.name] = wobs
+            activation = taps.get(t.name, t.activation)
+            if getattr(wobs, "needs_activations", False):
+                self.consumers.append(Consumer(activation, Feed.IMPORTANCE, wobs, None))
+            iargs = scheme.input_activations
+            name = observer_name(iargs, "input")
+            if name is None:
+                continue
+            key = (activation, name, iargs.model_dump_json())
+            if key not in shared:
+                shared[key] = make_observer(name, "input", iargs.model_copy(deep=True))
+                self.consumers.append(Consumer(activation, Feed.INPUT, shared[key],
+                                               _input_reduction(iargs, t, activation)))
+            self.input_observers[t.name] = shared[key]
+        for state in plan.kv_states:
+            for base, tensor in (("k", state.key), ("v", state.value)):
+                args = self.kv_args.model_copy(deep=True)
+                obs = make_observer(observer_name(args, base), base, args)
+                self.kv_observers[state, base] = obs
+                per_head = enum_value(args.strategy) == "attn_head"
+                self.consumers.append(Consumer(tensor, Feed.KV, obs, TapRequest(
+                    tensor, Reduction.HEAD if per_head else Reduction.ALL)))
 
     def share_global_scales(self, members: list[str]) -> None:
         """Let the weight observers of one fused group share one global scale (tensor_group only)."""
@@ -143,13 +156,13 @@ def make_observer(name: str, base_name: str, args):
         raise UsageError(f"{e} (for the {base_name} observer)") from e
 
 
-def _input_reduction(args, t: Target) -> TapRequest | None:
+def _input_reduction(args, t: Target, activation: str) -> TapRequest | None:
     """How an input observer's batch extrema can be reduced in the graph (None: whole tensor)."""
     strategy = enum_value(args.strategy)
     if strategy == "tensor":
-        return TapRequest(t.activation, Reduction.ALL)
+        return TapRequest(activation, Reduction.ALL)
     if strategy in ("group", "tensor_group") and args.group_size and t.in_features % args.group_size == 0:
-        return TapRequest(t.activation, Reduction.GROUP, t.in_features // args.group_size, args.group_size)
+        return TapRequest(activation, Reduction.GROUP, t.in_features // args.group_size, args.group_size)
     return None
 
 

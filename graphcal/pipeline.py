@@ -2,8 +2,10 @@
 
     options/recipe --config.resolve--> RunConfig
     model + config --plan.plan--> RunPlan                      (what run and inspect both see)
-    RunPlan --observe.ObserverSet--> observers and the taps they need
+    RunPlan + data --smoothing.collect--> SmoothQuant's scales (only with --smoothquant: one pass)
+    RunPlan --observe.ObserverSet--> observers and the taps they need (smoothed activations under SmoothQuant)
     data --activations.run_activation_pass--> activation statistics (one pass; ranks gathered)
+    scales --smoothing.Smoothed.fold--> norms, biases, explicit Muls of the smoothing in the model
     weights --weights.quantize_weights--> qparams, weights quantized into the QDQ writer
     writer.finish + metadata --output.OutputSlot.write--> model.onnx, quantization_config.json,
                                                          qparams.safetensors (all or none)
@@ -30,6 +32,7 @@ from graphcal.observe import ObserverSet
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.plan import RunPlan, plan
 from graphcal.runtime import check_device, observer_device
+from graphcal.smoothing import collect
 from graphcal.types import QuantizedKV, QuantizedTarget
 from graphcal.weights import quantize_weights
 
@@ -82,6 +85,8 @@ def calibrate(
     reduce_in_graph: bool = True,
     skip_nonfinite_weights: bool = False,
     exclude_padding: bool = False,
+    smoothquant: str | None = None,
+    smoothing_strength: float | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -100,14 +105,17 @@ def calibrate(
     with ``skip_nonfinite_weights`` its layer is left in float (listed as ignored) with a warning.
     With ``exclude_padding``, positions where the data's ``attention_mask`` is 0 are left out of
     the activation statistics (activations shaped [batch, seq, ...]; others are observed whole,
-    with a warning); data without an attention_mask input is a usage error.
+    with a warning); data without an attention_mask input is a usage error. ``smoothquant``
+    ("norms", "all" or "mul") smooths the activations first, as llm-compressor's SmoothQuantModifier
+    does, with ``smoothing_strength`` (default 0.5); a recipe's SmoothQuantModifier does the same.
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
     data_paths = [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
     slot = reserve_output(out_dir, [model_path, *data_paths])  # checks -o, locks it (rank 0), clears leftovers
     config = config or resolve(Options(scheme=scheme, targets=_tuple(targets), ignore=_tuple(ignore),
-                                       observer=observer, kv_cache=kv_cache, recipe=recipe))
+                                       observer=observer, kv_cache=kv_cache, recipe=recipe,
+                                       smoothquant=smoothquant, smoothing_strength=smoothing_strength))
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     run = plan(model_path, config, target, matmulnbits)
     inputs = graph_inputs(run.model)
@@ -115,13 +123,18 @@ def calibrate(
     input_names = tuple(i.name for i in inputs)
     if exclude_padding:
         check_padding_input(data_label(data), input_names)
-    observers = ObserverSet(run)
     dist = from_env()  # torchrun: this rank's share of the batches, statistics gathered after the pass
     device_id = dist.local_rank if dist else 0  # under torchrun each rank has its own GPU
     main = dist is None or dist.is_main
+    smoothed = None
+    if run.smoothing is not None and run.smoothing.mappings:
+        smoothed = collect(run, calib, device=device, device_id=device_id, dist=dist, progress=progress and main,
+                           exclude_padding=exclude_padding, inputs=input_names)
+    observers = ObserverSet(run, smoothed.taps if smoothed else None)
     activations = run_activation_pass(run, observers, calib, device=device, device_id=device_id, dist=dist,
                                       progress=progress and main, reduce_in_graph=reduce_in_graph,
-                                      exclude_padding=exclude_padding, inputs=input_names)
+                                      exclude_padding=exclude_padding, inputs=input_names,
+                                      prelude=smoothed.prelude(run.types) if smoothed else ((), ()))
     warnings = list(run.warnings)
     padding = activations.padding
     if padding is not None and padding.unmasked:
@@ -136,10 +149,13 @@ def calibrate(
             exclude_padding=exclude_padding,
         )
     # The writer takes the loaded model over and edits it in place (a big model is never copied);
-    # nothing reads the plan's model after this.
-    writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types), matmulnbits=run.matmulnbits)
+    # nothing reads the plan's model after this. The smoothing is folded in first (small edits).
+    types = dict(run.types)
+    if smoothed is not None:
+        smoothed.fold(run, {t.name for t in run.chosen}, types)
+    writer = QDQWriter(run.model, run.opset, run.runtime, types, matmulnbits=run.matmulnbits)
     weights = quantize_weights(run, observers, writer, observer_device(activations.provider, device, device_id),
-                               skip_nonfinite=skip_nonfinite_weights, progress=progress)
+                               skip_nonfinite=skip_nonfinite_weights, progress=progress, smoothed=smoothed)
     warnings += weights.warnings
     ignored = run.ignored + weights.left_in_float
     kv_items = observers.kv_qparams()

@@ -25,6 +25,7 @@ from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import default_opset, load_model_info, value_types
 from graphcal.graph.qdq import Runtime, form_notes, items_opset, required_kv_opset, runtime_notes
+from graphcal.graph.smooth import Resolution
 from graphcal.graph.targets import Skipped, find_targets, select
 from graphcal.sizing import size_parts
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
@@ -59,6 +60,7 @@ class RunPlan:
     warnings: tuple[str, ...]
     matmulnbits: int | None = None  # accuracy level of com.microsoft.MatMulNBits written for int weights
     forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
+    smoothing: Resolution | None = None  # SmoothQuant's mappings (None: no smoothing asked for)
 
     @cached_property
     def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
@@ -126,6 +128,12 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         if not kv_states:
             warnings.append("kv-cache scheme: no attention module (named like compressed-tensors' kv-cache targets "
                             "'re:.*(self_attn|attention)$') with recognisable key/value states; no k/v quantized")
+    smoothing = _smoothing(model, found, chosen, config, str(model_path.parent) if data_files else None)
+    if smoothing is not None:
+        warnings += smoothing.notes if config.smoothing.mappings is not None else []
+        if not smoothing.mappings:
+            warnings.append("SmoothQuant: nothing in this model can be smoothed exactly"
+                            + ("" if config.smoothing.scope == "mul" else "; --smoothquant mul smooths through explicit Muls"))
     groups, fusion_warnings = find_fused_groups(chosen)
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
@@ -135,8 +143,20 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
-        warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms),
+        warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing,
     )
+
+
+def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
+    """SmoothQuant's mappings in this graph (graph.smooth), or None when the run asks for none."""
+    from graphcal.graph.smooth import candidates, resolve
+
+    settings = config.smoothing
+    if settings is None:
+        return None
+    resolution = resolve(candidates(model, found, base_dir), chosen, settings.scope, settings.mappings, settings.ignore)
+    log.info("SmoothQuant: %d mappings to smooth", len(resolution.mappings))
+    return resolution
 
 
 def _group_width(args) -> int | None:

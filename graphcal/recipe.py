@@ -1,9 +1,10 @@
-"""llm-compressor recipes: a QuantizationModifier, as written today, to a graphcal RunConfig.
+"""llm-compressor recipes: a QuantizationModifier, optionally after a SmoothQuantModifier, to a RunConfig.
 
 Accepted layouts (YAML or JSON)::
 
     quant_stage:                      # any stage name
       quant_modifiers:                # any "*_modifiers" group
+        SmoothQuantModifier: {...}    # optional, before the QuantizationModifier
         QuantizationModifier: {...}
 
     QuantizationModifier: {...}       # a bare modifier
@@ -16,10 +17,17 @@ input, output}``) and ``bypass_divisibility_checks``; the Modifier bookkeeping f
 one-shot calibration. Resolution follows llm-compressor: ``scheme`` and ``config_groups`` are
 exclusive, a preset ``scheme`` takes the modifier's ``targets``, and observer fields override
 what the schemes say. Anything else is refused with a one-line error naming it.
+
+A SmoothQuantModifier takes llm-compressor's fields: ``smoothing_strength`` (0.5), ``mappings``
+(``[[balance regexes], smooth regex]``; none given: llm-compressor's default Llama mappings,
+matched by module name), ``ignore`` and ``algorithm`` (``smoothquant`` or ``log_equalization``);
+``num_calibration_steps`` and ``calibration_function`` are accepted and unused, as in
+llm-compressor 0.14; ``start``/``end`` other than None or -1 are refused (one-shot only).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,15 +63,42 @@ class ModifierFields(BaseModel):
 
 FIELDS = set(ModifierFields.model_fields)
 STAGE_KEYS = {"run_type"}  # stage-level settings that do not change a one-shot calibration
+SMOOTHQUANT = "SmoothQuantModifier"
 _OTHER_MODIFIERS = {
     "GPTQModifier": "GPTQ updates the weights from Hessians; graphcal calibrates observers only",
     "AWQModifier": "AWQ rescales weights; graphcal calibrates observers only",
-    "SmoothQuantModifier": "SmoothQuant rescales weights and activations; graphcal calibrates observers only",
 }
 
 
-def load_recipe(path: str | Path) -> dict[str, Any]:
-    """The QuantizationModifier's fields from a recipe file (validated keys, raw values)."""
+class SmoothQuantFields(BaseModel):
+    """SmoothQuantModifier's fields (llm-compressor 0.14); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    smoothing_strength: float = 0.5
+    mappings: list | None = None
+    ignore: Names = []
+    algorithm: Literal["smoothquant", "log_equalization"] = "smoothquant"
+    num_calibration_steps: int | None = None  # declared and unused in llm-compressor 0.14
+    calibration_function: Any = None  # likewise
+    requires_calibration_data: bool | None = None  # llm-compressor writes it when it saves a recipe
+    index: int | None = None
+    group: str | None = None
+    start: float | None = None
+    end: float | None = None
+    update: Any = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe's QuantizationModifier fields and, when it has one before it, its SmoothQuantModifier's."""
+
+    quantization: dict[str, Any]
+    smoothquant: dict[str, Any] | None = None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """The modifiers' fields from a recipe file (validated keys, raw values)."""
     from graphcal.limits import read_regular
 
     path = Path(path)
@@ -128,8 +163,9 @@ def _safe_yaml(text: str, where: str):
         loader.dispose()
 
 
-def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
-    """Find the one QuantizationModifier in a recipe's text and check its keys."""
+def parse_recipe(text: str, where: str = "recipe") -> Recipe:
+    """Find the one QuantizationModifier (and a SmoothQuantModifier before it) in a recipe's text
+    and check their keys."""
     import yaml
 
     if len(text) > MAX_RECIPE_BYTES:
@@ -144,7 +180,7 @@ def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
         raise UsageError(f"{where}: a recipe is a mapping of stages or a {MODIFIER}")
     found = []
     for key, value in data.items():
-        if key in (MODIFIER, *_OTHER_MODIFIERS):
+        if key in (MODIFIER, SMOOTHQUANT, *_OTHER_MODIFIERS):
             found.append((key, value, str(key)))
         elif isinstance(value, dict):
             for group, modifiers in value.items():
@@ -156,11 +192,22 @@ def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
         else:
             raise UsageError(f"{where}: unknown top-level key {key!r} (expected a stage or {MODIFIER})")
     for name, _, at in found:
-        if name != MODIFIER:
-            why = _OTHER_MODIFIERS.get(name, "graphcal runs QuantizationModifier only")
+        if name not in (MODIFIER, SMOOTHQUANT):
+            why = _OTHER_MODIFIERS.get(name, "graphcal runs SmoothQuantModifier and QuantizationModifier only")
             raise UsageError(f"{where}: {at} is not supported ({why}); use a {MODIFIER}")
+    smooth = [f for f in found if f[0] == SMOOTHQUANT]
+    found = [f for f in found if f[0] == MODIFIER]
     if len(found) != 1:
         raise UsageError(f"{where}: expected one {MODIFIER}, found {len(found)}")
+    smoothquant = None
+    if smooth:
+        if len(smooth) > 1:
+            raise UsageError(f"{where}: expected at most one {SMOOTHQUANT}, found {len(smooth)}")
+        names = [f[2] for f in _order(data)]
+        if names.index(smooth[0][2]) > names.index(found[0][2]):
+            raise UsageError(f"{where}: {smooth[0][2]} comes after the {MODIFIER}; graphcal smooths before it "
+                             "quantizes, as llm-compressor recipes put it")
+        smoothquant = _smoothquant_fields(smooth[0][1], f"{where}: {smooth[0][2]}")
     _, args, at = found[0]
     if args is None:
         args = {}
@@ -172,7 +219,76 @@ def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
                          f"known: {', '.join(sorted(FIELDS))}")
     fields = {k: v for k, v in args.items() if k in FIELDS}
     _typed(fields, f"{where}: {at}")
-    return fields
+    return Recipe(fields, smoothquant)
+
+
+def _order(data: dict) -> list[tuple]:
+    """Every modifier of the recipe as (name, fields, where), in recipe order."""
+    out = []
+    for key, value in data.items():
+        if not isinstance(value, dict) or key in (MODIFIER, SMOOTHQUANT, *_OTHER_MODIFIERS):
+            out.append((key, value, str(key)))
+            continue
+        for group, modifiers in value.items():
+            if group not in STAGE_KEYS and isinstance(modifiers, dict):
+                out += [(name, args, f"{key}.{group}.{name}") for name, args in modifiers.items()]
+    return out
+
+
+def _smoothquant_fields(args, where: str) -> dict[str, Any]:
+    """A SmoothQuantModifier's fields, checked as llm-compressor checks them."""
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise UsageError(f"{where} must be a mapping of its fields")
+    try:
+        m = SmoothQuantFields.model_validate(args)
+    except ValidationError as e:
+        raise UsageError(f"{where}.{pydantic_message(e)}") from None
+    for bound in ("start", "end"):
+        value = getattr(m, bound)
+        if value is not None and value != -1:
+            raise UsageError(f"{where}: {bound}: {value} is not supported (SmoothQuant is one-shot only)")
+    return m.model_dump(include={"smoothing_strength", "mappings", "ignore", "algorithm"})
+
+
+def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModifier"):
+    """graphcal's Smoothing from a SmoothQuantModifier's fields (mappings flattened as llm-compressor
+    reads them: the last leaf is the smooth layer, every other leaf a balance layer)."""
+    from graphcal.config import LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS, Smoothing, check_strength
+
+    mappings = LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS
+    if fields.get("mappings") is not None:
+        mappings = []
+        for i, entry in enumerate(fields["mappings"]):
+            leaves = _leaves(entry)
+            if len(leaves) < 2 or not all(isinstance(v, str) for v in leaves):
+                raise UsageError(f"{where}: mappings[{i}] must be [[balance layers...], smooth layer] of names")
+            mappings.append((tuple(leaves[:-1]), leaves[-1]))
+        mappings = tuple(mappings)
+    for balance, smooth in mappings:
+        for p in (*balance, smooth):
+            _check_regex(p, where)
+    return Smoothing(strength=check_strength(fields.get("smoothing_strength", 0.5)), mappings=mappings,
+                     ignore=tuple(fields.get("ignore") or ()), algorithm=fields.get("algorithm", "smoothquant"))
+
+
+def _leaves(entry, depth: int = 0) -> list:
+    if isinstance(entry, (list, tuple)):
+        if depth > 8:
+            return []
+        return [leaf for item in entry for leaf in _leaves(item, depth + 1)]
+    return [entry]
+
+
+def _check_regex(pattern: str, where: str) -> None:
+    import re
+
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise UsageError(f"{where}: invalid regex {pattern!r}: {e}") from None
 
 
 def _typed(fields: dict[str, Any], where: str = "recipe") -> ModifierFields:
@@ -183,10 +299,11 @@ def _typed(fields: dict[str, Any], where: str = "recipe") -> ModifierFields:
         raise UsageError(f"{where}.{pydantic_message(e)}") from None
 
 
-def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets: list[str] | None = None,
+def recipe_config(recipe: Recipe, *, scheme: str | None = None, targets: list[str] | None = None,
                   ignore: list[str] | None = None, observer: str | None = None,
                   kv_cache: str | None = None) -> RunConfig:
-    """A RunConfig from a QuantizationModifier's fields; the keyword arguments (CLI flags) override them."""
+    """A RunConfig from a recipe's modifiers; the keyword arguments (CLI flags) override them."""
+    fields = recipe.quantization
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import is_preset_scheme, preset_name_to_scheme
     from pydantic import ValidationError
@@ -243,7 +360,8 @@ def recipe_config(fields: dict[str, Any], *, scheme: str | None = None, targets:
         kv_args = None
     if kv_args is not None and observer is not None:
         kv_args = kv_args.model_copy(update={"observer": observer})
-    return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args)
+    smoothing = smoothing_from(recipe.smoothquant) if recipe.smoothquant is not None else None
+    return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args, smoothing=smoothing)
 
 
 def _with_observers(scheme, m: ModifierFields, cli_observer: str | None):

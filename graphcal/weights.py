@@ -33,8 +33,9 @@ class WeightResult:
 
 
 def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torch.device, *,
-                     skip_nonfinite: bool = False, progress: bool = False) -> WeightResult:
-    """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter)."""
+                     skip_nonfinite: bool = False, progress: bool = False, smoothed=None) -> WeightResult:
+    """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
+    ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed."""
     from tqdm import tqdm
 
     log.info("observing and quantizing %d weights", len(plan.chosen))
@@ -55,8 +56,12 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                     result.warnings.append(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); "
                                            "left in float")
                     result.left_in_float.append(t.name)
+                    if smoothed is not None:
+                        smoothed.write_float(writer.model, t, plan.base_dir)
                     bar.update(1)
                     continue
+                if smoothed is not None:
+                    w = smoothed.weight(t, w)
                 try:
                     observers.weight_observers[t.name](w.to(device))
                 except ValueError as e:  # e.g. a group size that does not divide in_features
@@ -67,7 +72,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                 observers.share_global_scales(list(group[0].members))
             for t in unit:
                 if t.name in weights:
-                    item = observers.qparams(t, plan.schemes[t.name])
+                    item = observers.qparams(smoothed.target(t) if smoothed is not None else t, plan.schemes[t.name])
                     writer.quantize_weight(item, weights.pop(t.name))
                     by_name[t.name] = item
                     bar.update(1)

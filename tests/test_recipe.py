@@ -110,8 +110,15 @@ def test_observer_mapping_and_cli_observer():
 @pytest.mark.parametrize("text, message", [
     ("QuantizationModifier:\n  scheme: FP8\n  sheme: W8A8\n", "unknown QuantizationModifier key(s) 'sheme'"),
     ("stage:\n  quant_modifiers:\n    GPTQModifier:\n      scheme: W4A16\n", "stage.quant_modifiers.GPTQModifier is not supported (GPTQ"),
-    ("stage:\n  quant_modifiers:\n    SmoothQuantModifier: {}\n    QuantizationModifier: {scheme: W8A8}\n",
-     "SmoothQuantModifier is not supported"),
+    ("stage:\n  quant_modifiers:\n    QuantizationModifier: {scheme: W8A8}\n    SmoothQuantModifier: {}\n",
+     "SmoothQuantModifier comes after the QuantizationModifier"),
+    ("stage:\n  quant_modifiers:\n    SmoothQuantModifier: {start: 0}\n    QuantizationModifier: {scheme: W8A8}\n",
+     "start: 0.0 is not supported (SmoothQuant is one-shot only)"),
+    ("SmoothQuantModifier: {alpha: 0.5}\nQuantizationModifier: {scheme: W8A8}\n", "SmoothQuantModifier.alpha"),
+    ("SmoothQuantModifier: {mappings: [[a]]}\nQuantizationModifier: {scheme: W8A8}\n", "mappings[0] must be"),
+    ("SmoothQuantModifier: {smoothing_strength: .nan}\nQuantizationModifier: {scheme: W8A8}\n",
+     "smoothing strength must be a finite number"),
+    ("SmoothQuantModifier: {algorithm: magic}\nQuantizationModifier: {scheme: W8A8}\n", "SmoothQuantModifier.algorithm"),
     ("stage:\n  recipe_stuff: {}\n", "unknown key stage.recipe_stuff"),
     ("- a\n- list\n", "a recipe is a mapping"),
     ("QuantizationModifier: [1, 2]\n", "must be a mapping of its fields"),
@@ -149,7 +156,8 @@ _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.text(max
 _keys = st.sampled_from(["QuantizationModifier", "quant_stage", "quant_modifiers", "scheme", "config_groups",
                          "targets", "ignore", "kv_cache_scheme", "weight_observer", "observer", "weights",
                          "input_activations", "num_bits", "strategy", "type", "group_size", "dynamic", "weights",
-                         "GPTQModifier", "start", "bogus"])
+                         "GPTQModifier", "start", "bogus", "SmoothQuantModifier", "mappings", "smoothing_strength",
+                         "algorithm"])
 _trees = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                         st.dictionaries(_keys, inner, max_size=4)), max_leaves=12)
 

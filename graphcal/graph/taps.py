@@ -58,17 +58,28 @@ class TappedGraph:
     finite: dict[str, str]
 
 
-def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict | None = None) -> TappedGraph:
+def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict | None = None,
+                 prelude: tuple[list, list] = ((), ())) -> TappedGraph:
     """The tapped graph for ``requests`` on a weightless copy of ``model`` (``model`` is untouched).
 
     The copy keeps only the constants the reductions add; every name in ``model`` stays reserved,
-    so its initializers can be handed to the session beside the copy.
+    so its initializers can be handed to the session beside the copy. ``prelude`` (nodes, their
+    constants) adds tensors that are not in ``model`` to tap, each node right after the producer of
+    its first input and typed like it (SmoothQuant's smoothed activations ``x * (1/s)``).
     """
     from graphcal.graph.io import hollow_copy, value_types
 
     types = value_types(model) if types is None else types
     hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied
     reserved = {t.name for t in model.graph.initializer}
+    nodes, inits = prelude
+    if nodes:
+        hollow.graph.initializer.extend(inits)
+        types = dict(types)
+        for n in nodes:
+            if n.input[0] in types:
+                types[n.output[0]] = types[n.input[0]]
+        _place_after_producers(hollow.graph, {n.input[0]: [n] for n in nodes})
     whole = [r.tensor for r in requests if r.reduction is Reduction.WHOLE]
     reduced = [r for r in requests if r.reduction is not Reduction.WHOLE]
     _, fetch = _add_outputs(hollow, whole, types, reserved)
@@ -197,13 +208,19 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
         expose(hi, elem)
         out[request] = (lo, hi)
     if added:
-        order = []
-        for n in graph.node:
-            order.append(n)
-            for produced in n.output:
-                order.extend(added.pop(produced, []))
-        for nodes in added.values():  # graph inputs: at the front
-            order[:0] = nodes
-        del graph.node[:]
-        graph.node.extend(order)
+        _place_after_producers(graph, added)
     return out
+
+
+def _place_after_producers(graph: onnx.GraphProto, added: dict[str, list]) -> None:
+    """Insert ``added[tensor]`` (nodes) right after the node producing ``tensor`` (graph inputs: first)."""
+    added = dict(added)
+    order = []
+    for n in graph.node:
+        order.append(n)
+        for produced in n.output:
+            order.extend(added.pop(produced, []))
+    for nodes in added.values():  # graph inputs: at the front
+        order[:0] = nodes
+    del graph.node[:]
+    graph.node.extend(order)

@@ -101,7 +101,7 @@ def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
     """Torch module path for a node: name_scopes metadata, else the legacy node name."""
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
-            name = _module_from_scopes(prop.value)
+            name = module_from_scopes(prop.value)
             if name:
                 return name
     if node.name.startswith("/"):
@@ -215,7 +215,7 @@ def _trace_weight(name, inits, producers) -> tuple[str, list[onnx.NodeProto]] | 
     return name, path[::-1]
 
 
-def _module_from_scopes(value: str) -> str:
+def module_from_scopes(value: str) -> str:
     """The deepest module path in a name_scopes list like ['', 'model', 'model.layers.0', ..., 'linear_3']."""
     try:
         scopes = ast.literal_eval(value)

@@ -1,0 +1,458 @@
+"""SmoothQuant in an ONNX graph: which tensors can be smoothed exactly, and the edits that do it.
+
+Smoothing divides each input channel j of a MatMul's activation by ``s_j`` and multiplies the
+matching weight rows (torch's columns) by ``s_j``: the product is unchanged. The division must
+come from somewhere. It is *folded* (no node added) into the op that produces the activation
+when that op scales each channel by constants: a norm's scale and bias (LayerNormalization,
+RMSNormalization, SimplifiedLayerNormalization, the Skip* forms, or the decomposed ``Mul(gamma)``
+[``Add(beta)``] exporters write), a ``Mul`` by a constant (GELU's final ``* 0.5``), or a linear
+layer's output rows and bias (``up_proj`` before ``down_proj``, also through the elementwise
+``Mul`` of a gated MLP). A fold is exact only if nothing but the balance MatMuls reads the
+activation (shape-only readers aside): a post-LN encoder's LayerNorm output is also the residual,
+so it has no fold; there an explicit ``Mul(x, 1/s)`` in front of the MatMuls is exact instead,
+at the cost of one elementwise Mul per smoothed tensor at inference.
+
+This module only reads graphs and writes the edits it is told to; the statistics and scales are
+:mod:`graphcal.smoothing`'s. Mappings are found by structure (every activation read by weight
+MatMuls, its producer classified) or resolved from llm-compressor's ``[[balance regexes], smooth
+regex]`` mappings by module name and then checked against the same structure.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphcal.graph.targets import NAME_SCOPES_KEY, module_from_scopes
+from graphcal.types import Target
+
+SHAPE_ONLY = {"Shape", "Size"}  # readers that see an activation's shape, not its values
+_NORMS = {  # op type -> (domain, input indices of the per-channel scale and bias)
+    "LayerNormalization": ("", (1, 2)),
+    "RMSNormalization": ("", (1,)),
+    "SimplifiedLayerNormalization": (None, (1,)),  # onnxruntime registers it in both domains
+    "SkipLayerNormalization": ("com.microsoft", (2, 3)),
+    "SkipSimplifiedLayerNormalization": ("com.microsoft", (2,)),
+}
+SCOPES = ("norms", "all", "mul")  # what --smoothquant smooths (cumulative; see Candidate.kind)
+TAP_PREFIX = "graphcal_smooth/"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A constant input of a node that a fold divides by s: ``node`` is named by its first output."""
+
+    node: str
+    index: int
+    value: str  # the constant's name as the node reads it now
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One activation read by weight MatMuls, and how it can be smoothed.
+
+    ``kind``: "norm" (a norm or a per-channel constant scale produces it), "linear" (a linear
+    layer produces it, directly or through a gated MLP's Mul), "mul" (no fold: only an explicit
+    Mul is exact) and, with ``reason``, why not even that ("" when it can be smoothed).
+    """
+
+    activation: str  # what the balance targets read
+    balance: tuple[str, ...]  # every weight MatMul/Gemm reading it (target names, graph order)
+    kind: str
+    smooth: str  # the smooth layer's module name (the activation for "mul")
+    tensor: str  # the smooth layer's output: where llm-compressor's statistics are taken
+    channels: int
+    params: tuple[Param, ...] = ()  # constants divided by s (norm scale/bias, linear bias, a Mul's constant)
+    linear: str | None = None  # "linear": the target whose output rows are divided by s
+    reason: str = ""  # why it cannot be smoothed exactly ("" when it can)
+    blocked: str = ""  # "mul": why no fold is exact (what else reads the activation)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One smoothing to do: a candidate, and whether it is folded or needs an explicit Mul."""
+
+    candidate: Candidate
+    explicit: bool = False  # True: Mul(x, 1/s) in front of the balance targets (post-LN encoders)
+
+    @property
+    def smooth(self) -> str:
+        return self.candidate.smooth
+
+    @property
+    def balance(self) -> tuple[str, ...]:
+        return self.candidate.balance
+
+    @property
+    def tapped(self) -> str:
+        """The name of the smoothed activation ``x / s`` (a tap, or the explicit Mul's output)."""
+        return TAP_PREFIX + self.candidate.activation
+
+    def describe(self) -> str:
+        kind = self.candidate.kind
+        how = ("explicit Mul (one elementwise Mul at inference)" if self.explicit else
+               f"folded into {'the scale of ' if kind == 'norm' else 'linear '}{self.smooth}")
+        return f"{', '.join(self.balance)} <- {how}"
+
+
+@dataclass
+class Resolution:
+    """The mappings a run applies, and notes on what was left unsmoothed and why."""
+
+    mappings: list[Mapping] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class GraphIndex:
+    """Producers, readers and constants of a graph, looked up by value name."""
+
+    def __init__(self, model: onnx.ModelProto, base_dir: str | None = None):
+        graph = model.graph
+        self.graph = graph
+        self.base_dir = base_dir
+        self.inits = {t.name: t for t in graph.initializer}
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for n in graph.node:
+            for i in n.input:
+                if i:
+                    self.readers.setdefault(i, []).append(n)
+        self.outputs = {o.name for o in graph.output}
+
+    def const(self, name: str) -> np.ndarray | None:
+        """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise."""
+        seen = 0
+        while name not in self.inits:
+            node = self.producer.get(name)
+            if node is None or seen > 16:
+                return None
+            if node.op_type == "Identity":
+                name, seen = node.input[0], seen + 1
+                continue
+            if node.op_type == "Constant":
+                for a in node.attribute:
+                    if a.name == "value":
+                        return numpy_helper.to_array(a.t)
+            return None
+        init = self.inits[name]
+        from graphcal.graph.targets import weight_as_consumed
+
+        return weight_as_consumed(init, [], self.inits, self.base_dir)
+
+    def value_readers(self, name: str) -> list[onnx.NodeProto]:
+        return self.readers.get(name, [])
+
+
+def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None = None) -> list[Candidate]:
+    """Every activation read by weight MatMul/Gemm targets, classified (graph order)."""
+    index = GraphIndex(model, base_dir)
+    by_activation: dict[str, list[Target]] = {}
+    for t in found:
+        by_activation.setdefault(t.activation, []).append(t)
+    by_output = _target_outputs(index, found)
+    return [_classify(index, x, readers, by_output) for x, readers in by_activation.items()]
+
+
+def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
+            named: list[tuple[tuple[str, ...], str]] | None = None, ignore: tuple[str, ...] = ()) -> Resolution:
+    """The mappings to apply.
+
+    ``named`` None: found by structure, for every candidate with a quantized balance target
+    (``scope``: "norms" folds into norms and constant scales, "all" also into linear layers,
+    "mul" also smooths what has no fold through an explicit Mul). ``named``: llm-compressor's
+    mappings (balance regexes, smooth regex) matched by module name, each match checked for
+    exactness; ``ignore`` skips a match whose smooth layer and every balance layer it lists.
+    """
+    out = Resolution()
+    chosen_names = {t.name for t in chosen}
+    if named is None:
+        kinds = {"norms": ("norm",), "all": ("norm", "linear"), "mul": ("norm", "linear", "mul")}[scope]
+        for c in cands:
+            if not chosen_names.intersection(c.balance):
+                continue
+            if c.reason:
+                out.notes.append(f"{_listed(c.balance)}: not smoothed ({c.reason})")
+            elif c.kind in kinds:
+                out.mappings.append(Mapping(c, explicit=c.kind == "mul"))
+            elif c.kind == "linear":
+                out.notes.append(f"{_listed(c.balance)}: not smoothed (its fold is into the linear layer {c.smooth}; "
+                                 "--smoothquant all folds it)")
+            else:
+                out.notes.append(f"{_listed(c.balance)}: not smoothed (no exact fold: {c.blocked}; "
+                                 "--smoothquant mul smooths it through an explicit Mul)")
+        return out
+    for balance_patterns, smooth_pattern in named:
+        label = f"[{', '.join(balance_patterns)}] <- {smooth_pattern}"
+        hits = [c for c in cands if _name_matches(c.smooth, smooth_pattern)
+                and any(_name_matches(b, p) for b in c.balance for p in balance_patterns)]
+        if not hits:
+            out.notes.append(f"SmoothQuant mapping {label} matches nothing in this model")
+            continue
+        for c in hits:
+            listed = [b for b in c.balance if any(_name_matches(b, p) for p in balance_patterns)]
+            if ignore and _ignored(c.smooth, ignore) and all(_ignored(b, ignore) for b in listed):
+                continue
+            missing = [b for b in c.balance if b not in listed]
+            if c.reason:
+                out.notes.append(f"{label}: {c.smooth} not smoothed ({c.reason})")
+            elif missing:
+                out.notes.append(f"{label}: {c.smooth} not smoothed: {_listed(missing)} also read its output and "
+                                 "are not balance layers of the mapping (smoothing would change the model)")
+            elif c.kind == "mul" and scope != "mul":
+                out.notes.append(f"{label}: {c.smooth} not smoothed (no exact fold: {c.blocked}; "
+                                 "--smoothquant mul smooths through an explicit Mul)")
+            else:
+                out.mappings.append(Mapping(c, explicit=c.kind == "mul"))
+    return out
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    """compressed-tensors' name matching (exact, or ``re:`` from the start)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def _ignored(name: str, ignore: tuple[str, ...]) -> bool:
+    return any(_name_matches(name, p) for p in ignore)
+
+
+def _listed(names, limit: int = 3) -> str:
+    names = list(names)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _target_outputs(index: GraphIndex, found: list[Target]) -> dict[str, tuple[Target, Param | None]]:
+    """A linear layer's output (after its bias Add, if any) -> (target, its bias as a Param)."""
+    by_node = {t.node: t for t in found}
+    out: dict[str, tuple[Target, Param | None]] = {}
+    for node in index.graph.node:
+        t = by_node.get(node.name) if node.name else None
+        if t is None:
+            continue
+        y = node.output[0]
+        if node.op_type == "Gemm":
+            bias = Param(y, 2, node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            out[y] = (t, bias)
+            continue
+        out[y] = (t, None)
+        readers = index.value_readers(y)
+        value_readers = [r for r in readers if r.op_type not in SHAPE_ONLY]
+        if len(value_readers) == 1 and value_readers[0].op_type == "Add" and y not in index.outputs:
+            add = value_readers[0]
+            other = 1 - list(add.input).index(y)
+            value = index.const(add.input[other])
+            if value is not None and value.ndim >= 1 and value.shape[-1] == t.out_features and value.size == t.out_features:
+                out[add.output[0]] = (t, Param(add.output[0], other, add.input[other]))
+    return out
+
+
+def _classify(index: GraphIndex, x: str, readers: list[Target], by_output) -> Candidate:
+    channels = readers[0].in_features
+    balance = tuple(t.name for t in readers)
+    reader_nodes = {t.node for t in readers}
+
+    def only_balance(value: str) -> str:
+        """"" if only the balance targets (and shape readers) read ``value``; else what else does."""
+        if value in index.outputs:
+            return f"{value} is a graph output"
+        others = [n for n in index.value_readers(value) if n.name not in reader_nodes and n.op_type not in SHAPE_ONLY]
+        return "" if not others else f"{value} is also read by {others[0].op_type} {others[0].name or '(unnamed)'}"
+
+    def mul_candidate(reason: str, blocked: str = "") -> Candidate:
+        producer = index.producer.get(x)
+        name = node_module(producer) if producer is not None else x
+        return Candidate(x, balance, "mul", name or x, x, channels, reason=reason,
+                         blocked=blocked or "no op before it scales each channel by constants")
+
+    if len({t.in_features for t in readers}) > 1:
+        return mul_candidate(f"its readers take {sorted({t.in_features for t in readers})} features")
+    extra = only_balance(x)
+    if any(t.node == "" for t in readers):
+        return mul_candidate("an unnamed MatMul reads it")
+    if extra:  # no fold can be exact; an explicit Mul in front of the balance targets is
+        return mul_candidate("", extra)
+    linear = by_output.get(x)
+    if linear is not None:
+        t, bias = linear
+        return _linear(index, x, balance, t, bias, x, channels)
+    producer = index.producer.get(x)
+    if producer is None:
+        return mul_candidate("")
+    norm = _norm_params(index, producer, x, channels)
+    if norm is not None:
+        return Candidate(x, balance, "norm", node_module(producer, norm), x, channels, params=norm)
+    if producer.op_type == "Mul" and len(producer.input) == 2 and producer.domain in ("", "ai.onnx"):
+        for k in (0, 1):  # a gated MLP: x = act(gate(h)) * up(h); smoothing folds into up's output rows
+            y = producer.input[k]
+            if y in by_output and index.const(producer.input[1 - k]) is None:
+                if only_single_reader(index, y, producer):
+                    t, bias = by_output[y]
+                    if t.out_features == channels:
+                        return _linear(index, x, balance, t, bias, y, channels)
+    return mul_candidate("")
+
+
+def only_single_reader(index: GraphIndex, value: str, node: onnx.NodeProto) -> bool:
+    if value in index.outputs:
+        return False
+    readers = [n for n in index.value_readers(value) if n.op_type not in SHAPE_ONLY]
+    return len(readers) == 1 and readers[0] is node
+
+
+def _linear(index, x, balance, t: Target, bias: Param | None, tensor: str, channels: int) -> Candidate:
+    if t.out_features != channels or (bias is not None and _const_shape(index, bias.value, channels) is None):
+        return Candidate(x, balance, "mul", t.name, x, channels, blocked=f"{t.name}'s output does not map onto its channels")
+    return Candidate(x, balance, "linear", t.name, tensor, channels, params=(bias,) if bias else (), linear=t.name)
+
+
+def _const_shape(index: GraphIndex, name: str, channels: int) -> tuple[int, ...] | None:
+    """The shape of a constant that scales or shifts each of ``channels`` channels (a scalar, [C]
+    or [1, ..., C]); None when ``name`` is no such constant."""
+    value = index.const(name)
+    if value is None or not np.issubdtype(value.dtype, np.floating):
+        return None
+    if value.size == 1 or (value.shape[-1] == channels and value.size == channels):
+        return value.shape
+    return None
+
+
+def _norm_params(index: GraphIndex, node: onnx.NodeProto, x: str, channels: int) -> tuple[Param, ...] | None:
+    """The per-channel constants of the norm (or constant scale) producing ``x``, or None."""
+    y = node.output[0]
+    if y != x:
+        return None
+    if node.op_type in _NORMS:
+        domain, indices = _NORMS[node.op_type]
+        if domain is not None and node.domain not in (domain, "ai.onnx" if domain == "" else domain):
+            return None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type in ("LayerNormalization", "RMSNormalization") and attrs.get("axis", -1) not in (-1,):
+            return None  # normalised over more than the last axis: the scale is not per channel
+        params = []
+        for i in indices:
+            if i < len(node.input) and node.input[i]:
+                if _const_shape(index, node.input[i], channels) is None:
+                    return None
+                params.append(Param(y, i, node.input[i]))
+        return tuple(params) if params else None
+    if node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if node.op_type == "Mul":
+        for k in (0, 1):
+            if _const_shape(index, node.input[k], channels) is not None and index.const(node.input[1 - k]) is None:
+                return (Param(y, k, node.input[k]),)
+        return None
+    if node.op_type == "Add":  # decomposed LayerNorm: x = Mul(gamma) + beta
+        for k in (0, 1):
+            if _const_shape(index, node.input[k], channels) is None:
+                continue
+            inner = index.producer.get(node.input[1 - k])
+            if inner is None or inner.op_type != "Mul" or not only_single_reader(index, inner.output[0], node):
+                return None
+            scale = _norm_params(index, inner, inner.output[0], channels)
+            if scale is None:
+                return None
+            return scale + (Param(y, k, node.input[k]),)
+    return None
+
+
+def node_module(node: onnx.NodeProto, params: tuple[Param, ...] = ()) -> str:
+    """The torch module a non-MatMul node belongs to: name_scopes metadata, the legacy exporter's
+    node path (``/model/layers.0/input_layernorm/Mul_1``), or its scale's initializer name."""
+    for prop in node.metadata_props:
+        if prop.key == NAME_SCOPES_KEY:
+            name = module_from_scopes(prop.value)
+            if name:
+                return name
+    if node.name.startswith("/"):
+        parts = [p for p in node.name.split("/") if p]
+        if len(parts) >= 2:
+            return ".".join(parts[:-1])
+    for p in params:
+        if p.value.endswith(".weight") and not p.value.startswith("onnx::"):
+            return p.value[: -len(".weight")]
+    return node.name or node.output[0]
+
+
+# -- the edits ------------------------------------------------------------------------------
+
+
+def divide_params(model: onnx.ModelProto, params: list[Param], scales: dict[Param, np.ndarray],
+                  base_dir: str | None = None) -> None:
+    """Point each param's node at a new initializer holding its constant divided by the scales
+    (``scales[param]``, one per channel); the old constant stays for its other readers."""
+    from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
+
+    index = GraphIndex(model, base_dir)
+    names = {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
+    old = set()
+    for p in params:
+        node = index.producer[p.node]
+        value = index.const(node.input[p.index])
+        s = scales[p]
+        wide = np.result_type(value.dtype, s.dtype)  # as torch divides: in the wider type, stored in the constant's
+        divided = (value.astype(wide) / s.astype(wide)).astype(value.dtype)  # a scalar becomes one per channel
+        if value.size > 1:
+            divided = divided.reshape(value.shape)
+        name = _unique(f"{node_module(node)}.smoothed_{p.index}", names)
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(divided), name))
+        old.add(node.input[p.index])
+        node.input[p.index] = name
+    drop_dead_weight_paths(model.graph, old)  # a constant nothing else reads goes
+
+
+def explicit_mul(model: onnx.ModelProto, mapping: Mapping, inverse: np.ndarray, target_nodes: set[str]) -> None:
+    """Put ``Mul(x, inverse)`` in front of the mapping's balance targets (their input 0 rewired)."""
+    x = mapping.candidate.activation
+    names = {t.name for t in model.graph.initializer} | {n.name for n in model.graph.node}
+    const = _unique(f"{TAP_PREFIX}{x}/inverse_scale", names)
+    model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(inverse), const))
+    mul = helper.make_node("Mul", [x, const], [mapping.tapped], name=_unique(f"{TAP_PREFIX}{x}/Mul", names))
+    nodes = list(model.graph.node)
+    position = next((i + 1 for i, n in enumerate(nodes) if x in n.output), 0)
+    for n in nodes:
+        if n.name in target_nodes and n.input[0] == x:
+            n.input[0] = mapping.tapped
+    model.graph.node.insert(position, mul)
+
+
+def replace_weight(model: onnx.ModelProto, target: Target, weight: np.ndarray, base_dir: str | None = None) -> None:
+    """Point ``target``'s B input at a new initializer holding ``weight`` (torch [out, in]) as the
+    node consumes it; its old weight path stays for other readers (a tied embedding) or goes."""
+    from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
+
+    graph = model.graph
+    node = next(n for n in graph.node if n.name == target.node)
+    consumed = weight.T if target.layout == "in_out" else weight
+    names = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
+    name = _unique(f"{target.name}.weight.smoothed", names)
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(consumed), name))
+    old = node.input[1]
+    node.input[1] = name
+    drop_dead_weight_paths(graph, {old, target.weight})
+
+
+def tap_nodes(mappings: list[Mapping], inverses: dict[str, np.ndarray]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """For a tapped copy of the unsmoothed model: ``Mul(x, 1/s)`` per mapping, named as the
+    smoothed activation, so observers see what the smoothed model's balance targets read."""
+    nodes, inits = [], []
+    for m in mappings:
+        x = m.candidate.activation
+        const = f"{TAP_PREFIX}{x}/inverse_scale"
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(inverses[x]), const))
+        nodes.append(helper.make_node("Mul", [x, const], [m.tapped], name=f"{TAP_PREFIX}{x}/Mul"))
+    return nodes, inits
+
+
+def _unique(base: str, names: set[str]) -> str:
+    candidate, i = base, 1
+    while candidate in names:
+        candidate, i = f"{base}_{i}", i + 1
+    names.add(candidate)
+    return candidate
+

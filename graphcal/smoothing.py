@@ -1,0 +1,203 @@
+"""SmoothQuant as a stage: llm-compressor's SmoothQuantModifier on the ONNX graph.
+
+    plan.smoothing (graph.smooth: which activations, folded where)
+      --collect: one pass, ReduceMin/ReduceMax per channel in the graph--> each smooth layer's output range
+      --smoothing_scales: llm-compressor's formula--> s per mapping
+      --> Smoothed: what the later stages apply
+            the calibration pass taps x * (1/s) beside the unsmoothed model (observers see the smoothed
+            activations; the smoothed model computes the same function, so nothing else changes),
+            the weight pass multiplies each balance weight's input columns by s (and divides a linear
+            smooth layer's output rows), and fold() writes the rest into the output graph: the norm's
+            scale and bias divided by s, a linear layer's bias, or an explicit Mul.
+
+The statistics are llm-compressor's: per channel, max - min of the smooth layer's output over
+every position of every batch (padding included, as llm-compressor counts it). The scales:
+``s = range^a / (2 * max|W_col|)^(1-a)`` pooled over the balance layers (``range`` where every
+balance column is zero), or ``range / log2(2 + range)`` for log_equalization, clamped at 1e-5.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from graphcal.graph.smooth import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
+from graphcal.graph.taps import Reduction, TapRequest
+from graphcal.graph.targets import torch_weight
+from graphcal.observe import Consumer, Consumers, Feed
+from graphcal.plan import RunPlan
+from graphcal.types import Target
+
+log = logging.getLogger("graphcal")
+
+MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
+
+
+def smoothing_scales(min_vals: torch.Tensor, max_vals: torch.Tensor, weights: list[torch.Tensor], strength: float,
+                     algorithm: str = "smoothquant") -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, unclamped scales) of one mapping, as llm-compressor's SmoothQuantModifier computes
+    them: ``weights`` are the balance layers' torch [out, in] weights."""
+    activation = max_vals - min_vals
+    if algorithm == "log_equalization":
+        scales = activation / torch.log2(2 + activation)
+    else:
+        weight_max = torch.cat([w.abs() for w in weights], dim=0).amax(dim=0)
+        weight_scale = 2 * weight_max
+        scales = activation.pow(strength) / weight_scale.pow(1 - strength)
+        scales = torch.where(weight_scale > 0.0, scales, activation)
+    clamped = torch.maximum(scales, torch.tensor([MINIMUM_SMOOTHING_SCALE], device=scales.device))
+    return clamped, scales
+
+
+class RangeSet(Consumers):
+    """One running per-channel min/max observer on each mapping's smooth-layer output."""
+
+    def __init__(self, mappings: list[Mapping]):
+        from compressed_tensors.quantization import QuantizationArgs
+
+        from graphcal.observers import Observer
+
+        self.consumers = []
+        self.ranges: dict[str, object] = {}  # smooth-layer output -> observer
+        for m in mappings:
+            tensor, channels = m.candidate.tensor, m.candidate.channels
+            if tensor in self.ranges:
+                continue
+            # group size 1: one min/max per channel, over every other dimension
+            args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="group", group_size=1,
+                                    dynamic=False, observer="static_minmax")
+            obs = Observer.load_from_registry("static_minmax", base_name="input", args=args)
+            self.ranges[tensor] = obs
+            self.consumers.append(Consumer(tensor, Feed.INPUT, obs,
+                                           TapRequest(tensor, Reduction.GROUP, channels, 1)))
+
+
+@dataclass
+class Smoothed:
+    """The scales of every mapping, and how each later stage applies them."""
+
+    mappings: list[Mapping]
+    scales: dict[str, torch.Tensor]  # activation -> s (clamped)
+    unclamped: dict[str, torch.Tensor] = field(default_factory=dict)
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # smooth output -> (min, max)
+    columns: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # balance target -> s to multiply columns by
+    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear smooth target -> s to divide rows by
+
+    def __post_init__(self):
+        for m in self.mappings:
+            s = self.scales[m.candidate.activation]
+            for b in m.balance:
+                self.columns.setdefault(b, []).append(s)
+            if m.candidate.linear is not None:
+                self.rows.setdefault(m.candidate.linear, []).append(s)
+
+    @property
+    def taps(self) -> dict[str, str]:
+        """Target name -> the smoothed activation its observers tap."""
+        return {b: m.tapped for m in self.mappings for b in m.balance}
+
+    def prelude(self, types) -> tuple[list, list]:
+        """The tap-side ``Mul(x, 1/s)`` nodes for the calibration pass (graph.taps.build_tapped)."""
+        return tap_nodes(self.mappings, {m.candidate.activation: self._inverse(m, types) for m in self.mappings})
+
+    def _inverse(self, m: Mapping, types) -> np.ndarray:
+        dtype = _np_dtype(types, m.candidate.activation)
+        return (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
+
+    def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
+        """A target's torch [out, in] weight, smoothed: input columns times s, output rows over s
+        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype)."""
+        if t.name not in self.columns and t.name not in self.rows:
+            return w
+        dtype = w.dtype
+        for s in self.columns.get(t.name, []):
+            w = (w * s[None, :]).to(dtype)
+        for s in self.rows.get(t.name, []):
+            w = (w / s[:, None]).to(dtype)
+        return w
+
+    def target(self, t: Target) -> Target:
+        """The target as the output graph has it: behind an explicit Mul it reads the Mul's output."""
+        for m in self.mappings:
+            if m.explicit and t.name in m.balance:
+                return replace(t, activation=m.tapped)
+        return t
+
+    def fold(self, run: RunPlan, quantized: set[str], types: dict) -> None:
+        """Write the smoothing into ``run.model`` where the weight pass does not: norm scales and
+        biases, linear biases and constant scales divided by s, explicit Muls, and the float weights
+        of balance or linear smooth layers that stay unquantized (``quantized``: those that do not).
+        ``types`` gains the explicit Muls' outputs."""
+        model = run.model
+        params, scales = [], {}
+        for m in self.mappings:
+            s = self.scales[m.candidate.activation].numpy()
+            for p in m.candidate.params:
+                params.append(p)
+                scales[p] = s
+        divide_params(model, params, scales, run.base_dir)
+        for m in self.mappings:
+            if m.explicit:
+                x = m.candidate.activation
+                nodes = {t.node for t in run.found if t.name in m.balance}
+                explicit_mul(model, m, self._inverse(m, types), nodes)
+                if x in types:
+                    types[m.tapped] = types[x]
+        by_name = {t.name: t for t in run.found}
+        for name in dict.fromkeys([*self.columns, *self.rows]):
+            if name not in quantized:
+                self.write_float(model, by_name[name], run.base_dir)
+
+    def write_float(self, model, t: Target, base_dir: str | None) -> None:
+        """Store a target's smoothed weight in float in ``model`` (a layer left unquantized)."""
+        w = torch.from_numpy(torch_weight(model, t, base_dir))
+        replace_weight(model, t, self.weight(t, w).numpy(), base_dir)
+
+
+def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
+            exclude_padding: bool = False, inputs: tuple[str, ...] = ()) -> Smoothed:
+    """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
+    from graphcal.activations import run_activation_pass
+
+    mappings = list(run.smoothing.mappings)
+    ranges = RangeSet(mappings)
+    run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
+                        exclude_padding=exclude_padding, inputs=inputs, label="smoothing")
+    smoothed = None
+    if dist is None or dist.is_main:
+        smoothed = scales_from(run, mappings, {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in ranges.ranges.items()})
+    if dist is not None:
+        import torch.distributed as tdist
+
+        box = [smoothed]
+        tdist.broadcast_object_list(box, src=0)
+        smoothed = box[0]
+    return smoothed
+
+
+def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict) -> Smoothed:
+    """Every mapping's scales from its smooth layer's output range and its balance weights."""
+    settings = run.config.smoothing
+    by_name = {t.name: t for t in run.found}
+    scales, unclamped = {}, {}
+    for m in mappings:
+        lo, hi = ranges[m.candidate.tensor]
+        weights = []
+        if settings.algorithm != "log_equalization":
+            weights = [torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
+        s, raw = smoothing_scales(lo, hi, weights, settings.strength, settings.algorithm)
+        scales[m.candidate.activation], unclamped[m.candidate.activation] = s, raw
+        log.info("smoothing %s: scales %.3g..%.3g", m.describe(), float(s.min()), float(s.max()))
+    return Smoothed(mappings, scales, unclamped, dict(ranges))
+
+
+def _np_dtype(types, tensor: str):
+    import onnx
+
+    t = types.get(tensor) if types is not None else None
+    if t is None or not t.elem_type:
+        return np.float32
+    return onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
