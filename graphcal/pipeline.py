@@ -2,9 +2,10 @@
 
     options/recipe --config.resolve--> RunConfig
     model + config --plan.plan--> RunPlan                      (what run and inspect both see)
-    RunPlan + data --smoothing.collect--> SmoothQuant's scales (only with --smoothquant: one pass)
     RunPlan --observe.ObserverSet--> observers and the taps they need (smoothed activations under SmoothQuant)
     data --activations.run_activation_pass--> activation statistics (one pass; ranks gathered)
+         (with --smoothquant: smoothing.smooth_and_calibrate, SmoothQuant's scales in the same pass,
+          or in one pass before it when an observer of a smoothed activation needs more than extrema)
     scales --smoothing.Smoothed.fold--> norms, biases, explicit Muls of the smoothing in the model
     weights --weights.quantize_weights--> qparams, weights quantized into the QDQ writer
     writer.finish + metadata --output.OutputSlot.write--> model.onnx, quantization_config.json,
@@ -32,7 +33,7 @@ from graphcal.observe import ObserverSet
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.plan import RunPlan, plan
 from graphcal.runtime import check_device, observer_device
-from graphcal.smoothing import collect
+from graphcal.smoothing import smooth_and_calibrate, taps_of
 from graphcal.types import QuantizedKV, QuantizedTarget
 from graphcal.weights import quantize_weights
 
@@ -127,14 +128,14 @@ def calibrate(
     device_id = dist.local_rank if dist else 0  # under torchrun each rank has its own GPU
     main = dist is None or dist.is_main
     smoothed = None
+    pass_options = dict(device=device, device_id=device_id, dist=dist, progress=progress and main,
+                        reduce_in_graph=reduce_in_graph, exclude_padding=exclude_padding, inputs=input_names)
     if run.smoothing is not None and run.smoothing.mappings:
-        smoothed = collect(run, calib, device=device, device_id=device_id, dist=dist, progress=progress and main,
-                           exclude_padding=exclude_padding, inputs=input_names)
-    observers = ObserverSet(run, smoothed.taps if smoothed else None)
-    activations = run_activation_pass(run, observers, calib, device=device, device_id=device_id, dist=dist,
-                                      progress=progress and main, reduce_in_graph=reduce_in_graph,
-                                      exclude_padding=exclude_padding, inputs=input_names,
-                                      prelude=smoothed.prelude(run.types) if smoothed else ((), ()))
+        observers = ObserverSet(run, taps_of(run.smoothing.mappings))
+        smoothed, activations = smooth_and_calibrate(run, observers, calib, **pass_options)
+    else:
+        observers = ObserverSet(run)
+        activations = run_activation_pass(run, observers, calib, **pass_options)
     warnings = list(run.warnings)
     padding = activations.padding
     if padding is not None and padding.unmasked:

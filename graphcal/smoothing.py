@@ -1,14 +1,21 @@
 """SmoothQuant as a stage: llm-compressor's SmoothQuantModifier on the ONNX graph.
 
     plan.smoothing (graph.smooth: which activations, folded where)
-      --collect: one pass, ReduceMin/ReduceMax per channel in the graph--> each smooth layer's output range
+      --ReduceMin/ReduceMax per channel in the graph--> each smooth layer's output range
       --smoothing_scales: llm-compressor's formula--> s per mapping
       --> Smoothed: what the later stages apply
-            the calibration pass taps x * (1/s) beside the unsmoothed model (observers see the smoothed
-            activations; the smoothed model computes the same function, so nothing else changes),
-            the weight pass multiplies each balance weight's input columns by s (and divides a linear
-            smooth layer's output rows), and fold() writes the rest into the output graph: the norm's
-            scale and bias divided by s, a linear layer's bias, or an explicit Mul.
+            observers of a smoothed activation see x * (1/s) (the smoothed model computes the same
+            function, so nothing else changes), the weight pass multiplies each balance weight's input
+            columns by s (and divides a linear smooth layer's output rows), and fold() writes the rest
+            into the output graph: the norm's scale and bias divided by s, a linear layer's bias, or an
+            explicit Mul.
+
+:func:`smooth_and_calibrate` runs it with the calibration pass. When every observer of a smoothed
+activation keeps running per-tensor or per-group extrema (static_minmax, in-graph reductions), that
+is one pass: the per-channel extrema of x are all it needs, since min(x * c) = min(x) * c for c > 0
+in floating point too (rounding is monotonic), so they are replayed through 1/s once s is known.
+Otherwise (moving averages, MSE, whole tensors, --exclude-padding, torchrun) a first pass takes the
+ranges and the calibration pass taps x * (1/s) beside the unsmoothed model: one extra pass.
 
 The statistics are llm-compressor's: per channel, max - min of the smooth layer's output over
 every position of every batch (padding included, as llm-compressor counts it). The scales:
@@ -53,19 +60,17 @@ def smoothing_scales(min_vals: torch.Tensor, max_vals: torch.Tensor, weights: li
 
 
 class RangeSet(Consumers):
-    """One running per-channel min/max observer on each mapping's smooth-layer output."""
+    """A running per-channel min/max observer on each tensor of ``tensors`` (name -> channels):
+    the mappings' smooth-layer outputs, and in the single pass the activations they smooth."""
 
-    def __init__(self, mappings: list[Mapping]):
+    def __init__(self, tensors: dict[str, int], others: list[Consumer] = ()):
         from compressed_tensors.quantization import QuantizationArgs
 
         from graphcal.observers import Observer
 
-        self.consumers = []
-        self.ranges: dict[str, object] = {}  # smooth-layer output -> observer
-        for m in mappings:
-            tensor, channels = m.candidate.tensor, m.candidate.channels
-            if tensor in self.ranges:
-                continue
+        self.consumers = list(others)
+        self.ranges: dict[str, object] = {}  # tensor -> observer
+        for tensor, channels in tensors.items():
             # group size 1: one min/max per channel, over every other dimension
             args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="group", group_size=1,
                                     dynamic=False, observer="static_minmax")
@@ -73,6 +78,14 @@ class RangeSet(Consumers):
             self.ranges[tensor] = obs
             self.consumers.append(Consumer(tensor, Feed.INPUT, obs,
                                            TapRequest(tensor, Reduction.GROUP, channels, 1)))
+
+    def extrema(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in self.ranges.items() if o.has_statistics}
+
+
+def taps_of(mappings: list[Mapping]) -> dict[str, str]:
+    """Target name -> the smoothed activation its observers tap (the same names Smoothed.taps gives)."""
+    return {b: m.tapped for m in mappings for b in m.balance}
 
 
 @dataclass
@@ -97,13 +110,14 @@ class Smoothed:
     @property
     def taps(self) -> dict[str, str]:
         """Target name -> the smoothed activation its observers tap."""
-        return {b: m.tapped for m in self.mappings for b in m.balance}
+        return taps_of(self.mappings)
 
     def prelude(self, types) -> tuple[list, list]:
         """The tap-side ``Mul(x, 1/s)`` nodes for the calibration pass (graph.taps.build_tapped)."""
         return tap_nodes(self.mappings, {m.candidate.activation: self._inverse(m, types) for m in self.mappings})
 
     def _inverse(self, m: Mapping, types) -> np.ndarray:
+        """1/s as the graph multiplies by it (in the activation's dtype)."""
         dtype = _np_dtype(types, m.candidate.activation)
         return (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
 
@@ -157,18 +171,70 @@ class Smoothed:
         replace_weight(model, t, self.weight(t, w).numpy(), base_dir)
 
 
+def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_id: int = 0, dist=None,
+                         progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
+                         inputs: tuple[str, ...] = ()):
+    """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
+    an ObserverSet built with :func:`taps_of` the mappings): (Smoothed, the pass's PassResult)."""
+    from graphcal.activations import run_activation_pass
+
+    mappings = list(run.smoothing.mappings)
+    kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
+                  inputs=inputs)
+    smoothed_of = {m.tapped: m for m in mappings}
+    deferred = [c for c in observers.consumers if c.tensor in smoothed_of]
+    if dist is None and not exclude_padding and reduce_in_graph and all(_replayable(c) for c in deferred):
+        log.info("SmoothQuant and calibration in one pass (%d observers of smoothed activations replayed)", len(deferred))
+        tensors = {m.candidate.tensor: m.candidate.channels for m in mappings}
+        for c in deferred:
+            tensors.setdefault(smoothed_of[c.tensor].candidate.activation, smoothed_of[c.tensor].candidate.channels)
+        others = [c for c in observers.consumers if c.tensor not in smoothed_of]
+        ranges = RangeSet(tensors, others)
+        result = run_activation_pass(run, ranges, calib, reduce_in_graph=True, **kwargs)
+        extrema = ranges.extrema()
+        smoothed = scales_from(run, mappings, extrema)
+        types = run.types
+        for c in deferred:
+            m = smoothed_of[c.tensor]
+            inverse = torch.from_numpy(smoothed._inverse(m, types))
+            lo, hi = extrema[m.candidate.activation]
+            _replay(c, lo.to(inverse.dtype) * inverse, hi.to(inverse.dtype) * inverse)
+        return smoothed, result
+    smoothed = collect(run, calib, **kwargs)
+    result = run_activation_pass(run, observers, calib, reduce_in_graph=reduce_in_graph,
+                                 prelude=smoothed.prelude(run.types), **kwargs)
+    return smoothed, result
+
+
+def _replayable(c: Consumer) -> bool:
+    """An observer whose statistics are running extrema over what an in-graph reduction gives."""
+    return (c.feed is Feed.INPUT and c.reducible is not None and c.observer.observer_name == "static_minmax"
+            and c.reducible.reduction in (Reduction.ALL, Reduction.GROUP))
+
+
+def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """Feed per-channel extrema of the smoothed activation to ``c`` as its in-graph reduction would."""
+    request = c.reducible
+    if request.reduction is Reduction.ALL:
+        lo, hi = lo.amin().reshape(1), hi.amax().reshape(1)
+    else:
+        lo = lo.reshape(request.groups, request.group_size).amin(dim=1)
+        hi = hi.reshape(request.groups, request.group_size).amax(dim=1)
+    c.observer.observe_extrema(lo, hi)
+
+
 def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
             exclude_padding: bool = False, inputs: tuple[str, ...] = ()) -> Smoothed:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
     from graphcal.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
-    ranges = RangeSet(mappings)
+    ranges = RangeSet({m.candidate.tensor: m.candidate.channels for m in mappings})
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing")
     smoothed = None
     if dist is None or dist.is_main:
-        smoothed = scales_from(run, mappings, {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in ranges.ranges.items()})
+        smoothed = scales_from(run, mappings, ranges.extrema())
     if dist is not None:
         import torch.distributed as tdist
 

