@@ -82,6 +82,7 @@ class EvalReport:
     level: str = "basic"  # onnxruntime's optimization level for both models
     ignored: list[str] | None = None  # the quantized model's ignore list (its quantization_config.json), if known
     isolated: list[Agreement] | None = None  # each layer's own error, on the reference's inputs (eval --isolated)
+    smoothable: dict[str, str] = field(default_factory=dict)  # layer -> SmoothQuant scope that reaches its input, if unsmoothed
 
     @property
     def ranked(self) -> list[Agreement]:
@@ -121,6 +122,15 @@ class EvalReport:
             flags += ["--ignore", value]
         return flags
 
+    def suggested_smoothquant(self) -> list[str]:
+        """``--smoothquant [SCOPE]`` when SmoothQuant (not used for these layers) can smooth the input of
+        a flagged layer exactly: the scope that reaches all of them (norms < all < mul), else []."""
+        scopes = [self.smoothable[n] for n in self.suggested_ignore() if n in self.smoothable]
+        if not scopes:
+            return []
+        scope = max(scopes, key=SMOOTH_SCOPES.index)
+        return ["--smoothquant"] + ([scope] if scope != "norms" else [])
+
     def as_dict(self) -> dict:
         return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "level": self.level,
                 "outputs": [a.as_dict() for a in self.outputs],
@@ -128,7 +138,8 @@ class EvalReport:
                            for a, b in zip(self.layers, self.isolated or [None] * len(self.layers))],
                 "ranked_by": "isolated" if self.isolated is not None else "cumulative",
                 "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
-                "suggested_flags": self.suggested_flags(), "skipped_layers": self.skipped_layers}
+                "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
+                "skipped_layers": self.skipped_layers}
 
 
 def _kind(name: str) -> str:
@@ -171,6 +182,11 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
+    smoothed = _smoothquant_record(cand_model)
+    if isolated and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
+        raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its "
+                         "balance layers read x/s, which the fp32 model does not compute), so --isolated cannot feed "
+                         "them fp32 inputs; compare without --isolated, or a model made without --smoothquant")
     inputs = graph_inputs(ref_model)
     if {s.name for s in graph_inputs(cand_model)} != {s.name for s in inputs}:
         raise GraphcalError(f"{candidate} takes other inputs than {reference}; compare a model with its own quantized form")
@@ -191,6 +207,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             continue
         layers.append((t.name, tensor))
     fetch = outputs + [tensor for _, tensor in layers]
+    smoothable = _smoothable(ref_model, targets, smoothed)
     import onnxruntime as ort
 
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
@@ -228,7 +245,42 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
                 agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)), isolated=alone)
+                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)), isolated=alone,
+                      smoothable=smoothable)
+
+
+SMOOTH_SCOPES = ("norms", "all", "mul")  # graph.smooth.SCOPES, least to most
+_KIND_SCOPE = {"norm": "norms", "linear": "all", "mul": "mul"}
+
+
+def _smoothquant_record(model: onnx.ModelProto) -> dict:
+    """What graphcal recorded of a SmoothQuant run in the model's metadata ({} when none)."""
+    import json
+
+    from graphcal.smoothing import METADATA_KEY
+
+    for prop in model.metadata_props:
+        if prop.key == METADATA_KEY:
+            try:
+                record = json.loads(prop.value)
+            except ValueError:
+                return {}
+            return record if isinstance(record, dict) else {}
+    return {}
+
+
+def _smoothable(model: onnx.ModelProto, targets, record: dict) -> dict[str, str]:
+    """Layer -> the --smoothquant scope that smooths its input exactly, for layers the candidate left unsmoothed."""
+    from graphcal.graph.smooth import candidates
+
+    done = {b for m in record.get("mappings", []) if isinstance(m, dict) for b in m.get("balance", [])}
+    out = {}
+    for c in candidates(model, list(targets)):
+        if c.reason or any(b in done for b in c.balance):
+            continue
+        for b in c.balance:
+            out[b] = _KIND_SCOPE[c.kind]
+    return out
 
 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations
@@ -286,6 +338,10 @@ def format_text(report: EvalReport) -> str:
         if flags:
             lines.append(f"{', '.join(report.suggested_ignore())}: more than 6 dB under the median layer; to keep "
                          "them in float, run with: " + " ".join(shlex.quote(f) for f in flags))
+            smooth = report.suggested_smoothquant()
+            if smooth:
+                lines.append("or keep them quantized and smooth their inputs first (SmoothQuant, exact in float; "
+                             "this model was made without it for them): run with " + " ".join(smooth))
         else:
             lines.append("no layer is more than 6 dB under the median layer")
     if report.skipped_layers:

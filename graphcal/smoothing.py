@@ -41,6 +41,7 @@ from graphcal.types import Target
 log = logging.getLogger("graphcal")
 
 MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
+METADATA_KEY = "graphcal.smoothquant"  # the output model's record of what was smoothed (metadata_props)
 
 
 def smoothing_scales(min_vals: torch.Tensor, max_vals: torch.Tensor, weights: list[torch.Tensor], strength: float,
@@ -143,9 +144,17 @@ class Smoothed:
     def fold(self, run: RunPlan, quantized: set[str], types: dict) -> None:
         """Write the smoothing into ``run.model`` where the weight pass does not: norm scales and
         biases, linear biases and constant scales divided by s, explicit Muls, and the float weights
-        of balance or linear smooth layers that stay unquantized (``quantized``: those that do not).
+        of balance or linear smooth layers that stay unquantized (``quantized``: those that do not);
+        the model's metadata_props record the mappings (``graphcal.smoothquant``, JSON).
         ``types`` gains the explicit Muls' outputs."""
+        import json
+
         model = run.model
+        settings = run.config.smoothing
+        record = {"strength": settings.strength, "algorithm": settings.algorithm, "scope": settings.scope,
+                  "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                                "balance": list(m.balance)} for m in self.mappings]}
+        model.metadata_props.add(key=METADATA_KEY, value=json.dumps(record, separators=(",", ":")))
         params, scales = [], {}
         for m in self.mappings:
             s = self.scales[m.candidate.activation].numpy()
