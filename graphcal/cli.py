@@ -175,6 +175,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
             "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
+            "smoothquant": result.smoothed,
         }, sort_keys=True))
         return
     if quiet:
@@ -183,6 +184,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
     label = f"recipe {recipe.name}" if recipe is not None and scheme is None else _scheme_label(scheme or "W8A8")
     click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {label}"
                + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
+    if result.smoothed:
+        click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.provider is None:
         click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
     else:

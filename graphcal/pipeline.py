@@ -58,6 +58,7 @@ class CalibrationResult:
     world: int = 1
     padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
     exclude_padding: bool = False  # padded positions were left out of the activation statistics
+    smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.smooth.Mapping.describe)
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -173,6 +174,7 @@ def calibrate(
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
         seconds=time.perf_counter() - start, warnings=warnings, forms=list(run.forms), rank=0,
         world=dist.world if dist else 1, padding_share=share, exclude_padding=exclude_padding,
+        smoothed=[m.describe() for m in smoothed.mappings] if smoothed is not None else [],
     )
 
 
