@@ -132,8 +132,9 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     if smoothing is not None:
         warnings += smoothing.notes if config.smoothing.mappings is not None else []
         if not smoothing.mappings:
-            warnings.append("SmoothQuant: nothing in this model can be smoothed exactly"
-                            + ("" if config.smoothing.scope == "mul" else "; --smoothquant mul smooths through explicit Muls"))
+            warnings.append("SmoothQuant: nothing to smooth" + (
+                f" with --smoothquant {config.smoothing.scope}; graphcal inspect --smoothquant mul lists what each "
+                "scope would smooth" if config.smoothing.mappings is None and config.smoothing.scope != "mul" else ""))
     groups, fusion_warnings = find_fused_groups(chosen)
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale

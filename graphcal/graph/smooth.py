@@ -185,6 +185,7 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
                 out.notes.append(f"{_listed(c.balance)}: not smoothed (no exact fold: {c.blocked}; "
                                  "--smoothquant mul smooths it through an explicit Mul)")
         return out
+    taken: dict[str, str] = {}  # activation -> the mapping that smooths it (llm-compressor smooths a layer once)
     for balance_patterns, smooth_pattern in named:
         label = f"[{', '.join(balance_patterns)}] <- {smooth_pattern}"
         hits = [c for c in cands if _name_matches(c.smooth, smooth_pattern)
@@ -195,6 +196,9 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
         for c in hits:
             listed = [b for b in c.balance if any(_name_matches(b, p) for p in balance_patterns)]
             if ignore and _ignored(c.smooth, ignore) and all(_ignored(b, ignore) for b in listed):
+                continue
+            if c.activation in taken:
+                out.notes.append(f"{label}: {c.smooth} is smoothed once, by the earlier mapping {taken[c.activation]}")
                 continue
             missing = [b for b in c.balance if b not in listed]
             if c.reason:
@@ -207,6 +211,7 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
                                  "--smoothquant mul smooths through an explicit Mul)")
             else:
                 out.mappings.append(Mapping(c, explicit=c.kind == "mul"))
+                taken[c.activation] = label
     return out
 
 
