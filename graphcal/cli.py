@@ -98,8 +98,10 @@ CONFIG_OPTIONS = (
                       "mappings; no node added); all: also into linear layers (up_proj -> down_proj); mul: also an "
                       "explicit Mul(x, 1/s) where no fold is exact (post-LN encoders such as BERT; one elementwise "
                       "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
-    click.option("--smoothing-strength", type=float, default=None, metavar="ALPHA",
-                 help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant."),
+    click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",
+                 help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
+                      "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 0.9 "
+                      "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "

@@ -63,6 +63,7 @@ class Smoothing:
     ignore: tuple[str, ...] = ()
     algorithm: str = "smoothquant"  # or "log_equalization"
     scope: str = "norms"
+    search: bool = False  # --smoothing-strength auto: each mapping's strength searched (graphcal's extension)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Options:
     kv_cache: str | None = None
     recipe: str | os.PathLike | None = None
     smoothquant: str | None = None  # --smoothquant: "norms", "all" or "mul"
-    smoothing_strength: float | None = None
+    smoothing_strength: float | str | None = None  # a number, or "auto" (searched per mapping)
 
 
 def resolve(options: Options) -> RunConfig:
@@ -130,9 +131,23 @@ def resolve(options: Options) -> RunConfig:
         if options.smoothquant is not None:
             smoothing = replace(smoothing, scope=check_scope(options.smoothquant))
         if options.smoothing_strength is not None:
-            smoothing = replace(smoothing, strength=check_strength(options.smoothing_strength))
+            if str(options.smoothing_strength).strip().lower() == "auto":
+                smoothing = replace(smoothing, search=True)
+            else:
+                smoothing = replace(smoothing, strength=check_strength(_number(options.smoothing_strength)),
+                                    search=False)
         config.smoothing = smoothing
     return config
+
+
+def _number(value):
+    """A strength given as text (the command line) as a float; other values as they are."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise UsageError(f"smoothing strength must be a number or auto, got {_shown(value)!r}") from None
+    return value
 
 
 def check_scope(scope: str) -> str:

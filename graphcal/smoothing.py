@@ -41,6 +41,8 @@ from graphcal.types import Target
 log = logging.getLogger("graphcal")
 
 MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
+SEARCH_GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # --smoothing-strength auto: 0.1 ... 0.9
+SEARCH_ROWS = 256  # rows of each smoothed activation the search scores candidates on
 METADATA_KEY = "graphcal.smoothquant"  # the output model's record of what was smoothed (metadata_props)
 
 
@@ -84,6 +86,46 @@ class RangeSet(Consumers):
         return {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in self.ranges.items() if o.has_statistics}
 
 
+class RowSample:
+    """Up to ``rows`` rows of an activation, spread over the batches (SmoothQuant's strength search)."""
+
+    takes_extrema = False
+    observer_name = "smoothing strength search"
+
+    def __init__(self, rows: int, batches: int | None):
+        self.rows, self.per_batch = rows, max(1, -(-rows // batches)) if batches else rows
+        self.kept: list[torch.Tensor] = []
+        self.count = 0
+
+    def __call__(self, x: torch.Tensor) -> None:
+        if self.count >= self.rows:
+            return
+        flat = x.reshape(-1, x.shape[-1])
+        take = min(self.per_batch, self.rows - self.count, flat.shape[0])
+        index = torch.linspace(0, flat.shape[0] - 1, take, device=flat.device).round().long()
+        self.kept.append(flat[index].float().cpu())
+        self.count += take
+
+    def value(self) -> torch.Tensor:
+        return torch.cat(self.kept)
+
+
+def statistics(mappings: list[Mapping], search: bool, batches: int | None, others=(), also: dict[str, int] = ()) -> RangeSet:
+    """The consumers SmoothQuant needs: each smooth layer's output range; with the strength
+    ``search``, each smoothed activation's range and a sample of its rows; ``also``: more ranges."""
+    tensors = {m.candidate.tensor: m.candidate.channels for m in mappings}
+    tensors.update(also)
+    samples = []
+    if search:
+        for m in mappings:
+            tensors.setdefault(m.candidate.activation, m.candidate.channels)
+        for x in dict.fromkeys(m.candidate.activation for m in mappings):
+            samples.append(Consumer(x, Feed.INPUT, RowSample(SEARCH_ROWS, batches), None))
+    ranges = RangeSet(tensors, [*others, *samples])
+    ranges.samples = {c.tensor: c.observer for c in samples}
+    return ranges
+
+
 def taps_of(mappings: list[Mapping]) -> dict[str, str]:
     """Target name -> the smoothed activation its observers tap (the same names Smoothed.taps gives)."""
     return {b: m.tapped for m in mappings for b in m.balance}
@@ -97,6 +139,7 @@ class Smoothed:
     scales: dict[str, torch.Tensor]  # activation -> s (clamped)
     unclamped: dict[str, torch.Tensor] = field(default_factory=dict)
     ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # smooth output -> (min, max)
+    strengths: dict[str, float] = field(default_factory=dict)  # activation -> the strength its scales were made with
     columns: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # balance target -> s to multiply columns by
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear smooth target -> s to divide rows by
 
@@ -151,9 +194,11 @@ class Smoothed:
 
         model = run.model
         settings = run.config.smoothing
-        record = {"strength": settings.strength, "algorithm": settings.algorithm, "scope": settings.scope,
+        record = {"strength": "auto" if settings.search else settings.strength, "algorithm": settings.algorithm,
+                  "scope": settings.scope,
                   "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
-                                "balance": list(m.balance)} for m in self.mappings]}
+                                "balance": list(m.balance), "strength": self.strengths.get(m.candidate.activation)}
+                               for m in self.mappings]}
         model.metadata_props.add(key=METADATA_KEY, value=json.dumps(record, separators=(",", ":")))
         params, scales = [], {}
         for m in self.mappings:
@@ -188,20 +233,19 @@ def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_
     from graphcal.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
+    search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
                   inputs=inputs)
     smoothed_of = {m.tapped: m for m in mappings}
     deferred = [c for c in observers.consumers if c.tensor in smoothed_of]
     if dist is None and not exclude_padding and reduce_in_graph and all(_replayable(c) for c in deferred):
         log.info("SmoothQuant and calibration in one pass (%d observers of smoothed activations replayed)", len(deferred))
-        tensors = {m.candidate.tensor: m.candidate.channels for m in mappings}
-        for c in deferred:
-            tensors.setdefault(smoothed_of[c.tensor].candidate.activation, smoothed_of[c.tensor].candidate.channels)
+        also = {smoothed_of[c.tensor].candidate.activation: smoothed_of[c.tensor].candidate.channels for c in deferred}
         others = [c for c in observers.consumers if c.tensor not in smoothed_of]
-        ranges = RangeSet(tensors, others)
+        ranges = statistics(mappings, search, calib.num_batches, others, also)
         result = run_activation_pass(run, ranges, calib, reduce_in_graph=True, **kwargs)
         extrema = ranges.extrema()
-        smoothed = scales_from(run, mappings, extrema)
+        smoothed = scales_from(run, mappings, extrema, _samples(ranges))
         types = run.types
         for c in deferred:
             m = smoothed_of[c.tensor]
@@ -238,12 +282,12 @@ def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, 
     from graphcal.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
-    ranges = RangeSet({m.candidate.tensor: m.candidate.channels for m in mappings})
+    ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches)
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing")
     smoothed = None
-    if dist is None or dist.is_main:
-        smoothed = scales_from(run, mappings, ranges.extrema())
+    if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
+        smoothed = scales_from(run, mappings, ranges.extrema(), _samples(ranges))
     if dist is not None:
         import torch.distributed as tdist
 
@@ -253,20 +297,113 @@ def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, 
     return smoothed
 
 
-def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict) -> Smoothed:
-    """Every mapping's scales from its smooth layer's output range and its balance weights."""
+def _samples(ranges: RangeSet) -> dict[str, torch.Tensor]:
+    return {t: r.value() for t, r in getattr(ranges, "samples", {}).items() if r.kept}
+
+
+def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: dict | None = None) -> Smoothed:
+    """Every mapping's scales from its smooth layer's output range and its balance weights; with the
+    strength search, at the strength of SEARCH_GRID whose scales quantize the balance layers' outputs
+    on the sampled rows best."""
     settings = run.config.smoothing
     by_name = {t.name: t for t in run.found}
-    scales, unclamped = {}, {}
+    scales, unclamped, strengths = {}, {}, {}
     for m in mappings:
         lo, hi = ranges[m.candidate.tensor]
-        weights = []
-        if settings.algorithm != "log_equalization":
-            weights = [torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
-        s, raw = smoothing_scales(lo, hi, weights, settings.strength, settings.algorithm)
-        scales[m.candidate.activation], unclamped[m.candidate.activation] = s, raw
-        log.info("smoothing %s: scales %.3g..%.3g", m.describe(), float(s.min()), float(s.max()))
-    return Smoothed(mappings, scales, unclamped, dict(ranges))
+        weights = [torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
+        x = m.candidate.activation
+        if settings.search and x in (samples or {}):
+            strength = _search(run, m, lo, hi, weights, samples[x], ranges[x], settings.algorithm)
+        else:
+            strength = settings.strength
+        s, raw = smoothing_scales(lo, hi, weights, strength, settings.algorithm)
+        scales[x], unclamped[x], strengths[x] = s, raw, strength
+        log.info("smoothing %s: strength %g, scales %.3g..%.3g", m.describe(), strength, float(s.min()), float(s.max()))
+    return Smoothed(mappings, scales, unclamped, dict(ranges), strengths=strengths)
+
+
+def _search(run: RunPlan, m: Mapping, lo, hi, weights: list[torch.Tensor], rows: torch.Tensor, act_range,
+            algorithm: str) -> float:
+    """The strength of SEARCH_GRID whose smoothing gives the balance layers' outputs on ``rows`` the
+    smallest squared error once weights and inputs are fake-quantized as the run's schemes say (the
+    inputs' static range is the whole data's: ``act_range``, x's per-channel extrema)."""
+    best = None
+    for strength in SEARCH_GRID:
+        s, _ = smoothing_scales(lo, hi, weights, strength, algorithm)
+        error = _error(run, m, s, weights, rows, act_range)
+        if best is None or error < best[0]:
+            best = (error, strength)
+    return best[1]
+
+
+def _error(run: RunPlan, m: Mapping, s: torch.Tensor, weights: list[torch.Tensor], rows: torch.Tensor,
+           act_range) -> float:
+    inverse = 1.0 / s.float()
+    smoothed = rows * inverse
+    lo, hi = (v.float() * inverse for v in act_range)
+    total = 0.0
+    for name, w in zip(m.balance, weights):
+        scheme = run.schemes.get(name)
+        if scheme is None:  # balanced but left in float: smoothing changes nothing in its output
+            continue
+        w = w.float()
+        wq = _fake_weight(w * s.float()[None, :], scheme.weights)
+        xq = _fake_input(smoothed, scheme.input_activations, lo, hi)
+        total += float(((rows @ w.T - xq @ wq.T) ** 2).sum())
+    return total
+
+
+def _as_rows_args(args):
+    """Activation args as weight args over [rows, channels] (token -> channel), so compressed-tensors'
+    weight path quantizes them."""
+    from graphcal.types import enum_value
+
+    strategy = enum_value(args.strategy)
+    return args.model_copy(update={"strategy": "channel" if strategy == "token" else strategy, "dynamic": False,
+                                   "observer": None})
+
+
+def _fake_weight(w: torch.Tensor, args) -> torch.Tensor:
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    from graphcal.config import observer_name
+    from graphcal.observe import make_observer
+
+    if args is None:
+        return w
+    obs = make_observer(observer_name(args, "weight"), "weight", args.model_copy(deep=True))
+    obs(w)
+    qp = obs.get_qparams()
+    return fake_quantize(w, qp["scale"], qp["zero_point"], args, global_scale=qp["global_scale"])
+
+
+def _fake_input(x: torch.Tensor, args, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, channels] fake-quantized as the input args say: static scales from the whole
+    data's extrema (``lo``/``hi`` per channel), dynamic ones from the rows themselves."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from graphcal.observe import make_observer
+    from graphcal.types import enum_value
+
+    if args is None:
+        return x
+    rows_args = _as_rows_args(args)
+    strategy = enum_value(args.strategy)
+    if args.dynamic is False and strategy in ("tensor", "group"):
+        if strategy == "tensor":
+            lo, hi = lo.amin().reshape(1), hi.amax().reshape(1)
+        else:
+            lo = lo.reshape(-1, args.group_size).amin(dim=1)
+            hi = hi.reshape(-1, args.group_size).amax(dim=1)
+        scale, zero_point = calculate_qparams(lo, hi, args)
+        if strategy == "group":
+            scale, zero_point = scale.expand(x.shape[0], -1), zero_point.expand(x.shape[0], -1)
+        return fake_quantize(x, scale, zero_point, rows_args)
+    obs = make_observer("memoryless_minmax", "weight", rows_args)
+    obs(x)
+    qp = obs.get_qparams()
+    return fake_quantize(x, qp["scale"], qp["zero_point"], rows_args, global_scale=qp["global_scale"])
 
 
 def _np_dtype(types, tensor: str):

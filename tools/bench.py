@@ -9,8 +9,8 @@ For each model and sample count it runs, each in a fresh child process (so each 
 
 - ``onnxruntime`` inference over the same batches: the floor (ORT_ENABLE_BASIC, as graphcal's pass);
 - ``graphcal run`` with W8A8_STATIC and static_minmax (in-graph min/max reductions), the same with
-  whole tensors fetched (``reduce_in_graph=False``), with SmoothQuant first (``--smoothquant``, and
-  ``--smoothquant all``: one more pass), with ``mse`` observers, and with
+  whole tensors fetched (``reduce_in_graph=False``), with SmoothQuant (``--smoothquant``, ``--smoothquant
+  all``, and the latter with ``--smoothing-strength auto``; in the same pass), with ``mse`` observers, and with
   ``imatrix_mse`` weights (W4A16);
 - onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with
   MinMax, Percentile and Entropy calibration;
@@ -46,6 +46,8 @@ CONFIGS = {
     "graphcal minmax, whole tensors": {"kind": "graphcal", "scheme": "W8A8_STATIC", "reduce_in_graph": False},
     "graphcal minmax + SmoothQuant": {"kind": "graphcal", "scheme": "W8A8_STATIC", "smoothquant": "norms"},
     "graphcal minmax + SmoothQuant all": {"kind": "graphcal", "scheme": "W8A8_STATIC", "smoothquant": "all"},
+    "graphcal minmax + SmoothQuant all, strength auto": {"kind": "graphcal", "scheme": "W8A8_STATIC",
+                                                          "smoothquant": "all", "smoothing_strength": "auto"},
     "graphcal mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "mse"},
     "graphcal imatrix_mse (W4A16)": {"kind": "graphcal", "scheme": IMATRIX},
     "quantize_static MinMax": {"kind": "ort", "method": "MinMax"},
@@ -94,7 +96,7 @@ def child(spec: dict) -> dict:
     elif kind == "graphcal":
         calibrate(spec["model"], spec["data"], out, scheme=spec["scheme"], observer=spec.get("observer"),
                   device=spec["device"], batch_size=BATCH, reduce_in_graph=spec.get("reduce_in_graph", True),
-                  smoothquant=spec.get("smoothquant"))
+                  smoothquant=spec.get("smoothquant"), smoothing_strength=spec.get("smoothing_strength"))
     elif kind == "ort":
         from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 

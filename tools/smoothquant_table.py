@@ -5,7 +5,8 @@
     python tools/smoothquant_table.py --models minilm --strengths 0.5 0.8 --markdown /tmp/sq.md
 
 For each model it calibrates W8A8 (dynamic per-token int8), W8A8_STATIC, and W8A8_STATIC after
-SmoothQuant (``--smoothquant norms``, ``all`` and ``mul``, at each ``--strengths``) with
+SmoothQuant (``--smoothquant norms``, ``all`` and ``mul``, at each of ``--strengths``: llm-compressor's
+default 0.5 and graphcal's searched ``auto`` unless given) with
 ``graphcal.pipeline.calibrate`` (``--target onnxruntime``), and measures in this one process:
 
 - accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL,
@@ -95,7 +96,8 @@ def metrics(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-bert", "bench-decoder", "minilm"])
-    ap.add_argument("--strengths", nargs="+", type=float, default=[0.5])
+    ap.add_argument("--strengths", nargs="+", default=["0.5", "auto"],
+                    help="SmoothQuant strengths to try: numbers, or auto (searched per mapping)")
     ap.add_argument("--scopes", nargs="+", default=["norms", "all", "mul"])
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per model for the speed column")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-speed")
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
         ref = outputs(data.model, feeds, batch)
         mask = feeds.get("attention_mask") if name == "minilm" else None
         runs = [("W8A8", "W8A8", None, None), ("W8A8_STATIC", "W8A8_STATIC", None, None)]
-        runs += [(f"W8A8_STATIC --smoothquant {scope}" + (f" --smoothing-strength {a:g}" if a != 0.5 else ""),
+        runs += [(f"W8A8_STATIC --smoothquant {scope}" + (f" --smoothing-strength {a}" if a != "0.5" else ""),
                   "W8A8_STATIC", scope, a) for a in args.strengths for scope in args.scopes]
         results = {}
         with tempfile.TemporaryDirectory() as tmp:
