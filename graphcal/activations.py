@@ -26,6 +26,7 @@ log = logging.getLogger("graphcal")
 
 # reduced extrema -> the observers' qparam shapes (flatten_for_calibration's reduce over dims 0, -1)
 _QPARAM_SHAPE = {Reduction.ALL: lambda v: (1,), Reduction.GROUP: lambda v: (v.numel(),),
+                 Reduction.CHANNEL: lambda v: (v.numel(),),
                  Reduction.HEAD: lambda v: (v.numel(), 1, 1)}
 
 

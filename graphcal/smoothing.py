@@ -80,7 +80,7 @@ class RangeSet(Consumers):
             obs = Observer.load_from_registry("static_minmax", base_name="input", args=args)
             self.ranges[tensor] = obs
             self.consumers.append(Consumer(tensor, Feed.INPUT, obs,
-                                           TapRequest(tensor, Reduction.GROUP, channels, 1)))
+                                           TapRequest(tensor, Reduction.CHANNEL, channels)))
 
     def extrema(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in self.ranges.items() if o.has_statistics}

