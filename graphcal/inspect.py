@@ -126,7 +126,8 @@ def to_dict(report: Inspection) -> dict:
         "warnings": report.warnings,
         "onnxruntime_kernels": report.forms,
         "smoothquant": None if report.smoothing is None else {
-            "strength": report.config.smoothing.strength, "algorithm": report.config.smoothing.algorithm,
+            "strength": "auto" if report.config.smoothing.search else report.config.smoothing.strength,
+            "algorithm": report.config.smoothing.algorithm,
             "scope": report.config.smoothing.scope,
             "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
                           "balance": list(m.balance), "activation": m.candidate.activation}
@@ -172,7 +173,8 @@ def format_text(report: Inspection) -> str:
                      + (", ".join(k.name for k in report.kv_states) or "none found"))
     if report.smoothing is not None:
         sq = report.config.smoothing
-        lines.append(f"smoothquant {len(report.smoothing.mappings)} mapping(s), strength {sq.strength:g}"
+        strength = "auto (searched per mapping)" if sq.search else f"{sq.strength:g}"
+        lines.append(f"smoothquant {len(report.smoothing.mappings)} mapping(s), strength {strength}"
                      + (f", {sq.algorithm}" if sq.algorithm != "smoothquant" else "") + ":")
         lines += [f"  {m.describe()}" for m in report.smoothing.mappings]
         lines += [f"  {n}" for n in report.smoothing.notes]

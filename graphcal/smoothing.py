@@ -312,7 +312,7 @@ def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: di
         lo, hi = ranges[m.candidate.tensor]
         weights = [torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
         x = m.candidate.activation
-        if settings.search and x in (samples or {}):
+        if settings.search and settings.algorithm != "log_equalization" and x in (samples or {}):  # log: no strength
             strength = _search(run, m, lo, hi, weights, samples[x], ranges[x], settings.algorithm)
         else:
             strength = settings.strength

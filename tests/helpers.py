@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 import torch
 
 
@@ -202,3 +203,12 @@ def run_layers(layers, tmp_path, scheme, *extra) -> tuple:
                                       "--scheme", scheme, "-o", str(out), "--device", "cpu", "--json", *extra])
     assert result.exit_code == 0, result.output
     return out / "model.onnx", json.loads(result.stdout)
+
+
+# Known, harmless exporter chatter (HF mask code under the tracer, aten::index, torch pytree): the
+# pytestmark of test modules that export transformers models.
+EXPORTER_CHATTER = [
+    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean"),
+    pytest.mark.filterwarnings("ignore:Exporting aten.*index operator of advanced indexing"),
+    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
+]

@@ -121,6 +121,30 @@ def test_weight_searches_on_the_gpu_match_the_cpu(llama_dir, tmp_path, scheme, o
             assert same > 0.99, f"{key}: only {same:.1%} of the scales agree"
 
 
+@pytest.mark.parametrize("scope, strength, observer", [("all", None, None), ("mul", "auto", None),
+                                                      ("norms", None, "minmax")])
+def test_smoothquant_on_the_gpu_matches_the_cpu(llama_dir, tmp_path, scope, strength, observer):
+    """SmoothQuant on CUDA (ranges reduced there, replayed or tapped as x/s; minmax takes the two-pass
+    path): the same mappings, and scales within the CUDA kernels' rounding of the CPU's."""
+    import json
+
+    import onnx
+
+    from graphcal.pipeline import calibrate
+
+    runs, records = {}, {}
+    for device in ("cuda", "cpu"):
+        result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / device, scheme="W8A8_STATIC",
+                           smoothquant=scope, smoothing_strength=strength, observer=observer, device=device)
+        assert device == "cpu" or result.provider == "CUDAExecutionProvider"
+        runs[device] = result.qparams
+        model = onnx.load(tmp_path / device / "model.onnx")
+        records[device] = json.loads(next(p.value for p in model.metadata_props if p.key == "graphcal.smoothquant"))
+    assert [m["balance"] for m in records["cuda"]["mappings"]] == [m["balance"] for m in records["cpu"]["mappings"]]
+    for key, value in runs["cuda"].items():
+        torch.testing.assert_close(value, runs["cpu"][key], rtol=2e-2, atol=0)
+
+
 def test_observer_device_follows_the_session():
     assert observer_device("CUDAExecutionProvider", "auto", 0) == torch.device("cuda", 0)
     assert observer_device("CPUExecutionProvider", "cuda", 0) == torch.device("cpu")

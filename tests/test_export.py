@@ -17,6 +17,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from tests.helpers import EXPORTER_CHATTER
+
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / "models"
 MODEL_NAMES = ["tiny-llama", "tiny-bert"]
@@ -30,12 +32,7 @@ OUTPUTS = {
 }
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
-# Known, harmless exporter chatter (HF mask code under the tracer, aten::index, torch pytree).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean"),
-    pytest.mark.filterwarnings("ignore:Exporting aten.*index operator of advanced indexing"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
-]
+pytestmark = EXPORTER_CHATTER  # known, harmless exporter warnings
 
 
 @pytest.fixture(scope="module")

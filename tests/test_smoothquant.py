@@ -33,6 +33,7 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.graph.smooth import TAP_PREFIX
 from graphcal.plan import plan
 from graphcal.smoothing import collect, smoothing_scales
+from tests.helpers import EXPORTER_CHATTER
 
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
 CASES = [
@@ -44,12 +45,7 @@ CASES = [
 SMOOTH_NODE = "/layers.0/smooth"  # the legacy exporter's node path of module layers.0.smooth
 F32 = np.float32
 
-# Known, harmless exporter chatter (HF mask code under the tracer, aten::index, torch pytree).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean"),
-    pytest.mark.filterwarnings("ignore:Exporting aten.*index operator of advanced indexing"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
-]
+pytestmark = EXPORTER_CHATTER  # known, harmless exporter warnings
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphcal.graph.targets import NAME_SCOPES_KEY, module_from_scopes
+from graphcal.graph.targets import scoped_module
 from graphcal.types import Target
 
 SHAPE_ONLY = {"Shape", "Size"}  # readers that see an activation's shape, not its values
@@ -369,15 +369,9 @@ def _norm_params(index: GraphIndex, node: onnx.NodeProto, x: str, channels: int)
 def node_module(node: onnx.NodeProto, params: tuple[Param, ...] = ()) -> str:
     """The torch module a non-MatMul node belongs to: name_scopes metadata, the legacy exporter's
     node path (``/model/layers.0/input_layernorm/Mul_1``), or its scale's initializer name."""
-    for prop in node.metadata_props:
-        if prop.key == NAME_SCOPES_KEY:
-            name = module_from_scopes(prop.value)
-            if name:
-                return name
-    if node.name.startswith("/"):
-        parts = [p for p in node.name.split("/") if p]
-        if len(parts) >= 2:
-            return ".".join(parts[:-1])
+    name = scoped_module(node)
+    if name:
+        return name
     for p in params:
         if p.value.endswith(".weight") and not p.value.startswith("onnx::"):
             return p.value[: -len(".weight")]

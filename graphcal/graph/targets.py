@@ -99,6 +99,18 @@ def torch_weight(model: onnx.ModelProto, target: Target, base_dir: str | None = 
 
 def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
     """Torch module path for a node: name_scopes metadata, else the legacy node name."""
+    name = scoped_module(node, _LEGACY_OP_SUFFIX)
+    if name:
+        return name
+    if weight_name.endswith(".weight") and not weight_name.startswith("onnx::"):
+        return weight_name[: -len(".weight")]
+    return node.name or f"{node.op_type.lower()}_{index}"
+
+
+def scoped_module(node: onnx.NodeProto, op_suffix: re.Pattern | None = None) -> str | None:
+    """The torch module a node belongs to by its name: the dynamo exporter's name_scopes metadata,
+    else the legacy exporter's node path (``/model/layers.0/input_layernorm/Mul_1`` ->
+    ``model.layers.0.input_layernorm``; with ``op_suffix``, only when the last part matches it)."""
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES_KEY:
             name = module_from_scopes(prop.value)
@@ -106,11 +118,9 @@ def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
                 return name
     if node.name.startswith("/"):
         parts = [p for p in node.name.split("/") if p]
-        if len(parts) >= 2 and _LEGACY_OP_SUFFIX.match(parts[-1]):
+        if len(parts) >= 2 and (op_suffix is None or op_suffix.match(parts[-1])):
             return ".".join(parts[:-1])
-    if weight_name.endswith(".weight") and not weight_name.startswith("onnx::"):
-        return weight_name[: -len(".weight")]
-    return node.name or f"{node.op_type.lower()}_{index}"
+    return None
 
 
 def select(targets: list[Target], patterns: list[str], ignore: list[str]) -> tuple[list[Target], list[str]]:
