@@ -735,3 +735,59 @@ def test_auto_strength_from_the_command_line(llama_dir, tmp_path):
     bad = _run(llama_dir, tmp_path / "bad", "--smoothing-strength", "often")
     assert bad.exit_code == 2 and "smoothing strength must be a number or auto" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# eval: the SmoothQuant advice, and --isolated on a smoothed model
+# ------------------------------------------------------------------------------------------
+
+
+def _agreement(name: str, sqnr: float):
+    from graphcal.evaluate import Agreement
+
+    a = Agreement(name)
+    a.add(np.ones(100), np.ones(100) + 10 ** (-sqnr / 20))  # error power 10^(-sqnr/10) of the reference's
+    return a
+
+
+def test_eval_suggests_the_scope_that_smooths_the_flagged_layers(llama_dir):
+    from graphcal.evaluate import EvalReport, _smoothable
+    from graphcal.graph.targets import find_targets
+
+    model = onnx.load(llama_dir / "model.onnx")
+    targets = find_targets(model)[0]
+    smoothable = _smoothable(model, targets, {})
+    assert smoothable["model.layers.0.self_attn.q_proj"] == "norms"
+    assert smoothable["model.layers.0.mlp.down_proj"] == "all"  # folded into up_proj
+    assert smoothable["model.layers.0.self_attn.o_proj"] == "mul"  # only an explicit Mul is exact
+    # layers the model's own record says were smoothed are not suggested again
+    record = {"mappings": [{"balance": ["model.layers.0.mlp.down_proj"]}]}
+    assert "model.layers.0.mlp.down_proj" not in _smoothable(model, targets, record)
+
+    names = [t.name for t in targets if t.name != "lm_head"]
+    layers = [_agreement(n, 10.0 if n.endswith("down_proj") else 30.0) for n in names]
+    report = EvalReport([], layers, 16, 2, "onnxruntime", smoothable=smoothable)
+    assert set(report.suggested_ignore()) == {n for n in names if n.endswith("down_proj")}
+    assert report.suggested_smoothquant() == ["--smoothquant", "all"]
+    assert report.as_dict()["suggested_smoothquant"] == ["--smoothquant", "all"]
+    layers = [_agreement(n, 10.0 if n.endswith(("down_proj", "o_proj")) else 30.0) for n in names]
+    assert EvalReport([], layers, 16, 2, "onnxruntime", smoothable=smoothable).suggested_smoothquant() == [
+        "--smoothquant", "mul"]
+    layers = [_agreement(n, 10.0 if n.endswith("q_proj") else 30.0) for n in names]
+    assert EvalReport([], layers, 16, 2, "onnxruntime", smoothable=smoothable).suggested_smoothquant() == [
+        "--smoothquant"]
+
+
+def test_eval_isolated_refuses_a_folded_smoothing(llama_dir, tmp_path):
+    from graphcal.errors import UsageError
+    from graphcal.evaluate import evaluate
+    from graphcal.pipeline import calibrate
+
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
+              smoothquant="norms")
+    with pytest.raises(UsageError, match="--isolated cannot feed them fp32 inputs"):
+        evaluate(llama_dir / "model.onnx", tmp_path / "out" / "model.onnx", llama_dir / "heldout.npz", isolated=True)
+    report = evaluate(llama_dir / "model.onnx", tmp_path / "out" / "model.onnx", llama_dir / "heldout.npz")
+    assert report.outputs[0].sqnr_db > 25
+    # q/k/v and gate/up were smoothed: no advice points back at them
+    assert not {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"} & set(report.smoothable)
