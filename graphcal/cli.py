@@ -100,7 +100,7 @@ CONFIG_OPTIONS = (
                       "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
     click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",
                  help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
-                      "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 0.9 "
+                      "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 1.0 "
                       "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",

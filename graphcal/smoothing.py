@@ -41,7 +41,7 @@ from graphcal.types import Target
 log = logging.getLogger("graphcal")
 
 MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
-SEARCH_GRID = tuple(round(0.1 * i, 1) for i in range(1, 10))  # --smoothing-strength auto: 0.1 ... 0.9
+SEARCH_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # --smoothing-strength auto: 0.1 ... 1.0
 SEARCH_ROWS = 256  # rows of each smoothed activation the search scores candidates on
 METADATA_KEY = "graphcal.smoothquant"  # the output model's record of what was smoothed (metadata_props)
 

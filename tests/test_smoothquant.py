@@ -690,7 +690,7 @@ def _fake_int8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
 
 def test_auto_strength_picks_the_grid_point_with_the_least_output_error(llama_dir, tmp_path):
     """With every calibration row sampled (128 rows, under the 256 the search keeps), the strength
-    graphcal chose for input_layernorm -> q/k/v minimises, over 0.1 ... 0.9, the error of q/k/v's
+    graphcal chose for input_layernorm -> q/k/v minimises, over 0.1 ... 1.0, the error of q/k/v's
     outputs under W8A8_STATIC, computed here independently: per-tensor static int8 of x/s from its
     extrema, per-output-channel int8 of W*s, the squared error of X W^T summed over q, k, v."""
     with np.load(llama_dir / "calib.npz") as data:
@@ -712,7 +712,7 @@ def test_auto_strength_picks_the_grid_point_with_the_least_output_error(llama_di
     weights = [torch.from_numpy(_const(original, n.input[1])).T.double() for n in balance]
     columns_max = torch.cat([w.abs() for w in weights]).amax(0)
     errors = {}
-    for alpha in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+    for alpha in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
         s = _smoothquant_scales(x.amin(0), x.amax(0), columns_max, alpha)
         xs = x / s
         xq = _fake_int8(xs, xs.min().reshape(1), xs.max().reshape(1))
