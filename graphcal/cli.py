@@ -316,11 +316,18 @@ def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, pac
 @click.option("--isolated", is_flag=True,
               help="Also measure each layer's own error (its input taken from the fp32 run: a third model run per "
                    "batch) and rank layers and advice by it instead of the cumulative error.")
+@click.option("--sensitivity", is_flag=True,
+              help="Also run the quantized model with only one kind of layer quantized (mlp.down_proj across all "
+                   "blocks, ...; the rest back in float), rank kinds by the output error each causes alone, and "
+                   "measure the advice (the worst kinds back in float) the same way: one pass over the data per kind "
+                   "and per option.")
+@click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one pass per layer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write an HTML page with the tables and a per-layer SQNR chart.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
-def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, as_json, html_path, debug):
+def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer, as_json,
+                 html_path, debug):
     """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
     output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
     that would keep them in float.
@@ -334,7 +341,8 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
     from graphcal.evaluate import evaluate, format_html, format_text
 
     report = _guarded(lambda: evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples,
-                                       level=level, isolated=isolated), debug)
+                                       level=level, isolated=isolated, sensitivity=sensitivity,
+                                       per_layer=per_layer), debug)
     if html_path is not None:
         _guarded(lambda: html_path.write_text(format_html(report, f"{quantized} vs {reference}")), debug)
     click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report))

@@ -83,6 +83,7 @@ class EvalReport:
     ignored: list[str] | None = None  # the quantized model's ignore list (its quantization_config.json), if known
     isolated: list[Agreement] | None = None  # each layer's own error, on the reference's inputs (eval --isolated)
     smoothable: dict[str, str] = field(default_factory=dict)  # layer -> SmoothQuant scope that reaches its input, if unsmoothed
+    sensitivity: object | None = None  # sensitivity.Sensitivity (eval --sensitivity)
 
     @property
     def ranked(self) -> list[Agreement]:
@@ -139,7 +140,21 @@ class EvalReport:
                 "ranked_by": "isolated" if self.isolated is not None else "cumulative",
                 "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
                 "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
-                "skipped_layers": self.skipped_layers}
+                "skipped_layers": self.skipped_layers,
+                **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {})}
+
+    def _sensitivity_dict(self) -> dict:
+        sens = self.sensitivity
+        advice = sens.advice(self.outputs[0].sqnr_db)
+
+        def option(o):
+            return {"kinds": o.kinds, "layers": o.layers, "expected_outputs": [a.as_dict() for a in o.outputs],
+                    "flags": sens.flags(o)}
+
+        return {"alone": [{"name": k, "layers": sens.kinds.get(k, [k]), "outputs": [a.as_dict() for a in sens.alone[k]]}
+                          for k in sens.ranked()],
+                "options": [option(o) for o in sens.options],
+                "advice": option(advice) if advice is not None else None}
 
 
 def _kind(name: str) -> str:
@@ -167,7 +182,8 @@ def _written_ignore(candidate: Path) -> list[str] | None:
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
-             num_samples: int | None = None, level: str = "basic", isolated: bool = False) -> EvalReport:
+             num_samples: int | None = None, level: str = "basic", isolated: bool = False,
+             sensitivity: bool = False, per_layer: bool = False) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
@@ -178,11 +194,20 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     of every layer before it. With ``isolated``, a third run gives each layer's own error: a copy
     of the quantized model in which every layer's input activation is the reference's (fed from
     the reference run), so each quantized layer sees float input; worst layers and advice then
-    follow that error."""
+    follow that error.
+
+    With ``sensitivity``, the model's outputs are also compared with only one kind of layer
+    quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
+    back in float, and the advice is measured the same way (graphcal.sensitivity): one pass over
+    the data per kind, layer and advice option, each running both models."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
     smoothed = _smoothquant_record(cand_model)
+    if sensitivity:
+        from graphcal.sensitivity import check_unsmoothed
+
+        check_unsmoothed(smoothed, candidate)
     if isolated and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
         raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its "
                          "balance layers read x/s, which the fp32 model does not compute), so --isolated cannot feed "
@@ -244,9 +269,55 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             for agreement, (_, tensor) in zip(alone, layers):
                 agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
+    ignored = _written_ignore(Path(candidate))
+    sens = None
+    if sensitivity:
+        sens = _sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer,
+                            ignored if ignored is not None else list(DEFAULT_IGNORE))
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped, level=level, ignored=_written_ignore(Path(candidate)), isolated=alone,
-                      smoothable=smoothable)
+                      cand_run.kind, skipped, level=level, ignored=ignored, isolated=alone,
+                      smoothable=smoothable, sensitivity=sens)
+
+
+def _sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored):
+    """Each kind (and layer) quantized alone, then the advice options, each compared with fp32 over the data."""
+    from graphcal.sensitivity import MAX_OPTIONS, Option, Sensitivity, float_except, quantized_layers
+
+    ref_model, cand_model = load_model(reference), load_model(candidate)
+    layers = quantized_layers(cand_model, ref_model, targets)
+    kinds: dict[str, list[str]] = {}
+    for t in layers:
+        kinds.setdefault(_kind(t.name), []).append(t.name)
+
+    def compare(keep: set[str]) -> list[Agreement]:
+        return _compare(ref_model, float_except(cand_model, ref_model, layers, keep), outputs, calib, optimization)
+
+    alone = {kind: compare(set(names)) for kind, names in kinds.items()}
+    if per_layer:
+        alone.update({t.name: compare({t.name}) for t in layers if len(kinds[_kind(t.name)]) > 1})
+    ranked = sorted(kinds, key=lambda k: alone[k][0].sqnr_db)
+    options = []
+    for n in range(1, min(MAX_OPTIONS, len(ranked) - 1) + 1):  # never every kind: that is the fp32 model
+        floated = ranked[:n]
+        names = [name for k in floated for name in kinds[k]]
+        option = Option(floated, names)
+        option.outputs = compare({t.name for t in layers} - set(names))
+        options.append(option)
+    return Sensitivity(kinds, alone, options, list(ignored))
+
+
+def _compare(ref_model, model, outputs, calib, optimization) -> list[Agreement]:
+    """The outputs of ``model`` against ``ref_model``'s over the data (both run once per batch)."""
+    from graphcal.runtime import open_model_runner
+
+    ref_run = open_model_runner(ref_model, outputs, optimization=optimization)
+    run = open_model_runner(model, outputs, optimization=optimization)
+    agree = [Agreement(o) for o in outputs]
+    for batch in calib.batches():
+        ref_values, values = ref_run.run(batch), run.run(batch)
+        for a, name in zip(agree, outputs):
+            a.add(ref_values[name], values[name])
+    return agree
 
 
 SMOOTH_SCOPES = ("norms", "all", "mul")  # graph.smooth.SCOPES, least to most
@@ -344,9 +415,35 @@ def format_text(report: EvalReport) -> str:
                              "this model was made without it for them): run with " + " ".join(smooth))
         else:
             lines.append("no layer is more than 6 dB under the median layer")
+    if report.sensitivity is not None:
+        lines += _sensitivity_text(report)
     if report.skipped_layers:
         lines.append(f"not compared (node missing or renamed in the quantized model): {', '.join(report.skipped_layers)}")
     return "\n".join(lines)
+
+
+def _sensitivity_text(report: EvalReport) -> list[str]:
+    sens = report.sensitivity
+    first = report.outputs[0]
+    width = max([len(k) for k in sens.alone] + [28])
+    lines = ["", f"sensitivity: {first.name} with only these layers quantized (the rest in float), most harmful first",
+             f"{'layers':<{width}}  count  SQNR (dB)  cosine"]
+    for k in sens.ranked():
+        a = sens.alone[k][0]
+        lines.append(f"{k:<{width}}  {len(sens.kinds.get(k, [k])):>5}  {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}")
+    lines.append(f"now (as quantized): {_fmt_db(first.sqnr_db)} dB, cosine {first.cosine:.6f}; in float instead:")
+    for o in sens.options:
+        a = o.outputs[0]
+        lines.append(f"  {' + '.join(o.kinds)} ({len(o.layers)} layers): {_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}")
+    advice = sens.advice(first.sqnr_db)
+    if advice is None:
+        lines.append("no kind of layer is worth keeping in float")
+    else:
+        a = advice.outputs[0]
+        lines.append(f"advice: keep {' + '.join(advice.kinds)} in float ({len(advice.layers)} layers; expected "
+                     f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}): run with "
+                     + " ".join(shlex.quote(f) for f in sens.flags(advice)))
+    return lines
 
 
 def format_html(report: EvalReport, title: str) -> str:
