@@ -109,6 +109,12 @@ class RowSample:
     def value(self) -> torch.Tensor:
         return torch.cat(self.kept)
 
+    # under torchrun nothing is exchanged: rank 0 scores its own sample (graphcal.distributed)
+    sync_ops: dict = {}
+
+    def state_dict_stats(self) -> dict:
+        return {}
+
 
 def statistics(mappings: list[Mapping], search: bool, batches: int | None, others=(), also: dict[str, int] = ()) -> RangeSet:
     """The consumers SmoothQuant needs: each smooth layer's output range; with the strength

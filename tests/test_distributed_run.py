@@ -47,6 +47,23 @@ def test_two_ranks_write_what_one_process_writes(llama_dir, tmp_path, scheme):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
+def test_two_ranks_smooth_as_one_process(llama_dir, tmp_path):
+    """SmoothQuant under torchrun (the ranges gathered, the scales broadcast, then the calibration pass
+    over x/s) writes what one process writes with the ranges and the calibration in one pass."""
+    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+              "--smoothquant", "all"]
+    two = _torchrun(2, *common, "-o", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "smoothed 6 activation(s) first" in two.stdout
+    one = _single(*common, "-o", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    auto = _torchrun(2, *common, "--smoothing-strength", "auto", "-o", tmp_path / "auto")
+    assert auto.returncode == 0, auto.stderr[-2000:]  # rank 0 scores the strengths on its own sample
+    assert (tmp_path / "auto" / "model.onnx").is_file()
+
+
 def _ema_input_scales(llama_dir, ranks: int) -> dict[str, torch.Tensor]:
     """``{module}.input_scale`` by llm-compressor's rule, from activations onnxruntime computes:
     each rank's minmax EMA (first batch sets, then ``old * 0.99 + new * 0.01``) over its batches
