@@ -128,14 +128,16 @@ def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, 
 def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
                   padding: Padding | None = None, label: str = "calibrating") -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
-    from tqdm import tqdm
+    from graphcal.progress import Progress
 
     routes = observers.by_tensor()
     count = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
-    total = known if dist is None or known is None else len(range(dist.rank, known, dist.world))
-    # disable=None: a bar only on a terminal, so logs and pipes stay clean
-    bar = tqdm(total=total, desc=label, unit="batch", disable=None if progress else True, leave=False)
+    if dist is None:  # samples/s and the time left over the whole data
+        bar = Progress(label, getattr(calib, "num_samples", None) or None, "sample", bar=progress)
+    else:  # this rank's share, in batches
+        bar = Progress(label, None if known is None else len(range(dist.rank, known, dist.world)), "batch",
+                       bar=progress)
     with torch.no_grad(), bar:
         for index, batch in enumerate(calib.batches()):
             if dist is not None and index % dist.world != dist.rank:
@@ -174,8 +176,14 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
                     except ValueError as e:  # e.g. a group size that does not divide the hidden size
                         raise GraphcalError(f"tap {tensor!r} {tuple(x.shape) if x is not None else ''}: {e}") from e
             count += 1
-            bar.update(1)
+            bar.update(batch_samples(batch) if dist is None else 1)
     return count
+
+
+def batch_samples(batch: dict) -> int:
+    """How many samples a batch holds (its inputs' leading dimension)."""
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if first is not None and getattr(first, "ndim", 0) else 1
 
 
 def all_finite(x: torch.Tensor) -> bool:

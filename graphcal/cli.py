@@ -16,7 +16,9 @@ EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/ca
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphcal")
-@click.option("--verbose", "-v", is_flag=True, help="Log each stage (loading, targets, pass, weights, writing) to stderr.")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Log each stage (loading, targets, pass, weights, writing) to stderr, and every 30 s of a long "
+                   "stage its progress: samples/s (weights/s), and the time left.")
 def cli(verbose: bool) -> None:
     """Calibrate ONNX models for quantization with llm-compressor's observers and write
     QDQ ONNX plus compressed-tensors metadata.

@@ -253,11 +253,12 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     layer_agree = [Agreement(name) for name, _ in layers]
     alone = [Agreement(name) for name, _ in layers] if isolated else None
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
-    from tqdm import tqdm
+    from graphcal.activations import batch_samples
+    from graphcal.progress import Progress
 
     batches = 0
-    for batch in tqdm(calib.batches(), total=calib.num_batches or None, desc="evaluating", unit="batch",
-                      leave=False, disable=None):
+    bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
+    for batch in calib.batches():
         ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
         for agreement, name in zip(out_agree, outputs):
             agreement.add(ref_values[name], cand_values[name])
@@ -269,6 +270,8 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             for agreement, (_, tensor) in zip(alone, layers):
                 agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
+        bar.update(batch_samples(batch))
+    bar.close()
     ignored = _written_ignore(Path(candidate))
     sens = None
     if sensitivity:

@@ -36,13 +36,12 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                      skip_nonfinite: bool = False, progress: bool = False, smoothed=None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
     ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed."""
-    from tqdm import tqdm
+    from graphcal.progress import Progress
 
     log.info("observing and quantizing %d weights", len(plan.chosen))
     by_name: dict[str, QuantizedTarget] = {}
     result = WeightResult([])
-    bar = tqdm(total=len(plan.chosen), desc="weights", unit="weight", leave=False,
-               disable=None if progress else True)
+    bar = Progress("weights", len(plan.chosen), "weight", bar=progress)
     with bar:
         for unit in _units(plan):
             weights = {}
