@@ -1,9 +1,11 @@
 """graphcal eval: how far a quantized model is from its fp32 original, output by output and layer by layer.
 
-Both models run over the same data, one batch at a time, with every weight MatMul/Gemm output
-of the fp32 model tapped in both (graphcal's writer keeps those nodes and their output names).
-Statistics stream in float64 (sums of squares, products and the max error), so memory stays
-flat whatever the data size. Models with fp4 / e8m0 types, which onnxruntime 1.31 cannot run,
+Both models run over the same data, one batch at a time, and every weight MatMul/Gemm output of
+the fp32 model is compared in both (graphcal's writer keeps those nodes and their output names).
+On onnxruntime the two models run as one graph that reduces each pair to float64 sums itself
+(graph.compare), so no activation leaves it; otherwise the tensors are fetched and compared
+here. Statistics stream in float64 (sums of squares, products and the max error), so memory
+stays flat whatever the data size. Models with fp4 / e8m0 types, which onnxruntime 1.31 cannot run,
 go through onnx.reference.
 """
 
@@ -51,6 +53,16 @@ class Agreement:
         if err.size:
             self.max_abs_err = max(self.max_abs_err, float(np.abs(err).max()))
             self.max_abs_ref = max(self.max_abs_ref, float(np.abs(ref).max()))
+
+    def add_sums(self, ref_sq: float, cand_sq: float, dot: float, err_sq: float, max_abs_err: float,
+                 max_abs_ref: float) -> None:
+        """Fold in one batch's sums as graph.compare reduces them in the graph (float64)."""
+        self.ref_sq += ref_sq
+        self.cand_sq += cand_sq
+        self.dot += dot
+        self.err_sq += err_sq
+        self.max_abs_err = max(self.max_abs_err, max_abs_err)
+        self.max_abs_ref = max(self.max_abs_ref, max_abs_ref)
 
     @property
     def sqnr_db(self) -> float:
@@ -183,7 +195,7 @@ def _written_ignore(candidate: Path) -> list[str] | None:
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
              num_samples: int | None = None, level: str = "basic", isolated: bool = False,
-             sensitivity: bool = False, per_layer: bool = False) -> EvalReport:
+             sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
@@ -199,7 +211,11 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     With ``sensitivity``, the model's outputs are also compared with only one kind of layer
     quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
     back in float, and the advice is measured the same way (graphcal.sensitivity): one pass over
-    the data per kind, layer and advice option, each running both models."""
+    the data per kind, layer and advice option, each running both models.
+
+    With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
+    graph that reduces each compared pair to six float64 sums (graph.compare), so no activation
+    leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
@@ -246,8 +262,24 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         forced_run = open_model_runner(add_taps(forced_model, layer_tensors)[0], layer_tensors,
                                        optimization=optimization)
         del forced_model
-    ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
-    cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
+    from graphcal.graph.io import runs_in_onnxruntime
+
+    paired = None
+    if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
+        # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
+        from graphcal.graph.compare import paired_model
+        from graphcal.runtime import ModelRunner, open_runtime
+
+        model, weights, sums = paired_model(ref_model, cand_model, fetch)
+        names = [n for group in sums.values() for n in group]
+        runtime = open_runtime(model, names, device="cpu", optimization=optimization, renamed_weights=weights)
+        paired = ModelRunner(names, "onnxruntime", runtime.run_numpy)
+        del model, weights
+        runner_kind = paired.kind
+    else:
+        ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
+        cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
+        runner_kind = cand_run.kind
     del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
@@ -259,6 +291,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     batches = 0
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
     for batch in calib.batches():
+        if paired is not None:
+            values = paired.run(batch)
+            for agreement, tensor in [*zip(out_agree, outputs), *zip(layer_agree, (t for _, t in layers))]:
+                agreement.add_sums(*(float(values[n]) for n in sums[tensor]))
+            batches += 1
+            bar.update(batch_samples(batch))
+            continue
         ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
         for agreement, name in zip(out_agree, outputs):
             agreement.add(ref_values[name], cand_values[name])
@@ -278,7 +317,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         sens = _sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer,
                             ignored if ignored is not None else list(DEFAULT_IGNORE))
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
-                      cand_run.kind, skipped, level=level, ignored=ignored, isolated=alone,
+                      runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
                       smoothable=smoothable, sensitivity=sens)
 
 

@@ -99,11 +99,13 @@ def open_runtime(
     device_id: int = 0,
     external_folder: str | os.PathLike | None = None,
     weights: Sequence[onnx.TensorProto] = (),
+    renamed_weights: Sequence[tuple[str, onnx.TensorProto]] = (),
 ) -> Runtime:
     """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs.
 
     ``weights`` are initializers that live beside ``model`` (the weightless tapped graph reads
-    the original model's initializers, which are never copied into it)."""
+    the original model's initializers, which are never copied into it); ``renamed_weights`` are
+    more of them, each under the name the graph reads it by (eval's two models in one graph)."""
     _check_device_choice(device)
     want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
     providers = [(_CUDA, {"device_id": device_id}), _CPU] if want_cuda else [_CPU]
@@ -119,7 +121,7 @@ def open_runtime(
     opts.enable_mem_pattern = False
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
     tmp, keep = None, []
-    graph, names, values = _inline_weights_apart(model, weights)
+    graph, names, values = _inline_weights_apart(model, weights, renamed_weights)
     if not graph_io.past_protobuf_limit(graph):  # the graph as bytes; its weights handed over in memory
         if names:
             opts.add_external_initializers(names, values)
@@ -216,7 +218,8 @@ def run_model(
 INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes
 
 
-def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorProto] = ()
+def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorProto] = (),
+                          renamed: Sequence[tuple[str, onnx.TensorProto]] = ()
                           ) -> tuple[onnx.ModelProto, list[str], list[ort.OrtValue]]:
     """The model with its large inline weights replaced by stubs, and those weights as OrtValues
     over their bytes (for ``SessionOptions.add_external_initializers``, which onnxruntime takes
@@ -225,18 +228,24 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
     Weights that already live in external files, sub-byte and string tensors stay as they are."""
     graph = graph_io.hollow_copy(model)
     names, values = [], []
-    for init in itertools.chain(model.graph.initializer, weights):
+    pairs = itertools.chain(((i.name, i) for i in itertools.chain(model.graph.initializer, weights)), renamed)
+    for name, init in pairs:
         bits = graph_io.element_bits(init.data_type)
         injectable = (init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data")
                       and bits is not None and bits % 8 == 0)
         itemsize = bits // 8 if injectable else 0
         if not injectable or int(np.prod(init.dims)) * itemsize < INJECT_MIN_BYTES:
+            if name != init.name:
+                copy = onnx.TensorProto()
+                copy.CopyFrom(init)  # a small one (or one onnxruntime reads from its file): copied under its name
+                copy.name = name
+                init = copy
             graph.graph.initializer.append(init)
             continue
         raw = np.frombuffer(init.raw_data, dtype=f"<u{itemsize}").reshape(tuple(init.dims))  # one copy, read-only
         values.append(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, init.data_type))
-        names.append(init.name)
-        stub = graph.graph.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims)
+        names.append(name)
+        stub = graph.graph.initializer.add(name=name, data_type=init.data_type, dims=init.dims)
         stub.data_location = onnx.TensorProto.EXTERNAL
         stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
     return graph, names, values

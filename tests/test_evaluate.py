@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -173,3 +174,29 @@ def test_isolated_error_is_the_error_of_the_layer_quantized_alone(llama_dir, tmp
         assert alone[name] == pytest.approx(brute, abs=0.05), name
         assert cumulative[name] < alone[name] - 1  # the cumulative number carries earlier layers' error
     assert {i.target.name for i in full.targets} == set(alone) - {"lm_head"}
+
+
+@pytest.mark.parametrize("model, scheme, level", [("tiny-bert", "W8A8_STATIC", "all"), ("tiny-llama", "W4A16", "basic")])
+def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme, level, tmp_path):
+    """eval compares the two models inside one onnxruntime graph (six float64 sums per tensor); the
+    numbers equal those from fetching every tensor of both models and comparing them in numpy."""
+    from graphcal.evaluate import evaluate
+    from graphcal.graph.compare import paired_model
+    from graphcal.pipeline import calibrate
+
+    folder = Path(__file__).resolve().parent.parent / "models" / model
+    calibrate(folder / "model.onnx", folder / "calib.npz", tmp_path / "q", scheme=scheme)
+    candidate = tmp_path / "q" / "model.onnx"
+    fast = evaluate(folder / "model.onnx", candidate, folder / "heldout.npz", level=level)
+    slow = evaluate(folder / "model.onnx", candidate, folder / "heldout.npz", level=level, in_graph=False)
+    assert [a.name for a in fast.outputs] == [a.name for a in slow.outputs] and len(fast.layers) == len(slow.layers)
+    for a, b in zip(fast.outputs + fast.layers, slow.outputs + slow.layers):
+        for key in ("ref_sq", "cand_sq", "dot", "err_sq"):
+            assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-9), (a.name, key)
+        assert a.max_abs_err == pytest.approx(b.max_abs_err, rel=1e-12) and a.max_abs_ref == b.max_abs_ref
+    # only scalars leave onnxruntime: six per compared tensor
+    merged, weights, sums = paired_model(onnx.load(folder / "model.onnx"), onnx.load(candidate),
+                                         ["logits" if model == "tiny-llama" else "last_hidden_state"])
+    assert not merged.graph.initializer and weights  # the weights stay in the models: handed over by reference
+    assert [o.name for o in merged.graph.output] == list(next(iter(sums.values())))
+    assert all(not o.type.tensor_type.shape.dim for o in merged.graph.output)
