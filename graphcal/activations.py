@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.data import MASK_INPUT, CalibrationData
+from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, build_tapped
@@ -179,11 +179,6 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
             bar.update(batch_samples(batch) if dist is None else 1)
     return count
 
-
-def batch_samples(batch: dict) -> int:
-    """How many samples a batch holds (its inputs' leading dimension)."""
-    first = next(iter(batch.values()), None)
-    return int(first.shape[0]) if first is not None and getattr(first, "ndim", 0) else 1
 
 
 def all_finite(x: torch.Tensor) -> bool:

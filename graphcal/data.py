@@ -589,6 +589,12 @@ def _fmt(shape) -> str:
 MASK_INPUT = "attention_mask"  # positions where it is 0 are padding
 
 
+def batch_samples(batch: dict) -> int:
+    """How many samples a batch holds (its inputs' leading dimension)."""
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if first is not None and getattr(first, "ndim", 0) else 1
+
+
 def check_padding_input(label: str, input_names) -> None:
     """--exclude-padding needs an attention_mask among the model's inputs (so in the data)."""
     if MASK_INPUT not in input_names:

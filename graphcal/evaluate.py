@@ -22,9 +22,10 @@ import numpy as np
 import onnx
 
 from graphcal.config import DEFAULT_IGNORE
-from graphcal.data import graph_inputs, load_data
+from graphcal.data import batch_samples, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model
+from graphcal.graph.smooth import SCOPE_OF_KIND, SCOPES
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
 
@@ -126,7 +127,7 @@ class EvalReport:
         patterns, covered = [], set()
         for kind, members in kinds.items():
             if len(members) > 1 and all(m in flagged for m in members):
-                patterns.append("re:.*" + re.escape("." + kind) + "$")
+                patterns.append(kind_pattern(kind))
                 covered.update(members)
         names = [n for n in flagged if n not in covered]
         keep = self.ignored if self.ignored is not None else list(DEFAULT_IGNORE)
@@ -141,7 +142,7 @@ class EvalReport:
         scopes = [self.smoothable[n] for n in self.suggested_ignore() if n in self.smoothable]
         if not scopes:
             return []
-        scope = max(scopes, key=SMOOTH_SCOPES.index)
+        scope = max(scopes, key=SCOPES.index)  # norms < all < mul
         return ["--smoothquant"] + ([scope] if scope != "norms" else [])
 
     def as_dict(self) -> dict:
@@ -174,6 +175,11 @@ def _kind(name: str) -> str:
     "model.layers.3.mlp.down_proj"), or the whole name when it has no index."""
     match = re.search(r"\.\d+\.(.+)$", name)
     return match.group(1) if match else name
+
+
+def kind_pattern(kind: str) -> str:
+    """The ``re:`` target pattern for one kind of layer in every block: ``re:.*\\.mlp\\.down_proj$``."""
+    return "re:.*" + re.escape("." + kind) + "$"
 
 
 def _written_ignore(candidate: Path) -> list[str] | None:
@@ -220,14 +226,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     ref_model, cand_model = load_model(reference), load_model(candidate)
     smoothed = _smoothquant_record(cand_model)
-    if sensitivity:
-        from graphcal.sensitivity import check_unsmoothed
-
-        check_unsmoothed(smoothed, candidate)
-    if isolated and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
-        raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its "
-                         "balance layers read x/s, which the fp32 model does not compute), so --isolated cannot feed "
-                         "them fp32 inputs; compare without --isolated, or a model made without --smoothquant")
+    if (isolated or sensitivity) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
+        # a folded smoothing: the balance layers read x/s, which the fp32 model never computes
+        why = ("--isolated cannot feed them fp32 inputs; compare without --isolated" if isolated else
+               "its layers cannot be put back in float one by one; measure sensitivity")
+        raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its balance "
+                         f"layers read x/s, which the fp32 model does not compute), so {why}, or a model made "
+                         "without --smoothquant")
     inputs = graph_inputs(ref_model)
     if {s.name for s in graph_inputs(cand_model)} != {s.name for s in inputs}:
         raise GraphcalError(f"{candidate} takes other inputs than {reference}; compare a model with its own quantized form")
@@ -285,29 +290,25 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     layer_agree = [Agreement(name) for name, _ in layers]
     alone = [Agreement(name) for name, _ in layers] if isolated else None
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
-    from graphcal.activations import batch_samples
     from graphcal.progress import Progress
 
     batches = 0
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
+    compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():
         if paired is not None:
             values = paired.run(batch)
-            for agreement, tensor in [*zip(out_agree, outputs), *zip(layer_agree, (t for _, t in layers))]:
+            for agreement, tensor in compared:
                 agreement.add_sums(*(float(values[n]) for n in sums[tensor]))
-            batches += 1
-            bar.update(batch_samples(batch))
-            continue
-        ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
-        for agreement, name in zip(out_agree, outputs):
-            agreement.add(ref_values[name], cand_values[name])
-        for agreement, (_, tensor) in zip(layer_agree, layers):
-            agreement.add(ref_values[tensor], cand_values[tensor])
-        if forced_run is not None:
-            feeds = {**batch, **{name: ref_values[act] for act, name in forced.items()}}
-            forced_values = forced_run.run(feeds)
-            for agreement, (_, tensor) in zip(alone, layers):
-                agreement.add(ref_values[tensor], forced_values[tensor])
+        else:
+            ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
+            for agreement, tensor in compared:
+                agreement.add(ref_values[tensor], cand_values[tensor])
+            if forced_run is not None:
+                feeds = {**batch, **{name: ref_values[act] for act, name in forced.items()}}
+                forced_values = forced_run.run(feeds)
+                for agreement, (_, tensor) in zip(alone, layers):
+                    agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
         bar.update(batch_samples(batch))
     bar.close()
@@ -331,8 +332,12 @@ def _sensitivity(reference, candidate, targets, outputs, calib, optimization, pe
     for t in layers:
         kinds.setdefault(_kind(t.name), []).append(t.name)
 
+    from graphcal.runtime import open_model_runner
+
+    ref_run = open_model_runner(ref_model, outputs, optimization=optimization)  # one fp32 session for every variant
+
     def compare(keep: set[str]) -> list[Agreement]:
-        return _compare(ref_model, float_except(cand_model, ref_model, layers, keep), outputs, calib, optimization)
+        return _compare(ref_run, float_except(cand_model, ref_model, layers, keep), outputs, calib, optimization)
 
     alone = {kind: compare(set(names)) for kind, names in kinds.items()}
     if per_layer:
@@ -348,11 +353,10 @@ def _sensitivity(reference, candidate, targets, outputs, calib, optimization, pe
     return Sensitivity(kinds, alone, options, list(ignored))
 
 
-def _compare(ref_model, model, outputs, calib, optimization) -> list[Agreement]:
-    """The outputs of ``model`` against ``ref_model``'s over the data (both run once per batch)."""
+def _compare(ref_run, model, outputs, calib, optimization) -> list[Agreement]:
+    """The outputs of ``model`` against the fp32 runner's over the data (both run once per batch)."""
     from graphcal.runtime import open_model_runner
 
-    ref_run = open_model_runner(ref_model, outputs, optimization=optimization)
     run = open_model_runner(model, outputs, optimization=optimization)
     agree = [Agreement(o) for o in outputs]
     for batch in calib.batches():
@@ -360,10 +364,6 @@ def _compare(ref_model, model, outputs, calib, optimization) -> list[Agreement]:
         for a, name in zip(agree, outputs):
             a.add(ref_values[name], values[name])
     return agree
-
-
-SMOOTH_SCOPES = ("norms", "all", "mul")  # graph.smooth.SCOPES, least to most
-_KIND_SCOPE = {"norm": "norms", "linear": "all", "mul": "mul"}
 
 
 def _smoothquant_record(model: onnx.ModelProto) -> dict:
@@ -392,7 +392,7 @@ def _smoothable(model: onnx.ModelProto, targets, record: dict) -> dict[str, str]
         if c.reason or any(b in done for b in c.balance):
             continue
         for b in c.balance:
-            out[b] = _KIND_SCOPE[c.kind]
+            out[b] = SCOPE_OF_KIND[c.kind]
     return out
 
 

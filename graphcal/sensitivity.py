@@ -17,12 +17,9 @@ same input. The quantized nodes that fed it are dropped, and Q/DQ that other lay
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import onnx
-
-from graphcal.errors import UsageError
 
 FLOAT_PREFIX = "graphcal-float/"
 MAX_OPTIONS = 3  # advice: the worst kind, the worst two, the worst three
@@ -154,13 +151,8 @@ class Sensitivity:
 
 def _pattern(kind: str, layers: list[str]) -> str:
     """A kind as an --ignore value: ``re:.*\\.mlp\\.down_proj$`` for a kind found in blocks, else the name."""
+    from graphcal.evaluate import kind_pattern
+
     if len(layers) == 1 and layers[0] == kind:
         return kind
-    return "re:.*" + re.escape("." + kind) + "$"
-
-
-def check_unsmoothed(record: dict, candidate) -> None:
-    if any(m.get("kind") != "mul" for m in record.get("mappings", [])):
-        raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers), so its layers "
-                         "cannot be put back in float one by one; measure sensitivity on a model made without "
-                         "--smoothquant")
+    return kind_pattern(kind)

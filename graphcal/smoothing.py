@@ -66,12 +66,15 @@ class RangeSet(Consumers):
     """A running per-channel min/max observer on each tensor of ``tensors`` (name -> channels):
     the mappings' smooth-layer outputs, and in the single pass the activations they smooth."""
 
-    def __init__(self, tensors: dict[str, int], others: list[Consumer] = ()):
+    def __init__(self, tensors: dict[str, int], others: list[Consumer] = (), sampled: list[str] = (),
+                 batches: int | None = None):
         from compressed_tensors.quantization import QuantizationArgs
 
         from graphcal.observers import Observer
 
         self.consumers = list(others)
+        self.samples = {x: RowSample(SEARCH_ROWS, batches) for x in sampled}  # the strength search's rows
+        self.consumers += [Consumer(x, Feed.INPUT, sample, None) for x, sample in self.samples.items()]
         self.ranges: dict[str, object] = {}  # tensor -> observer
         for tensor, channels in tensors.items():
             # group size 1: one min/max per channel, over every other dimension
@@ -84,6 +87,10 @@ class RangeSet(Consumers):
 
     def extrema(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in self.ranges.items() if o.has_statistics}
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        """The sampled rows of each activation that got any."""
+        return {x: sample.value() for x, sample in self.samples.items() if sample.kept}
 
 
 class RowSample:
@@ -121,19 +128,16 @@ def statistics(mappings: list[Mapping], search: bool, batches: int | None, other
     ``search``, each smoothed activation's range and a sample of its rows; ``also``: more ranges."""
     tensors = {m.candidate.tensor: m.candidate.channels for m in mappings}
     tensors.update(also)
-    samples = []
+    sampled = []
     if search:
         for m in mappings:
             tensors.setdefault(m.candidate.activation, m.candidate.channels)
-        for x in dict.fromkeys(m.candidate.activation for m in mappings):
-            samples.append(Consumer(x, Feed.INPUT, RowSample(SEARCH_ROWS, batches), None))
-    ranges = RangeSet(tensors, [*others, *samples])
-    ranges.samples = {c.tensor: c.observer for c in samples}
-    return ranges
+        sampled = list(dict.fromkeys(m.candidate.activation for m in mappings))
+    return RangeSet(tensors, others, sampled, batches)
 
 
 def taps_of(mappings: list[Mapping]) -> dict[str, str]:
-    """Target name -> the smoothed activation its observers tap (the same names Smoothed.taps gives)."""
+    """Target name -> the smoothed activation its observers tap (graph.smooth.Mapping.tapped)."""
     return {b: m.tapped for m in mappings for b in m.balance}
 
 
@@ -156,11 +160,6 @@ class Smoothed:
                 self.columns.setdefault(b, []).append(s)
             if m.candidate.linear is not None:
                 self.rows.setdefault(m.candidate.linear, []).append(s)
-
-    @property
-    def taps(self) -> dict[str, str]:
-        """Target name -> the smoothed activation its observers tap."""
-        return taps_of(self.mappings)
 
     def prelude(self, types) -> tuple[list, list]:
         """The tap-side ``Mul(x, 1/s)`` nodes for the calibration pass (graph.taps.build_tapped)."""
@@ -251,7 +250,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_
         ranges = statistics(mappings, search, calib.num_batches, others, also)
         result = run_activation_pass(run, ranges, calib, reduce_in_graph=True, **kwargs)
         extrema = ranges.extrema()
-        smoothed = scales_from(run, mappings, extrema, _samples(ranges))
+        smoothed = scales_from(run, mappings, extrema, ranges.rows())
         types = run.types
         for c in deferred:
             m = smoothed_of[c.tensor]
@@ -274,12 +273,14 @@ def _replayable(c: Consumer) -> bool:
 def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
     """Feed per-channel extrema of the smoothed activation to ``c`` as its in-graph reduction would."""
     request = c.reducible
-    if request.reduction is Reduction.ALL:
-        lo, hi = lo.amin().reshape(1), hi.amax().reshape(1)
-    else:
-        lo = lo.reshape(request.groups, request.group_size).amin(dim=1)
-        hi = hi.reshape(request.groups, request.group_size).amax(dim=1)
-    c.observer.observe_extrema(lo, hi)
+    c.observer.observe_extrema(*_per_group(lo, hi, request.group_size if request.reduction is Reduction.GROUP else None))
+
+
+def _per_group(lo: torch.Tensor, hi: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel extrema as per-group ones (``group_size`` None: one group, the whole tensor)."""
+    if group_size is None:
+        return lo.amin().reshape(1), hi.amax().reshape(1)
+    return lo.reshape(-1, group_size).amin(dim=1), hi.reshape(-1, group_size).amax(dim=1)
 
 
 def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
@@ -293,7 +294,7 @@ def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, 
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing")
     smoothed = None
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
-        smoothed = scales_from(run, mappings, ranges.extrema(), _samples(ranges))
+        smoothed = scales_from(run, mappings, ranges.extrema(), ranges.rows())
     if dist is not None:
         import torch.distributed as tdist
 
@@ -301,10 +302,6 @@ def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, 
         tdist.broadcast_object_list(box, src=0)
         smoothed = box[0]
     return smoothed
-
-
-def _samples(ranges: RangeSet) -> dict[str, torch.Tensor]:
-    return {t: r.value() for t, r in getattr(ranges, "samples", {}).items() if r.kept}
 
 
 def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: dict | None = None) -> Smoothed:
@@ -316,9 +313,10 @@ def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: di
     scales, unclamped, strengths = {}, {}, {}
     for m in mappings:
         lo, hi = ranges[m.candidate.tensor]
-        weights = [torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
+        weights = [] if settings.algorithm == "log_equalization" else [  # log_equalization reads no weight
+            torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
         x = m.candidate.activation
-        if settings.search and settings.algorithm != "log_equalization" and x in (samples or {}):  # log: no strength
+        if settings.search and weights and x in (samples or {}):  # log_equalization has no strength to search
             strength = _search(run, m, lo, hi, weights, samples[x], ranges[x], settings.algorithm)
         else:
             strength = settings.strength
@@ -397,11 +395,7 @@ def _fake_input(x: torch.Tensor, args, lo: torch.Tensor, hi: torch.Tensor) -> to
     rows_args = _as_rows_args(args)
     strategy = enum_value(args.strategy)
     if args.dynamic is False and strategy in ("tensor", "group"):
-        if strategy == "tensor":
-            lo, hi = lo.amin().reshape(1), hi.amax().reshape(1)
-        else:
-            lo = lo.reshape(-1, args.group_size).amin(dim=1)
-            hi = hi.reshape(-1, args.group_size).amax(dim=1)
+        lo, hi = _per_group(lo, hi, args.group_size if strategy == "group" else None)
         scale, zero_point = calculate_qparams(lo, hi, args)
         if strategy == "group":
             scale, zero_point = scale.expand(x.shape[0], -1), zero_point.expand(x.shape[0], -1)

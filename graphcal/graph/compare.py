@@ -52,7 +52,8 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
     model.functions.extend(cand.functions)
     graph = model.graph
     graph.name = "graphcal-eval"
-    graph.input.extend(i for i in reference.graph.input if i.name not in {t.name for t in reference.graph.initializer})
+    weight_names = {t.name for t in reference.graph.initializer}  # an initializer may be listed as an input too
+    graph.input.extend(i for i in reference.graph.input if i.name not in weight_names)
     ref_nodes, cand_nodes = list(reference.graph.node), list(cand.graph.node)
     ref_at = {o: i for i, n in enumerate(ref_nodes) for o in n.output}
     cand_at = {o: i for i, n in enumerate(cand_nodes) for o in n.output}

@@ -20,7 +20,6 @@ regex]`` mappings by module name and then checked against the same structure.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +38,7 @@ _NORMS = {  # op type -> (domain, input indices of the per-channel scale and bia
     "SkipSimplifiedLayerNormalization": ("com.microsoft", (2,)),
 }
 SCOPES = ("norms", "all", "mul")  # what --smoothquant smooths (cumulative; see Candidate.kind)
+SCOPE_OF_KIND = {"norm": "norms", "linear": "all", "mul": "mul"}  # the least scope that smooths a kind
 TAP_PREFIX = "graphcal_smooth/"
 
 
@@ -170,7 +170,7 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
     out = Resolution()
     chosen_names = {t.name for t in chosen}
     if named is None:
-        kinds = {"norms": ("norm",), "all": ("norm", "linear"), "mul": ("norm", "linear", "mul")}[scope]
+        kinds = {k for k, least in SCOPE_OF_KIND.items() if SCOPES.index(least) <= SCOPES.index(scope)}
         for c in cands:
             if not chosen_names.intersection(c.balance):
                 continue
@@ -216,10 +216,10 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
 
 
 def _name_matches(name: str, pattern: str) -> bool:
-    """compressed-tensors' name matching (exact, or ``re:`` from the start)."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern
+    """compressed-tensors' name matching (exact, or ``re:`` from the start), as targets are matched."""
+    from compressed_tensors.utils.match import match_name
+
+    return match_name(name, pattern)
 
 
 def _ignored(name: str, ignore: tuple[str, ...]) -> bool:
