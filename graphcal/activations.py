@@ -163,12 +163,17 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
                         seen = rows
                     request = c.request(in_graph)
                     try:
-                        if request.reduction is not Reduction.WHOLE:
+                        if request.reduction is Reduction.GRAM:
+                            gram, dims = (values[name] for name in tapped.outputs[request])
+                            c.observer.add_gram(gram, int(dims[0]) if dims.numel() >= 3 else 1)
+                        elif request.reduction is not Reduction.WHOLE:
                             lo, hi = (values[name] for name in tapped.outputs[request])
                             shape = _QPARAM_SHAPE[request.reduction](lo)
                             c.observer.observe_extrema(lo.reshape(shape), hi.reshape(shape))
                         elif c.feed is Feed.IMPORTANCE:
                             c.observer.accumulate_importance(seen)
+                        elif c.feed is Feed.HESSIAN:
+                            c.observer.add_activations(seen)
                         elif c.feed is Feed.KV:
                             c.observer(seen)
                         else:

@@ -104,6 +104,31 @@ CONFIG_OPTIONS = (
                  help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
                       "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 1.0 "
                       "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
+    click.option("--algorithm", type=click.Choice(["gptq", "awq", "awq+gptq"]), default=None,
+                 help="How weights are rounded (default: to nearest, with the scheme's observer). gptq: "
+                      "llm-compressor's GPTQModifier (each layer's rounding error corrected with its inputs' "
+                      "Hessian); awq: its AWQModifier (per input channel scales searched on the parent block's "
+                      "output error, folded into the norm or linear layer before; no node added); awq+gptq: both."),
+    click.option("--group-size", type=click.IntRange(min=1), default=None,
+                 help="Group size of the scheme's group/tensor_group weights (e.g. 64 where 128 does not divide a "
+                      "layer's input features)."),
+    click.option("--block-size", type=click.IntRange(min=1), default=None,
+                 help="GPTQ: columns per lazy-update block (default 128)."),
+    click.option("--dampening-frac", type=click.FloatRange(min=0), default=None,
+                 help="GPTQ: dampening added to the Hessian's diagonal, as a fraction of its mean (default 0.01)."),
+    click.option("--actorder", type=click.Choice(["static", "weight", "none"]), default=None,
+                 help="GPTQ: activation ordering (default static, llm-compressor's; group is not supported, as "
+                      "in llm-compressor 0.14)."),
+    click.option("--gptq-order", type=click.Choice(["sequential", "one-pass"]), default=None,
+                 help="GPTQ: sequential (the default, llm-compressor's): layer block by layer block, each block's "
+                      "Hessians from the already-quantized blocks before it (two passes over the data in all); "
+                      "one-pass: every Hessian from the one calibration pass over the float model (faster; every "
+                      "Hessian held at once)."),
+    click.option("--duo-scaling", type=click.Choice(["true", "false", "both"]), default=None,
+                 help="AWQ: search scales from activation and weight means (true, the default), activations only "
+                      "(false), or both grids."),
+    click.option("--n-grid", type=click.IntRange(min=1), default=None,
+                 help="AWQ: grid points searched per mapping (default 20)."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "
@@ -127,13 +152,15 @@ PASS_OPTIONS = (
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
 
-def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant=None, smoothing_strength=None):
-    """The run's config from the command line: flags given override the recipe (graphcal.config.resolve)."""
+def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant=None, smoothing_strength=None,
+                    **algorithm):
+    """The run's config from the command line: flags given override the recipe (graphcal.config.resolve);
+    ``algorithm``: --algorithm, --group-size and the GPTQ/AWQ knobs, by Options field name."""
     from graphcal.config import Options, resolve
 
     return resolve(Options(scheme=scheme, targets=tuple(targets) or None, ignore=tuple(ignore) or None,
                            observer=observer, kv_cache=kv_cache, recipe=recipe, smoothquant=smoothquant,
-                           smoothing_strength=smoothing_strength))
+                           smoothing_strength=smoothing_strength, **algorithm))
 
 
 @cli.command()
@@ -147,7 +174,7 @@ def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothq
 @DEBUG_OPTION
 def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
         smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
-        as_json, quiet, debug):
+        as_json, quiet, debug, **algorithm):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -159,7 +186,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
     def call():
         return calibrate(
             model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe,
-                                                        smoothquant, smoothing_strength),
+                                                        smoothquant, smoothing_strength, **algorithm),
             device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
             exclude_padding=exclude_padding,
@@ -225,7 +252,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 @DEBUG_OPTION
 def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
                     smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
-                    exclude_padding, as_json, debug):
+                    exclude_padding, as_json, debug, **algorithm):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
@@ -250,7 +277,8 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
 
         if output is not None:
             check_output_dir(output, [model, *([data] if data is not None else [])])
-        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength)
+        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength,
+                                 **algorithm)
         check_device(device)
         run_plan = plan(model, config, runtime, matmulnbits)
         inputs = graph_inputs(run_plan.model)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from graphcal.errors import UsageError, first_line
 from graphcal.graph.targets import matches
-from graphcal.types import Target
+from graphcal.types import Target, enum_value
 
 DEFAULT_SCHEME = "W8A8"
 DEFAULT_TARGETS = ("Linear",)
@@ -66,6 +66,46 @@ class Smoothing:
     search: bool = False  # --smoothing-strength auto: each mapping's strength searched (graphcal's extension)
 
 
+# llm-compressor's AWQ default mappings (its LlamaForCausalLM entry): (smooth layer, balance layers)
+LLMCOMPRESSOR_AWQ_MAPPINGS = (
+    ("re:.*input_layernorm$", ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")),
+    ("re:.*v_proj$", ("re:.*o_proj$",)),
+    ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$")),
+    ("re:.*up_proj$", ("re:.*down_proj$",)),
+)
+
+# llm-compressor's GPTQModifier and AWQModifier defaults (0.14)
+ALGORITHMS = ("gptq", "awq", "awq+gptq")
+GPTQ_ORDERS = ("sequential", "one-pass")
+ACTORDER_DEFAULT = "default"  # GPTQModifier's sentinel: static unless the scheme says otherwise
+
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    """GPTQModifier's fields, plus the order graphcal takes the layers in.
+
+    ``order`` "sequential" (llm-compressor's default pipeline): layer block by layer block, each
+    block's Hessians from the outputs of the blocks before it with their weights already quantized;
+    "one-pass" (graphcal's, like llm-compressor's ``pipeline="basic"``): every Hessian from the one
+    calibration pass over the float model.
+    """
+
+    block_size: int = 128
+    dampening_frac: float = 0.01
+    actorder: str | None = ACTORDER_DEFAULT  # "static" | "weight" | None (explicit) | the sentinel
+    order: str = "sequential"
+
+
+@dataclass(frozen=True)
+class AWQSettings:
+    """AWQModifier's fields: ``mappings`` as (smooth layer, balance layers) names or regexes (None: the
+    activations of the quantized layers whose producer allows an exact fold, found by graph structure)."""
+
+    mappings: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    duo_scaling: bool | str = True  # True, False or "both"
+    n_grid: int = 20
+
+
 @dataclass
 class RunConfig:
     """Config groups (compressed-tensors schemes, each with targets) and what to ignore."""
@@ -75,6 +115,8 @@ class RunConfig:
     scheme_name: str = "custom"
     kv_cache: "object | None" = None  # QuantizationArgs for the key/value states (kv_cache_scheme)
     smoothing: Smoothing | None = None  # SmoothQuant before quantizing (None: none)
+    awq: AWQSettings | None = None  # AWQ's scale search before quantizing (None: none)
+    gptq: GPTQSettings | None = None  # weights quantized by GPTQ instead of rounding to nearest (None: RTN)
 
     def scheme_for(self, target: Target):
         """The scheme of the most specific matching target string (exact > regex > class), or None."""
@@ -110,6 +152,14 @@ class Options:
     recipe: str | os.PathLike | None = None
     smoothquant: str | None = None  # --smoothquant: "norms", "all" or "mul"
     smoothing_strength: float | str | None = None  # a number, or "auto" (searched per mapping)
+    algorithm: str | None = None  # --algorithm: "gptq", "awq" or "awq+gptq"
+    block_size: int | None = None  # GPTQ
+    dampening_frac: float | None = None  # GPTQ
+    actorder: str | None = None  # GPTQ: "static", "weight" or "none"
+    gptq_order: str | None = None  # GPTQ: "sequential" or "one-pass"
+    duo_scaling: str | None = None  # AWQ: "true", "false" or "both"
+    n_grid: int | None = None  # AWQ
+    group_size: int | None = None  # every group/tensor_group weight scheme's group size
 
 
 def resolve(options: Options) -> RunConfig:
@@ -137,7 +187,116 @@ def resolve(options: Options) -> RunConfig:
                 smoothing = replace(smoothing, strength=check_strength(_number(options.smoothing_strength)),
                                     search=False)
         config.smoothing = smoothing
+    if options.group_size is not None:
+        config.groups = {name: with_group_size(scheme, options.group_size) for name, scheme in config.groups.items()}
+    _algorithms(config, options)
     return config
+
+
+def with_group_size(scheme, size: int):
+    """``scheme`` with the group size of its group / tensor_group weights set to ``size``."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise UsageError(f"--group-size must be a positive integer, got {size!r}")
+    args = scheme.weights
+    if args is None or enum_value(args.strategy) not in ("group", "tensor_group"):
+        raise UsageError(f"--group-size applies to group and tensor_group weights; this scheme's weights are "
+                         f"{enum_value(args.strategy) if args is not None else 'not quantized'}")
+    return scheme.model_copy(update={"weights": args.model_copy(update={"group_size": size})})
+
+
+def _algorithms(config: RunConfig, options: Options) -> None:
+    """GPTQ and AWQ settings from --algorithm and its knobs (they override a recipe's modifiers)."""
+    from dataclasses import replace
+
+    gptq_knobs = {"block_size": options.block_size, "dampening_frac": options.dampening_frac,
+                  "actorder": options.actorder, "order": options.gptq_order}
+    awq_knobs = {"duo_scaling": options.duo_scaling, "n_grid": options.n_grid}
+    if options.algorithm is not None:
+        if options.algorithm not in ALGORITHMS:
+            raise UsageError(f"--algorithm takes one of {', '.join(ALGORITHMS)}, got {_shown(str(options.algorithm))!r}")
+        if "gptq" in options.algorithm:
+            config.gptq = config.gptq or GPTQSettings()
+        if "awq" in options.algorithm:
+            config.awq = config.awq or AWQSettings()
+    for knobs, have, flag in ((gptq_knobs, config.gptq, "gptq"), (awq_knobs, config.awq, "awq")):
+        given = [k for k, v in knobs.items() if v is not None]
+        if given and have is None:
+            names = ", ".join("--" + ("gptq-order" if k == "order" else k.replace("_", "-")) for k in given)
+            raise UsageError(f"{names} {'needs' if len(given) == 1 else 'need'} --algorithm {flag} (or a recipe with "
+                             f"its {'GPTQModifier' if flag == 'gptq' else 'AWQModifier'})")
+    if config.gptq is not None:
+        updates = {k: v for k, v in gptq_knobs.items() if v is not None}
+        if "actorder" in updates:
+            updates["actorder"] = None if str(updates["actorder"]).lower() == "none" else updates["actorder"]
+        config.gptq = check_gptq(replace(config.gptq, **updates))
+        config.groups = {name: with_actorder(scheme, config.gptq.actorder) for name, scheme in config.groups.items()}
+    if config.awq is not None:
+        updates = {k: v for k, v in awq_knobs.items() if v is not None}
+        if "duo_scaling" in updates:
+            updates["duo_scaling"] = _duo(updates["duo_scaling"])
+        config.awq = check_awq(replace(config.awq, **updates))
+    if config.awq is not None and config.smoothing is not None:
+        raise UsageError("SmoothQuant and AWQ both rescale the activations of the same layers; use one of them")
+
+
+def _duo(value) -> bool | str:
+    text = str(value).strip().lower()
+    choices = {"true": True, "false": False, "both": "both"}
+    if text not in choices:
+        raise UsageError(f"--duo-scaling takes true, false or both, got {_shown(str(value))!r}")
+    return choices[text]
+
+
+def check_gptq(settings: GPTQSettings) -> GPTQSettings:
+    """GPTQModifier's fields checked (where llm-compressor would fail later, graphcal says so first)."""
+    from graphcal.gptq import check_actorder
+
+    if isinstance(settings.block_size, bool) or not isinstance(settings.block_size, int) or settings.block_size < 1:
+        raise UsageError(f"GPTQ block_size must be a positive integer, got {settings.block_size!r}")
+    damp = settings.dampening_frac
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0 or damp == float("inf"):
+        raise UsageError(f"GPTQ dampening_frac must be a finite number >= 0, got {damp!r}")
+    if settings.actorder != ACTORDER_DEFAULT:
+        try:
+            check_actorder(settings.actorder)
+        except ValueError as e:
+            raise UsageError(f"GPTQ actorder: {e}") from None
+    if settings.order not in GPTQ_ORDERS:
+        raise UsageError(f"--gptq-order takes one of {', '.join(GPTQ_ORDERS)}, got {_shown(str(settings.order))!r}")
+    return settings
+
+
+def check_awq(settings: AWQSettings) -> AWQSettings:
+    """AWQModifier's fields checked: a grid llm-compressor would fail on is a usage error here."""
+    if settings.duo_scaling not in (True, False, "both"):
+        raise UsageError(f"AWQ duo_scaling must be true, false or both, got {settings.duo_scaling!r}")
+    n = settings.n_grid
+    least = {True: 3, False: 1, "both": 4}[settings.duo_scaling]
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise UsageError(f"AWQ n_grid must be an integer >= {least} with duo_scaling {settings.duo_scaling}, got {n!r}")
+    return settings
+
+
+def with_actorder(scheme, actorder: str | None):
+    """llm-compressor's resolution of GPTQ's actorder into a scheme's weights: the sentinel gives
+    static unless the scheme sets one; an explicit value fills a scheme without one; two explicit
+    values that differ are an error."""
+    args = scheme.weights
+    if args is None or enum_value(args.strategy) not in ("group", "tensor_group", "channel", "tensor", "block"):
+        return scheme
+    have = None if args.actorder is None else enum_value(args.actorder)
+    if actorder == ACTORDER_DEFAULT:
+        value = have if have is not None else "static"
+    elif have is not None and actorder is not None and _same_order(have, actorder) is False:
+        raise UsageError(f"Cannot resolve activation ordering: the scheme says {have}, GPTQ says {actorder}")
+    else:
+        value = actorder if actorder is not None else have
+    return scheme.model_copy(update={"weights": args.model_copy(update={"actorder": value})})
+
+
+def _same_order(a: str, b: str) -> bool:
+    alias = {"static": "weight"}
+    return alias.get(a, a) == alias.get(b, b)
 
 
 def _number(value):

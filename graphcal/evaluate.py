@@ -367,13 +367,13 @@ def _compare(ref_run, model, outputs, calib, optimization) -> list[Agreement]:
 
 
 def _smoothquant_record(model: onnx.ModelProto) -> dict:
-    """What graphcal recorded of a SmoothQuant run in the model's metadata ({} when none)."""
+    """What graphcal recorded of a SmoothQuant (or AWQ) run in the model's metadata ({} when none)."""
     import json
 
-    from graphcal.smoothing import METADATA_KEY
+    from graphcal.smoothing import AWQ_METADATA_KEY, METADATA_KEY
 
     for prop in model.metadata_props:
-        if prop.key == METADATA_KEY:
+        if prop.key in (METADATA_KEY, AWQ_METADATA_KEY):
             try:
                 record = json.loads(prop.value)
             except ValueError:

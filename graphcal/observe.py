@@ -29,6 +29,7 @@ class Feed(enum.Enum):
     INPUT = "input"  # an input observer: the activation as (batch, seq, hidden)
     KV = "kv"  # a key/value observer: the state as (batch, kv_heads, seq, head_dim)
     IMPORTANCE = "importance"  # a weight observer's activation statistics (imatrix)
+    HESSIAN = "hessian"  # GPTQ's Hessian of a layer input (one-pass order): x^T x, reduced in the graph
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,7 +44,7 @@ class Consumer:
 
     def request(self, in_graph: bool) -> TapRequest:
         """What leaves onnxruntime for this consumer."""
-        if in_graph and self.reducible is not None and self.observer.takes_extrema:
+        if in_graph and self.reducible is not None and (self.observer.takes_extrema or self.feed is Feed.HESSIAN):
             return self.reducible
         return TapRequest(self.tensor)
 
@@ -73,7 +74,9 @@ class ObserverSet(Consumers):
     """Every observer of a run, built from its plan.
 
     ``taps`` (target name -> tensor) names what a target's input and importance observers tap
-    instead of its activation: under SmoothQuant, the smoothed activation ``x / s``.
+    instead of its activation: under SmoothQuant, the smoothed activation ``x / s``. With GPTQ in
+    its one-pass order, every activation a chosen target reads gets a Hessian (``hessians``,
+    target name -> graphcal.gptq_stage.HessianObserver, shared by the targets reading one tensor).
     """
 
     def __init__(self, plan: RunPlan, taps: dict[str, str] | None = None):
@@ -83,8 +86,21 @@ class ObserverSet(Consumers):
         self.input_observers: dict[str, object] = {}  # target name -> observer (possibly shared)
         self.kv_observers: dict[tuple[KVState, str], object] = {}  # (attention, "k" | "v") -> observer
         self.consumers: list[Consumer] = []
+        self.hessians: dict[str, object] = {}
         self._input_qparams: dict[int, QParams] = {}
         shared: dict[tuple, object] = {}
+        gptq = plan.config.gptq
+        if gptq is not None and gptq.order == "one-pass":
+            from graphcal.gptq_stage import HessianObserver
+
+            by_tensor: dict[str, object] = {}
+            for t in plan.chosen:
+                activation = taps.get(t.name, t.activation)
+                if activation not in by_tensor:
+                    by_tensor[activation] = HessianObserver(t.in_features)
+                    self.consumers.append(Consumer(activation, Feed.HESSIAN, by_tensor[activation],
+                                                   TapRequest(activation, Reduction.GRAM, t.in_features)))
+                self.hessians[t.name] = by_tensor[activation]
         for t in plan.chosen:
             scheme = plan.schemes[t.name]
             wargs = scheme.weights.model_copy(deep=True)

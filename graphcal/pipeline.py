@@ -131,7 +131,25 @@ def calibrate(
     smoothed = None
     pass_options = dict(device=device, device_id=device_id, dist=dist, progress=progress and main,
                         reduce_in_graph=reduce_in_graph, exclude_padding=exclude_padding, inputs=input_names)
-    if run.smoothing is not None and run.smoothing.mappings:
+    gptq = run.config.gptq
+    if gptq is not None and gptq.order == "one-pass":
+        from graphcal.gptq_stage import check_one_pass
+
+        check_one_pass(run)  # every Hessian is held until the weight pass: refused when it cannot fit
+    if run.awq is not None and run.awq.mappings:  # AWQ's scales first, then the pass over x * (1/s)
+        from graphcal.awq_stage import awq_smoothing
+
+        smoothed = awq_smoothing(run, calib, device=device, device_id=device_id, progress=progress and main) \
+            if main else None
+        if dist is not None:  # rank 0 searched over all the data; every rank taps with its scales
+            import torch.distributed as tdist
+
+            box = [smoothed]
+            tdist.broadcast_object_list(box, src=0)
+            smoothed = box[0]
+        observers = ObserverSet(run, taps_of(smoothed.mappings))
+        activations = run_activation_pass(run, observers, calib, prelude=smoothed.prelude(run.types), **pass_options)
+    elif run.smoothing is not None and run.smoothing.mappings:
         observers = ObserverSet(run, taps_of(run.smoothing.mappings))
         smoothed, activations = smooth_and_calibrate(run, observers, calib, **pass_options)
     else:
@@ -152,13 +170,27 @@ def calibrate(
         )
     # The writer takes the loaded model over and edits it in place (a big model is never copied);
     # nothing reads the plan's model after this. The smoothing is folded in first (small edits).
+    rounding = None
+    torch_device = observer_device(activations.provider, device, device_id)
+    if gptq is not None and gptq.order == "one-pass":
+        from graphcal.gptq_stage import OnePass
+
+        rounding = OnePass(observers.hessians, gptq)
+    elif gptq is not None:  # layer block by layer block, on the model as loaded (before the folds below)
+        from graphcal.gptq_stage import sequential_gptq
+
+        if dist is not None:
+            log.info("GPTQ's sequential order runs on rank 0 over all the data")
+        rounding = sequential_gptq(run, observers, calib, device=device, device_id=device_id, progress=progress,
+                                   smoothed=smoothed, torch_device=torch_device)
     types = dict(run.types)
     if smoothed is not None:
         smoothed.fold(run, {t.name for t in run.chosen}, types)
     writer = QDQWriter(run.model, run.opset, run.runtime, types, matmulnbits=run.matmulnbits)
-    weights = quantize_weights(run, observers, writer, observer_device(activations.provider, device, device_id),
-                               skip_nonfinite=skip_nonfinite_weights, progress=progress, smoothed=smoothed)
-    warnings += weights.warnings
+    weights = quantize_weights(run, observers, writer, torch_device,
+                               skip_nonfinite=skip_nonfinite_weights, progress=progress, smoothed=smoothed,
+                               rounding=rounding)
+    warnings += weights.warnings + (rounding.log.warnings() if rounding is not None else [])
     ignored = run.ignored + weights.left_in_float
     kv_items = observers.kv_qparams()
     for item in weights.items:

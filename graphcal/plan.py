@@ -61,6 +61,7 @@ class RunPlan:
     matmulnbits: int | None = None  # accuracy level of com.microsoft.MatMulNBits written for int weights
     forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
     smoothing: Resolution | None = None  # SmoothQuant's mappings (None: no smoothing asked for)
+    awq: Resolution | None = None  # AWQ's mappings (None: no AWQ asked for)
 
     @cached_property
     def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
@@ -135,6 +136,12 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
             warnings.append("SmoothQuant: nothing to smooth" + (
                 f" with --smoothquant {config.smoothing.scope}; graphcal inspect --smoothquant mul lists what each "
                 "scope would smooth" if config.smoothing.mappings is None and config.smoothing.scope != "mul" else ""))
+    awq = _awq(model, found, chosen, config, str(model_path.parent) if data_files else None)
+    if awq is not None:
+        warnings += awq.notes if config.awq.mappings is not None else []
+        if not awq.mappings:
+            warnings.append("AWQ: no activation of the quantized layers can be scaled with an exact fold into a norm "
+                            "or linear layer; nothing to search (graphcal inspect lists why)")
     groups, fusion_warnings = find_fused_groups(chosen)
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
@@ -144,7 +151,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
-        warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing,
+        warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
     )
 
 
@@ -157,6 +164,20 @@ def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConf
         return None
     resolution = resolve(candidates(model, found, base_dir), chosen, settings.scope, settings.mappings, settings.ignore)
     log.info("SmoothQuant: %d mappings to smooth", len(resolution.mappings))
+    return resolution
+
+
+def _awq(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
+    """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or linear
+    layer before them (no node added), by structure or by llm-compressor's names; None without AWQ."""
+    from graphcal.graph.smooth import candidates, resolve
+
+    settings = config.awq
+    if settings is None:
+        return None
+    named = None if settings.mappings is None else [(balance, smooth) for smooth, balance in settings.mappings]
+    resolution = resolve(candidates(model, found, base_dir), chosen, "all", named, what="AWQ")
+    log.info("AWQ: %d mappings to search", len(resolution.mappings))
     return resolution
 
 
@@ -194,7 +215,11 @@ def _check_divisible(chosen: list[Target], schemes: Mapping[str, object], config
     kinds = sorted({t.name.rpartition(".")[2] for t in targets})
     pattern = "re:.*\\.(" + "|".join(kinds) + ")$" if all(kinds) else None
     advice = []
-    if fits:
+    weights = schemes[targets[0].name].weights
+    if fits and weights is not None and enum_value(weights.strategy) in ("group", "tensor_group") \
+            and weights.group_size == width:
+        advice.append(f"a group size of {fits} divides them all: --group-size {fits}")
+    elif fits:
         advice.append(f"a group size of {fits} divides them all: --scheme '{_with_width(schemes[targets[0].name], width, fits)}'")
     if pattern and len(targets) < len(chosen):  # leaving every target in float is no advice
         flags = " ".join(f"--ignore '{p}'" for p in [*config.ignore, pattern])

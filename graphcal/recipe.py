@@ -64,10 +64,46 @@ class ModifierFields(BaseModel):
 FIELDS = set(ModifierFields.model_fields)
 STAGE_KEYS = {"run_type"}  # stage-level settings that do not change a one-shot calibration
 SMOOTHQUANT = "SmoothQuantModifier"
-_OTHER_MODIFIERS = {
-    "GPTQModifier": "GPTQ updates the weights from Hessians; graphcal calibrates observers only",
-    "AWQModifier": "AWQ rescales weights; graphcal calibrates observers only",
-}
+GPTQ = "GPTQModifier"
+AWQ = "AWQModifier"
+KNOWN = (MODIFIER, GPTQ, SMOOTHQUANT, AWQ)
+
+
+class GPTQFields(BaseModel):
+    """GPTQModifier's own fields (llm-compressor 0.14); its quantization fields are ModifierFields'."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = 128
+    dampening_frac: float = 0.01
+    actorder: Literal["static", "weight", "group", "dynamic"] | None = "default"  # type: ignore[assignment]
+    batched_quantization: Any = "auto"  # how llm-compressor stacks layers on a GPU; same numbers
+    requires_calibration_data: bool | None = None
+
+
+class AWQMappingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    smooth_layer: str
+    balance_layers: Names
+    activation_hook_target: str | None = None
+
+
+class AWQFields(BaseModel):
+    """AWQModifier's fields (llm-compressor 0.14); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mappings: list[AWQMappingFields] | None = None
+    duo_scaling: bool | Literal["both"] = True
+    n_grid: int = 20
+    offload_device: Any = None  # where llm-compressor keeps cached inputs; graphcal bounds its own
+    requires_calibration_data: bool | None = None
+    index: int | None = None
+    group: str | None = None
+    start: float | None = None
+    end: float | None = None
+    update: Any = None
 
 
 class SmoothQuantFields(BaseModel):
@@ -91,10 +127,13 @@ class SmoothQuantFields(BaseModel):
 
 @dataclass(frozen=True)
 class Recipe:
-    """A recipe's QuantizationModifier fields and, when it has one before it, its SmoothQuantModifier's."""
+    """A recipe's quantization fields (its QuantizationModifier's or GPTQModifier's) and, where it
+    has them, its SmoothQuantModifier's, GPTQModifier's own and AWQModifier's fields."""
 
     quantization: dict[str, Any]
     smoothquant: dict[str, Any] | None = None
+    gptq: dict[str, Any] | None = None
+    awq: dict[str, Any] | None = None
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -178,61 +217,121 @@ def parse_recipe(text: str, where: str = "recipe") -> Recipe:
         raise UsageError(f"{where}: not valid YAML ({first_line(e)})") from e
     if not isinstance(data, dict):
         raise UsageError(f"{where}: a recipe is a mapping of stages or a {MODIFIER}")
-    found = []
+    found = _order(data, where)
+    for name, _, at in found:
+        if name not in KNOWN:
+            raise UsageError(f"{where}: {at} is not supported (graphcal runs {', '.join(KNOWN)})")
+    for name in KNOWN:
+        if sum(f[0] == name for f in found) > 1:
+            raise UsageError(f"{where}: expected at most one {name}, found {sum(f[0] == name for f in found)}")
+    by_name = {f[0]: f for f in found}
+    names = [f[0] for f in found]
+    quantizers = [n for n in (MODIFIER, GPTQ) if n in by_name]
+    if not quantizers:
+        raise UsageError(f"{where}: expected a {MODIFIER} or a {GPTQ} (the modifier that quantizes)")
+    for transform in (SMOOTHQUANT, AWQ):
+        if transform in by_name and names.index(transform) > min(names.index(q) for q in quantizers):
+            raise UsageError(f"{where}: {by_name[transform][2]} comes after the modifier that quantizes; graphcal "
+                             "rescales before it quantizes, as llm-compressor recipes put it")
+    gptq = None
+    if GPTQ in by_name:
+        args = by_name[GPTQ][1] or {}
+        if not isinstance(args, dict):
+            raise UsageError(f"{where}: {by_name[GPTQ][2]} must be a mapping of its fields")
+        gptq = _fields(GPTQFields, {k: v for k, v in args.items() if k not in FIELDS | NO_EFFECT},
+                       f"{where}: {by_name[GPTQ][2]}")
+        if gptq["actorder"] in ("group", "dynamic"):
+            raise UsageError(f"{where}: {by_name[GPTQ][2]}: Invalid activation ordering {gptq['actorder']}. Only "
+                             "'weight' and 'static' are supported for GPTQ.")
+    sources = []
+    for q in quantizers:
+        args = by_name[q][1] or {}
+        if not isinstance(args, dict):
+            raise UsageError(f"{where}: {by_name[q][2]} must be a mapping of its fields")
+        own = {k: v for k, v in args.items() if k in FIELDS}
+        if q == MODIFIER:
+            unknown = sorted(str(k) for k in args if k not in FIELDS | NO_EFFECT)
+            if unknown:
+                raise UsageError(f"{where}: unknown {MODIFIER} key(s) {', '.join(repr(k) for k in unknown)} at "
+                                 f"{by_name[q][2]}; known: {', '.join(sorted(FIELDS))}")
+        if q == MODIFIER or own.keys() & {"scheme", "config_groups"}:
+            sources.append((q, own))
+    if len(sources) > 1:
+        raise UsageError(f"{where}: both the {MODIFIER} and the {GPTQ} give a scheme; give it in one of them")
+    if not sources:
+        raise UsageError(f"{where}: the {GPTQ} gives no scheme or config_groups and no {MODIFIER} gives one")
+    fields = sources[0][1]
+    _typed(fields, f"{where}: {by_name[sources[0][0]][2]}")
+    smoothquant = None
+    if SMOOTHQUANT in by_name:
+        smoothquant = _smoothquant_fields(by_name[SMOOTHQUANT][1], f"{where}: {by_name[SMOOTHQUANT][2]}")
+    awq = None
+    if AWQ in by_name:
+        awq = _awq_fields(by_name[AWQ][1], f"{where}: {by_name[AWQ][2]}")
+    return Recipe(fields, smoothquant, gptq, awq)
+
+
+def _order(data: dict, where: str = "recipe") -> list[tuple]:
+    """Every modifier of the recipe as (name, fields, where), in recipe order."""
+    out = []
     for key, value in data.items():
-        if key in (MODIFIER, SMOOTHQUANT, *_OTHER_MODIFIERS):
-            found.append((key, value, str(key)))
+        if key in KNOWN or (isinstance(key, str) and key.endswith("Modifier")):
+            out.append((key, value, str(key)))
         elif isinstance(value, dict):
             for group, modifiers in value.items():
                 if group in STAGE_KEYS:
                     continue
                 if not (isinstance(group, str) and group.endswith("_modifiers")) or not isinstance(modifiers, dict):
                     raise UsageError(f"{where}: unknown key {key}.{group} (a stage holds '*_modifiers' groups)")
-                found += [(name, args, f"{key}.{group}.{name}") for name, args in modifiers.items()]
+                out += [(name, args, f"{key}.{group}.{name}") for name, args in modifiers.items()]
         else:
             raise UsageError(f"{where}: unknown top-level key {key!r} (expected a stage or {MODIFIER})")
-    for name, _, at in found:
-        if name not in (MODIFIER, SMOOTHQUANT):
-            why = _OTHER_MODIFIERS.get(name, "graphcal runs SmoothQuantModifier and QuantizationModifier only")
-            raise UsageError(f"{where}: {at} is not supported ({why}); use a {MODIFIER}")
-    smooth = [f for f in found if f[0] == SMOOTHQUANT]
-    found = [f for f in found if f[0] == MODIFIER]
-    if len(found) != 1:
-        raise UsageError(f"{where}: expected one {MODIFIER}, found {len(found)}")
-    smoothquant = None
-    if smooth:
-        if len(smooth) > 1:
-            raise UsageError(f"{where}: expected at most one {SMOOTHQUANT}, found {len(smooth)}")
-        names = [f[2] for f in _order(data)]
-        if names.index(smooth[0][2]) > names.index(found[0][2]):
-            raise UsageError(f"{where}: {smooth[0][2]} comes after the {MODIFIER}; graphcal smooths before it "
-                             "quantizes, as llm-compressor recipes put it")
-        smoothquant = _smoothquant_fields(smooth[0][1], f"{where}: {smooth[0][2]}")
-    _, args, at = found[0]
+    return out
+
+
+def _fields(model, args: dict, where: str) -> dict[str, Any]:
+    try:
+        return model.model_validate(args).model_dump()
+    except ValidationError as e:
+        raise UsageError(f"{where}.{pydantic_message(e)}") from None
+
+
+def _awq_fields(args, where: str) -> dict[str, Any]:
+    """An AWQModifier's fields, checked as llm-compressor checks them."""
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        raise UsageError(f"{where}: {at} must be a mapping of its fields")
-    unknown = sorted(str(k) for k in args if k not in FIELDS | NO_EFFECT)
-    if unknown:
-        raise UsageError(f"{where}: unknown {MODIFIER} key(s) {', '.join(repr(k) for k in unknown)} at {at}; "
-                         f"known: {', '.join(sorted(FIELDS))}")
-    fields = {k: v for k, v in args.items() if k in FIELDS}
-    _typed(fields, f"{where}: {at}")
-    return Recipe(fields, smoothquant)
+        raise UsageError(f"{where} must be a mapping of its fields")
+    fields = _fields(AWQFields, args, where)
+    for bound in ("start", "end"):
+        if fields[bound] is not None and fields[bound] != -1:
+            raise UsageError(f"{where}: {bound}: {fields[bound]} is not supported (AWQ is one-shot only)")
+    for m in fields["mappings"] or ():
+        if m["activation_hook_target"] is not None:
+            raise UsageError(f"{where}: activation_hook_target is not supported (graphcal reads the balance layers' "
+                             "shared input)")
+        for p in (m["smooth_layer"], *m["balance_layers"]):
+            _check_regex(p, where)
+    return {k: fields[k] for k in ("mappings", "duo_scaling", "n_grid")}
 
 
-def _order(data: dict) -> list[tuple]:
-    """Every modifier of the recipe as (name, fields, where), in recipe order."""
-    out = []
-    for key, value in data.items():
-        if not isinstance(value, dict) or key in (MODIFIER, SMOOTHQUANT, *_OTHER_MODIFIERS):
-            out.append((key, value, str(key)))
-            continue
-        for group, modifiers in value.items():
-            if group not in STAGE_KEYS and isinstance(modifiers, dict):
-                out += [(name, args, f"{key}.{group}.{name}") for name, args in modifiers.items()]
-    return out
+def awq_from(fields: dict[str, Any]):
+    """graphcal's AWQSettings from an AWQModifier's fields (no mappings: llm-compressor's default
+    Llama mappings, matched by module name)."""
+    from graphcal.config import LLMCOMPRESSOR_AWQ_MAPPINGS, AWQSettings, check_awq
+
+    mappings = LLMCOMPRESSOR_AWQ_MAPPINGS
+    if fields.get("mappings") is not None:
+        mappings = tuple((m["smooth_layer"], tuple(m["balance_layers"])) for m in fields["mappings"])
+    return check_awq(AWQSettings(mappings=mappings, duo_scaling=fields["duo_scaling"], n_grid=fields["n_grid"]))
+
+
+def gptq_from(fields: dict[str, Any]):
+    """graphcal's GPTQSettings from a GPTQModifier's own fields (llm-compressor's sequential order)."""
+    from graphcal.config import GPTQSettings, check_gptq
+
+    return check_gptq(GPTQSettings(block_size=fields["block_size"], dampening_frac=fields["dampening_frac"],
+                                   actorder=fields["actorder"]))
 
 
 def _smoothquant_fields(args, where: str) -> dict[str, Any]:
@@ -361,7 +460,14 @@ def recipe_config(recipe: Recipe, *, scheme: str | None = None, targets: list[st
     if kv_args is not None and observer is not None:
         kv_args = kv_args.model_copy(update={"observer": observer})
     smoothing = smoothing_from(recipe.smoothquant) if recipe.smoothquant is not None else None
-    return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args, smoothing=smoothing)
+    awq = awq_from(recipe.awq) if recipe.awq is not None else None
+    gptq = gptq_from(recipe.gptq) if recipe.gptq is not None else None
+    if gptq is not None:  # GPTQ's actorder resolved into the schemes, as llm-compressor resolves it
+        from graphcal.config import with_actorder
+
+        groups = {g: with_actorder(s, gptq.actorder) for g, s in groups.items()}
+    return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args, smoothing=smoothing,
+                     awq=awq, gptq=gptq)
 
 
 def _with_observers(scheme, m: ModifierFields, cli_observer: str | None):

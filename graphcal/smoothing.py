@@ -44,6 +44,7 @@ MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
 SEARCH_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # --smoothing-strength auto: 0.1 ... 1.0
 SEARCH_ROWS = 256  # rows of each smoothed activation the search scores candidates on
 METADATA_KEY = "graphcal.smoothquant"  # the output model's record of what was smoothed (metadata_props)
+AWQ_METADATA_KEY = "graphcal.awq"  # likewise for AWQ's scales (graphcal.awq_stage)
 
 
 def smoothing_scales(min_vals: torch.Tensor, max_vals: torch.Tensor, weights: list[torch.Tensor], strength: float,
@@ -152,6 +153,8 @@ class Smoothed:
     strengths: dict[str, float] = field(default_factory=dict)  # activation -> the strength its scales were made with
     columns: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # balance target -> s to multiply columns by
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear smooth target -> s to divide rows by
+    method: str = "smoothquant"  # or "awq": the metadata_props key graphcal.<method> records it
+    record: dict | None = None  # what the metadata records (None: SmoothQuant's settings, from the run)
 
     def __post_init__(self):
         for m in self.mappings:
@@ -182,6 +185,36 @@ class Smoothed:
             w = (w / s[:, None]).to(dtype)
         return w
 
+    def column_scale(self, t: Target) -> torch.Tensor | None:
+        """What ``t``'s input columns are multiplied by (the product of its mappings' s; None: nothing)."""
+        scales = self.columns.get(t.name)
+        if not scales:
+            return None
+        out = scales[0].double()
+        for s in scales[1:]:
+            out = out * s.double()
+        return out
+
+    def smooth_hessian(self, t: Target, h: torch.Tensor) -> torch.Tensor:
+        """The Hessian of ``t``'s smoothed input x/s from that of x: diag(1/s) H diag(1/s)."""
+        s = self.column_scale(t)
+        if s is None:
+            return h
+        inverse = (1.0 / s).to(h.device)
+        return (h.double() * inverse[:, None] * inverse[None, :]).to(h.dtype)
+
+    def unsmooth(self, t: Target, w: torch.Tensor) -> torch.Tensor:
+        """The weight that computes in the unsmoothed graph what ``w`` (smoothed, as :meth:`weight`
+        gives it) computes in the smoothed one: columns over s, rows times s."""
+        dtype = w.dtype
+        s = self.column_scale(t)
+        out = w.double()
+        if s is not None:
+            out = out / s.to(w.device)[None, :]
+        for r in self.rows.get(t.name, []):
+            out = out * r.double().to(w.device)[:, None]
+        return out.to(dtype)
+
     def target(self, t: Target) -> Target:
         """The target as the output graph has it: behind an explicit Mul it reads the Mul's output."""
         for m in self.mappings:
@@ -198,13 +231,15 @@ class Smoothed:
         import json
 
         model = run.model
-        settings = run.config.smoothing
-        record = {"strength": "auto" if settings.search else settings.strength, "algorithm": settings.algorithm,
-                  "scope": settings.scope,
-                  "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
-                                "balance": list(m.balance), "strength": self.strengths.get(m.candidate.activation)}
-                               for m in self.mappings]}
-        model.metadata_props.add(key=METADATA_KEY, value=json.dumps(record, separators=(",", ":")))
+        record = self.record
+        if record is None:
+            settings = run.config.smoothing
+            record = {"strength": "auto" if settings.search else settings.strength, "algorithm": settings.algorithm,
+                      "scope": settings.scope,
+                      "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                                    "balance": list(m.balance), "strength": self.strengths.get(m.candidate.activation)}
+                                   for m in self.mappings]}
+        model.metadata_props.add(key=f"graphcal.{self.method}", value=json.dumps(record, separators=(",", ":")))
         params, scales = [], {}
         for m in self.mappings:
             s = self.scales[m.candidate.activation].numpy()

@@ -33,9 +33,12 @@ class WeightResult:
 
 
 def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torch.device, *,
-                     skip_nonfinite: bool = False, progress: bool = False, smoothed=None) -> WeightResult:
+                     skip_nonfinite: bool = False, progress: bool = False, smoothed=None,
+                     rounding=None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
-    ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed."""
+    ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed.
+    ``rounding(target, weight, item)`` (GPTQ, graphcal.gptq_stage) gives the weight on the grid of
+    ``item``'s qparams, which the observer took from the weight before it (None: round to nearest)."""
     from graphcal.progress import Progress
 
     log.info("observing and quantizing %d weights", len(plan.chosen))
@@ -43,7 +46,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
     result = WeightResult([])
     bar = Progress("weights", len(plan.chosen), "weight", bar=progress)
     with bar:
-        for unit in _units(plan):
+        for unit in units(plan):
             weights = {}
             for t in unit:
                 w = torch.from_numpy(torch_weight(writer.model, t, plan.base_dir))
@@ -72,14 +75,17 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
             for t in unit:
                 if t.name in weights:
                     item = observers.qparams(smoothed.target(t) if smoothed is not None else t, plan.schemes[t.name])
-                    writer.quantize_weight(item, weights.pop(t.name))
+                    w = weights.pop(t.name)
+                    if rounding is not None:
+                        w = rounding(t, w.to(device), item).cpu()
+                    writer.quantize_weight(item, w)
                     by_name[t.name] = item
                     bar.update(1)
     result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
     return result
 
 
-def _units(plan: RunPlan) -> list[list[Target]]:
+def units(plan: RunPlan) -> list[list[Target]]:
     """Targets in order, fused groups (all members chosen) kept together so they share a global scale."""
     index = {t.name: t for t in plan.chosen}
     unit_of: dict[str, list[Target]] = {}

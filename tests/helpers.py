@@ -212,3 +212,24 @@ EXPORTER_CHATTER = [
     pytest.mark.filterwarnings("ignore:Exporting aten.*index operator of advanced indexing"),
     pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
 ]
+
+
+def reference_llama(case: dict, folder: Path) -> tuple[Path, dict, np.ndarray]:
+    """The llm-compressor reference vectors' tiny random Llama (an ``e2e`` case), exported to ONNX with
+    graphcal's exporter: (model path, the case's feeds as arrays, the torch model's logits)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from graphcal.export import BATCH_SEQ_AXES, export_torch
+
+    inp = case["inputs"]
+    config = LlamaConfig(use_cache=False, **inp["llama_config"])
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(inp["init_state_dict"], strict=True)
+    feeds = {"input_ids": inp["input_ids"], "attention_mask": inp["attention_mask"]}
+    axes = {n: dict(BATCH_SEQ_AXES) for n in ("input_ids", "attention_mask", "logits")}
+    path = export_torch(model, feeds, folder / "model.onnx", output_names=["logits"], dynamic_axes=axes)
+    with torch.no_grad():
+        logits = model(**feeds).logits.numpy()
+    return path, {k: v.numpy() for k, v in feeds.items()}, logits

@@ -21,7 +21,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 
 from graphcal import awq
 
-VECTORS = Path("/work/shared/reference/algorithm_vectors.pt")
+VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
 PREFIX = "layers.0."
 NORM = PREFIX + "post_attention_layernorm.weight"
 PROJ = ("gate", "up", "down")

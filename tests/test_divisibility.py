@@ -68,12 +68,19 @@ def _advice(wide) -> str:
 
 
 def test_the_suggested_group_size_pasted_into_run_works(wide, tmp_path):
-    scheme = re.search(r"--scheme '([^']*)'", _advice(wide)).group(1)
-    assert json.loads(scheme)["weights"]["group_size"] == 64
-    result = _cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", scheme,
-                  "--json")
+    size = re.search(r"--group-size (\d+)", _advice(wide)).group(1)
+    assert size == "64"
+    result = _cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", "W4A16",
+                  "--group-size", size, "--json")
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["quantized"]) == 4
+    config = json.loads((tmp_path / "o" / "quantization_config.json").read_text())
+    assert config["config_groups"]["group_0"]["weights"]["group_size"] == 64
+
+
+def test_group_size_refuses_schemes_without_groups(wide, tmp_path):
+    result = _cli("inspect", wide / "model.onnx", "--scheme", "W8A8", "--group-size", "64")
+    assert result.exit_code == 2 and "--group-size applies to group and tensor_group weights" in result.output
 
 
 def test_the_suggested_ignore_pasted_into_run_leaves_exactly_those_layers_in_float(wide, tmp_path):

@@ -109,9 +109,18 @@ def test_observer_mapping_and_cli_observer():
 
 @pytest.mark.parametrize("text, message", [
     ("QuantizationModifier:\n  scheme: FP8\n  sheme: W8A8\n", "unknown QuantizationModifier key(s) 'sheme'"),
-    ("stage:\n  quant_modifiers:\n    GPTQModifier:\n      scheme: W4A16\n", "stage.quant_modifiers.GPTQModifier is not supported (GPTQ"),
+    ("stage:\n  quant_modifiers:\n    GPTQModifier:\n      scheme: W4A16\n      actorder: group\n",
+     "Invalid activation ordering group. Only 'weight' and 'static' are supported for GPTQ."),
+    ("GPTQModifier: {scheme: W4A16, block_sise: 64}\n", "GPTQModifier.block_sise"),
+    ("GPTQModifier: {block_size: 64}\n", "the GPTQModifier gives no scheme or config_groups"),
+    ("QuantizationModifier: {scheme: W4A16}\nGPTQModifier: {scheme: W4A16}\n", "give it in one of them"),
+    ("GPTQModifier: {scheme: W4A16}\nAWQModifier: {}\n", "AWQModifier comes after the modifier that quantizes"),
+    ("AWQModifier: {n_grid: 2}\nQuantizationModifier: {scheme: W4A16}\n", "AWQ n_grid must be an integer >= 3"),
+    ("AWQModifier: {mappings: [[a, b]]}\nQuantizationModifier: {scheme: W4A16}\n", "AWQModifier.mappings"),
+    ("AWQModifier: {}\nSmoothQuantModifier: {}\nQuantizationModifier: {scheme: W4A16}\n", "use one of them"),
+    ("SparseGPTModifier: {}\nQuantizationModifier: {scheme: W4A16}\n", "SparseGPTModifier is not supported"),
     ("stage:\n  quant_modifiers:\n    QuantizationModifier: {scheme: W8A8}\n    SmoothQuantModifier: {}\n",
-     "SmoothQuantModifier comes after the QuantizationModifier"),
+     "SmoothQuantModifier comes after the modifier that quantizes"),
     ("stage:\n  quant_modifiers:\n    SmoothQuantModifier: {start: 0}\n    QuantizationModifier: {scheme: W8A8}\n",
      "start: 0.0 is not supported (SmoothQuant is one-shot only)"),
     ("SmoothQuantModifier: {alpha: 0.5}\nQuantizationModifier: {scheme: W8A8}\n", "SmoothQuantModifier.alpha"),
@@ -156,7 +165,7 @@ _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.text(max
 _keys = st.sampled_from(["QuantizationModifier", "quant_stage", "quant_modifiers", "scheme", "config_groups",
                          "targets", "ignore", "kv_cache_scheme", "weight_observer", "observer", "weights",
                          "input_activations", "num_bits", "strategy", "type", "group_size", "dynamic", "weights",
-                         "GPTQModifier", "start", "bogus", "SmoothQuantModifier", "mappings", "smoothing_strength",
+                         "GPTQModifier", "AWQModifier", "block_size", "actorder", "n_grid", "duo_scaling", "start", "bogus", "SmoothQuantModifier", "mappings", "smoothing_strength",
                          "algorithm"])
 _trees = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                         st.dictionaries(_keys, inner, max_size=4)), max_leaves=12)

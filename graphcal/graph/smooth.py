@@ -158,7 +158,8 @@ def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None
 
 
 def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
-            named: list[tuple[tuple[str, ...], str]] | None = None, ignore: tuple[str, ...] = ()) -> Resolution:
+            named: list[tuple[tuple[str, ...], str]] | None = None, ignore: tuple[str, ...] = (),
+            what: str = "SmoothQuant") -> Resolution:
     """The mappings to apply.
 
     ``named`` None: found by structure, for every candidate with a quantized balance target
@@ -191,7 +192,8 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
         hits = [c for c in cands if _name_matches(c.smooth, smooth_pattern)
                 and any(_name_matches(b, p) for b in c.balance for p in balance_patterns)]
         if not hits:
-            out.notes.append(f"SmoothQuant mapping {label} matches nothing in this model")
+            out.notes.append(f"{what} mapping {label} matches nothing in this model (or nothing it can scale exactly)"
+                             if what != "SmoothQuant" else f"{what} mapping {label} matches nothing in this model")
             continue
         for c in hits:
             listed = [b for b in c.balance if any(_name_matches(b, p) for p in balance_patterns)]

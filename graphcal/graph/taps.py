@@ -29,6 +29,7 @@ class Reduction(enum.Enum):
     HEAD = "head"  # x [batch, heads, seq, dim], over dims 0, 2, 3 -> heads   (attn_head)
     CHANNEL = "channel"  # x as [-1, channels], over dim 0 -> channels   (SmoothQuant's ranges; 7x faster
     #                      in onnxruntime than GROUP with groups of 1)
+    GRAM = "gram"  # x as [-1, channels] -> x^T x [channels, channels], and x's shape   (GPTQ's Hessians)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class TapRequest:
 class TappedGraph:
     """A weightless tapped graph and where each request's values come out.
 
-    ``outputs[request]`` is ``(tensor,)`` for WHOLE and ``(min, max)`` otherwise; ``finite[tensor]``
+    ``outputs[request]`` is ``(tensor,)`` for WHOLE, ``(gram, shape)`` for GRAM and ``(min, max)``
+    otherwise; ``finite[tensor]``
     is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite).
     """
 
@@ -199,6 +201,17 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
             expose(probe, elem)
             out[tensor, "finite"] = probe
         x, axes = tensor, None
+        if request.reduction is Reduction.GRAM:
+            shape = np.array([-1, request.groups], dtype=np.int64)
+            rows = node("Reshape", [tensor, const(f"{base}/rows", shape)], f"{base}/rows")
+            if elem != onnx.TensorProto.FLOAT:  # the Hessian is summed in fp32, as llm-compressor sums it
+                rows = node("Cast", [rows], f"{base}/rows_fp32", to=onnx.TensorProto.FLOAT)
+            gram = node("MatMul", [node("Transpose", [rows], f"{base}/columns", perm=[1, 0]), rows], f"{base}/gram")
+            dims = node("Shape", [tensor], f"{base}/shape")
+            expose(gram, onnx.TensorProto.FLOAT)
+            expose(dims, onnx.TensorProto.INT64)
+            out[request] = (gram, dims)
+            continue
         if request.reduction is Reduction.GROUP:
             shape = np.array([-1, request.groups, request.group_size], dtype=np.int64)
             x = node("Reshape", [tensor, const(f"{base}/groups", shape)], f"{base}/grouped")

@@ -1,0 +1,152 @@
+"""AWQ as a stage: llm-compressor's AWQModifier on the ONNX graph, before the weights are quantized.
+
+    plan.awq (graph.smooth, scope "all": activations whose scales fold exactly into the norm or
+    linear layer before them, so the written model gets no extra node)
+    for each layer block (graphcal.blockwise), on the cached tensors the blocks before it made:
+      the block's subgraph runs once over the data --> each mapping's parent inputs (the balance
+      layers' shared activation x, and anything else the parent reads), cached for the search
+      for each mapping (graph order):
+        mean |x| per channel, the balance weights' normalised means (graphcal.awq)
+        the parent sub-network (graph.blocks.parent_output: q/k/v -> the attention's output,
+        gate/up -> down_proj's output, one layer -> itself) run 1 + n_grid times on the cached
+        inputs, the balance weights fed as Q(W * s) / s for each candidate s
+        --> the s whose parent output is nearest the float one (graphcal.awq.search)
+    --> graphcal.smoothing.Smoothed: the weight pass multiplies each balance weight's columns by s
+        (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
+
+The statistics come from the float model: AWQ changes no function (only the rounding to come),
+so layer i+1 sees what it would after layer i was smoothed, up to rounding (algorithms.md §5.2).
+The weights a mapping searches with are the current ones (a layer smoothed by an earlier mapping
+of the same block enters the later one smoothed, as in llm-compressor); the other layers inside a
+parent run in float. Memory: one block's parent inputs for all the data, plus the residual stream
+between blocks; both are counted and refused with an error when they would not fit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from graphcal.errors import GraphcalError
+from graphcal.plan import RunPlan
+from graphcal.types import Target
+
+log = logging.getLogger("graphcal")
+
+
+def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False):
+    """AWQ's scales for every mapping of ``run.awq``: a graphcal.smoothing.Smoothed (method "awq")."""
+    from graphcal.awq import AbsMean, search
+    from graphcal.blockwise import Blockwise
+    from graphcal.graph.blocks import parent_inputs, parent_output
+    from graphcal.graph.targets import torch_weight
+    from graphcal.limits import check_fits
+    from graphcal.progress import Progress
+    from graphcal.smoothing import Smoothed
+
+    settings = run.config.awq
+    mappings = list(run.awq.mappings)
+    walk = Blockwise(run, calib, device=device, device_id=device_id)
+    by_name = {t.name: t for t in run.found}
+    block_of = {t.name: k for k, b in enumerate(walk.blocks) for t in b.targets}
+    plans = []
+    for m in mappings:
+        balance = [by_name[b] for b in m.balance]
+        chosen = [t for t in balance if t.name in block_of]
+        if not chosen:
+            continue
+        output = parent_output(run.model, balance)
+        reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
+        plans.append((min(block_of[t.name] for t in chosen), m, balance, output, reads))
+    scales: dict[str, torch.Tensor] = {}
+    done = Smoothed([], {}, method="awq")
+    records = []
+    bar = Progress("AWQ", len(plans), "mapping", bar=progress)
+    with bar, torch.no_grad():
+        for k, block in enumerate(walk.blocks):
+            here = [p for p in plans if p[0] == k]
+            taps = list(dict.fromkeys(x for p in here for x in p[4]))
+            outputs = list(block.outputs)
+            if not here and not outputs:
+                continue
+            runtime, _ = walk.session(list(dict.fromkeys([*taps, *outputs])), list(block.inputs))
+            cached: dict[str, list[np.ndarray]] = {n: [] for n in taps}
+            kept: dict[str, list[np.ndarray]] = {n: [] for n in outputs}
+            try:
+                for i, feeds in walk.batches(k):
+                    values = runtime.run_numpy(feeds)
+                    for n in taps:
+                        cached[n].append(values[n])
+                    for n in outputs:
+                        kept[n].append(values[n])
+                    if i == 0:
+                        per_batch = sum(v[0].nbytes for v in (*cached.values(), *kept.values()))
+                        check_fits(per_batch * calib.num_batches, f"AWQ's cached inputs of {block.name} for "
+                                   f"{calib.num_samples} samples", 0.5,
+                                   hint="calibrate on fewer samples (--num-samples) or shorter sequences")
+            finally:
+                runtime.close()
+            walk.keep(k, kept)
+            del kept
+            for _, m, balance, output, reads in here:
+                x = m.candidate.activation
+                stats = AbsMean()
+                for value in cached[x]:
+                    stats.update(torch.from_numpy(value))
+                weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
+                           for t in balance}
+                args = {t.name: run.schemes[t.name].weights for t in balance
+                        if t.name in run.schemes and run.schemes[t.name].weights is not None}
+                if not args:
+                    continue
+                fused = [list(g.members) for g in run.groups if set(g.members) <= set(args)]
+                parent = _Parent(walk, balance, output, reads, cached, weights)
+                try:
+                    result = search(stats.value(), weights, args, parent, duo_scaling=settings.duo_scaling,
+                                    n_grid=settings.n_grid, fused_global_scale=fused)
+                except ValueError as e:
+                    raise GraphcalError(f"AWQ {m.describe()}: {e}") from e
+                finally:
+                    parent.close()
+                bar.update(1)
+                if result is None:
+                    continue
+                scales[x] = result.scales
+                done = Smoothed([*done.mappings, m], dict(scales), method="awq")
+                records.append({"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
+                                "initial_error": result.initial_error, "best_error": result.best_error,
+                                "ratio": result.grid[result.best_index][0]})
+                log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
+                         result.best_error, result.grid[result.best_index][0])
+            del cached
+    record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid, "mappings": records}
+    smoothed = Smoothed(done.mappings, scales, method="awq", record=record)  # recorded under AWQ_METADATA_KEY
+    log.info("AWQ: %d of %d mappings scaled", len(records), len(mappings))
+    return smoothed
+
+
+class _Parent:
+    """The parent sub-network of one mapping, run on the cached inputs with candidate balance weights."""
+
+    def __init__(self, walk, balance: list[Target], output: str, reads: list[str], cached: dict,
+                 current: dict[str, torch.Tensor]):
+        self.walk, self.balance, self.output, self.reads, self.cached = walk, balance, output, reads, cached
+        self.current = current  # the balance weights a candidate leaves as they are
+        self.runtime, _ = walk.session([output], reads, balance)
+        self.inputs = {i.name for i in self.runtime.session.get_inputs()}
+
+    def __call__(self, weights: dict[str, torch.Tensor]):
+        fed = dict(self.walk.feed_weight(t, weights.get(t.name, self.current[t.name])) for t in self.balance)
+        for i, batch in enumerate(self.walk.calib.batches()):
+            feeds = {n: batch[n] for n in self.inputs if n in batch}
+            for n in self.reads:
+                if n in self.inputs:
+                    feeds[n] = self.cached[n][i]
+            feeds.update({n: v for n, v in fed.items() if n in self.inputs})
+            yield torch.from_numpy(self.runtime.run_numpy(feeds)[self.output])
+
+    def close(self) -> None:
+        self.runtime.close()
+

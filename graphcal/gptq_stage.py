@@ -1,0 +1,254 @@
+"""GPTQ as a stage: Hessians from the calibration data, then each weight rounded by graphcal.gptq.
+
+Two orders, as llm-compressor has them:
+
+* **one-pass** (graphcal's; llm-compressor's ``pipeline="basic"``): the calibration pass reduces
+  every quantized layer's input to ``x^T x`` inside onnxruntime (:class:`HessianObserver`, a
+  GRAM tap), so no activation leaves the session; the weight pass then quantizes each weight with
+  its Hessian. One pass over the data; every Hessian is held until the weight pass.
+* **sequential** (llm-compressor's default): :func:`sequential_gptq` takes the graph layer block
+  by layer block (graph.blocks). Each block's subgraph runs on the cached outputs of the blocks
+  before it, which were computed with their weights already quantized, so every Hessian sees
+  the error of the layers before it; the block's weights are quantized, and the block runs again
+  with them to give the next block its inputs. Two runs of each block in all (two passes over the
+  data, as llm-compressor's calibration and propagation passes); one block's Hessians and the
+  blocks' boundary tensors (the residual stream) are held at a time.
+
+Either way the grid is the scheme's observer on the weight before GPTQ (llm-compressor fixes it
+there), and the weight pass writes GPTQ's on-grid weight with those qparams. Under SmoothQuant
+or AWQ the weights are the smoothed ones and the Hessians those of the smoothed inputs x/s
+(tapped as x * (1/s) in the one-pass order; diag(1/s) H diag(1/s) in the sequential one).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcal.errors import GraphcalError
+from graphcal.types import QuantizedTarget, Target
+
+log = logging.getLogger("graphcal")
+
+
+class HessianObserver:
+    """The Hessian of one tapped activation, fed ``x^T x`` per batch (or whole activations), and
+    gathered across torchrun ranks like an observer's statistics."""
+
+    takes_extrema = False
+    observer_name = "GPTQ Hessian"
+    sync_ops = {"hessian_sum": None, "hessian_count": None}
+
+    def __init__(self, columns: int):
+        from graphcal.gptq import Hessian
+
+        self.columns = columns
+        self.hessian = Hessian()
+        self._value: torch.Tensor | None = None
+
+    def add_gram(self, gram: torch.Tensor, sequences: int) -> None:
+        self.hessian.add_gram(gram, sequences)
+
+    def add_activations(self, x: torch.Tensor) -> None:
+        self.hessian.add_activations(x)
+
+    @property
+    def has_statistics(self) -> bool:
+        return self.hessian.sum is not None and self.hessian.count > 0
+
+    def value(self) -> torch.Tensor:
+        """H / number of sequences (computed once; q/k/v share it)."""
+        if self._value is None:
+            self._value = self.hessian.value()
+        return self._value
+
+    def release(self) -> None:
+        """Let the Hessian go once every layer reading it is quantized."""
+        self.hessian.sum, self._value = None, None
+
+    # torchrun (graphcal.distributed.gather_statistics)
+    def state_dict_stats(self) -> dict:
+        if self.hessian.sum is None:
+            return {}
+        return {"hessian_sum": self.hessian.sum, "hessian_count": torch.tensor(self.hessian.count)}
+
+    def reset(self) -> None:
+        from graphcal.gptq import Hessian
+
+        self.hessian, self._value = Hessian(), None
+
+    def load_stats(self, stats: dict) -> None:
+        self.hessian.sum = stats["hessian_sum"].float()
+        self.hessian.count = int(stats["hessian_count"])
+
+    def merge(self, *others: HessianObserver) -> None:
+        self.hessian.merge(*(o.hessian for o in others))
+        self._value = None
+
+
+@dataclass
+class GPTQLog:
+    """What GPTQ did to each layer: its loss (1/2 sum e^2, llm-compressor's) and the layers whose
+    Hessian was not positive definite (rounded to nearest on the same grid, with a warning)."""
+
+    losses: dict[str, float] = field(default_factory=dict)
+    rtn_fallback: list[str] = field(default_factory=list)
+
+    def warnings(self) -> list[str]:
+        if not self.rtn_fallback:
+            return []
+        shown = ", ".join(self.rtn_fallback[:3]) + (f" and {len(self.rtn_fallback) - 3} more"
+                                                     if len(self.rtn_fallback) > 3 else "")
+        return [f"GPTQ: the Hessian of {len(self.rtn_fallback)} layer(s) is not positive definite even after "
+                f"dampening ({shown}); rounded to nearest on the same grid (raise --dampening-frac)"]
+
+
+def gptq_weight(t: Target, w: torch.Tensor, item: QuantizedTarget, hessian: torch.Tensor, settings,
+                record: GPTQLog) -> torch.Tensor:
+    """``w`` (torch [out, in]) rounded by GPTQ on the grid of ``item``'s weight qparams."""
+    from graphcal.gptq import quantize_weight
+
+    qp = item.qparams["weight"]
+    args = item.scheme.weights
+    try:
+        result = quantize_weight(w.to(hessian.device), hessian, qp.scale, qp.zero_point, qp.global_scale, args,
+                                 block_size=settings.block_size, dampening_frac=settings.dampening_frac)
+    except ValueError as e:
+        raise GraphcalError(f"{t.name}: GPTQ: {e}") from e
+    except torch.linalg.LinAlgError as e:  # the inverse's Cholesky on a badly conditioned Hessian
+        raise GraphcalError(f"{t.name}: GPTQ: the Hessian's inverse is not positive definite; raise "
+                            "--dampening-frac") from e
+    record.losses[t.name] = result.loss
+    if result.rtn_fallback:
+        record.rtn_fallback.append(t.name)
+    return result.weight.to(w.device)
+
+
+class OnePass:
+    """The weight pass's rounding for the one-pass order: each weight with the Hessian of the
+    activation it reads (from the calibration pass), which goes once its last reader is done."""
+
+    def __init__(self, hessians: dict[str, HessianObserver], settings):
+        self.hessians, self.settings, self.log = hessians, settings, GPTQLog()
+        self._left: dict[int, int] = {}
+        for obs in hessians.values():
+            self._left[id(obs)] = self._left.get(id(obs), 0) + 1
+
+    def __call__(self, t: Target, w: torch.Tensor, item: QuantizedTarget) -> torch.Tensor:
+        obs = self.hessians[t.name]
+        if not obs.has_statistics:
+            raise GraphcalError(f"{t.name}: no activation reached its GPTQ Hessian")
+        out = gptq_weight(t, w, item, obs.value(), self.settings, self.log)
+        self._left[id(obs)] -= 1
+        if not self._left[id(obs)]:
+            obs.release()
+        return out
+
+
+def hessian_bytes(targets: list[Target]) -> int:
+    """The fp32 Hessians of the distinct activations ``targets`` read, in bytes (held at once in the
+    one-pass order)."""
+    seen = {t.activation: t.in_features for t in targets}
+    return sum(4 * n * n for n in seen.values())
+
+
+def check_one_pass(run) -> None:
+    """Refuse the one-pass order when its Hessians (every distinct layer input's, fp32, held at once)
+    would take more than half the memory available."""
+    from graphcal.limits import check_fits
+
+    check_fits(hessian_bytes(list(run.chosen)), "GPTQ's one-pass Hessians",
+               hint="--gptq-order sequential holds one layer block's Hessians at a time")
+
+
+class Rounded:
+    """The weight pass's rounding for the sequential order: the weights GPTQ already put on the grid."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], record: GPTQLog):
+        self.weights, self.log = weights, record
+
+    def __call__(self, t: Target, w: torch.Tensor, item: QuantizedTarget) -> torch.Tensor:
+        return self.weights.pop(t.name).to(w.device)
+
+
+def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, progress: bool = False,
+                    smoothed=None, torch_device: torch.device | None = None) -> Rounded:
+    """GPTQ layer block by layer block (llm-compressor's sequential pipeline with propagate_error):
+    each block's Hessians from its inputs as the quantized blocks before it made them, its weights
+    quantized, then the block run again with them for the next block's inputs."""
+    from graphcal.blockwise import Blockwise
+    from graphcal.graph.taps import Reduction, TapRequest
+    from graphcal.graph.targets import torch_weight
+    from graphcal.progress import Progress
+    from graphcal.weights import units
+
+    settings = run.config.gptq
+    device_t = torch_device or torch.device("cpu")
+    walk = Blockwise(run, calib, device=device, device_id=device_id)
+    record, rounded = GPTQLog(), {}
+    by_name = {t.name: t for t in run.chosen}
+    all_units = units(run)
+    bar = Progress("GPTQ blocks", len(walk.blocks), "block", bar=progress)
+    with bar, torch.no_grad():
+        for k, block in enumerate(walk.blocks):
+            # 1. the Hessians of the block's inputs, from what the (quantized) blocks before it made
+            hessians: dict[str, HessianObserver] = {}
+            for t in block.targets:
+                hessians.setdefault(t.activation, HessianObserver(t.in_features))
+            requests = [TapRequest(x, Reduction.GRAM, h.columns) for x, h in hessians.items()]
+            runtime, tapped = walk.session([], list(block.inputs), requests=requests)
+            try:
+                for _, feeds in walk.batches(k):
+                    values = runtime.run(feeds)
+                    for r in requests:
+                        gram, dims = (values[n] for n in tapped.outputs[r])
+                        if not bool(torch.isfinite(gram).all()):
+                            raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
+                                                "or the data produce non-finite activations")
+                        hessians[r.tensor].add_gram(gram, int(dims[0]) if dims.numel() >= 3 else 1)
+            finally:
+                runtime.close()
+            # 2. the block's weights: observed (the grid), then GPTQ on it
+            effective: dict[str, torch.Tensor] = {}
+            members = {t.name for t in block.targets}
+            for unit in [u for u in all_units if u[0].name in members]:
+                weights = {}
+                for t in unit:
+                    w = torch.from_numpy(torch_weight(run.model, t, run.base_dir))
+                    if smoothed is not None:
+                        w = smoothed.weight(t, w)
+                    observers.weight_observers[t.name](w.to(device_t))
+                    weights[t.name] = w
+                group = [g for g in run.groups if set(g.members) == set(weights)]
+                if group:
+                    observers.share_global_scales(list(group[0].members))
+                for t in unit:
+                    item = observers.qparams(t, run.schemes[t.name])
+                    h = hessians[t.activation].value().to(device_t)
+                    if smoothed is not None:
+                        h = smoothed.smooth_hessian(t, h)
+                    q = gptq_weight(t, weights.pop(t.name).to(device_t), item, h, settings, record).cpu()
+                    rounded[t.name] = q
+                    effective[t.name] = smoothed.unsmooth(t, q) if smoothed is not None else q
+            del hessians
+            # 3. the block again with its quantized weights: the next blocks' inputs
+            if block.outputs:
+                runtime, _ = walk.session(list(block.outputs), list(block.inputs), [by_name[n] for n in effective])
+                fed = dict(walk.feed_weight(by_name[n], w) for n, w in effective.items())
+                outputs: dict[str, list] = {n: [] for n in block.outputs}
+                try:
+                    for _, feeds in walk.batches(k):
+                        values = runtime.run_numpy({**feeds, **fed})
+                        for n in block.outputs:
+                            outputs[n].append(values[n])
+                        walk.check_cache(k, outputs) if len(outputs[block.outputs[0]]) == 1 else None
+                finally:
+                    runtime.close()
+                walk.keep(k, outputs)
+            bar.update(1)
+    missing = [t.name for t in run.chosen if t.name not in rounded]
+    if missing:
+        raise GraphcalError(f"GPTQ: {len(missing)} target(s) were in no layer block: {', '.join(missing[:3])}")
+    return Rounded(rounded, record)
