@@ -206,7 +206,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
             "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
-            "smoothquant": result.smoothed,
+            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq,
         }, sort_keys=True))
         return
     if quiet:
@@ -217,7 +217,17 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
                + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
     if result.smoothed:
         click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
-    if result.provider is None:
+    if result.awq:
+        click.echo(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
+                   "before it (graphcal inspect lists them)")
+    if result.gptq is not None:
+        order = "layer block by layer block" if result.gptq["order"] == "sequential" else "Hessians from one pass"
+        click.echo(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
+                   + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
+                      if result.gptq["rtn_fallback"] else ""))
+    if result.provider is None and (result.awq or result.gptq is not None):
+        click.echo("calibration pass: only GPTQ's / AWQ's (the scheme has no static activations to observe)")
+    elif result.provider is None:
         click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
     else:
         ranks = f" across {result.world} ranks" if result.world > 1 else ""

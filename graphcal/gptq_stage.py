@@ -204,7 +204,7 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
                     values = runtime.run(feeds)
                     for r in requests:
                         gram, dims = (values[n] for n in tapped.outputs[r])
-                        if not bool(torch.isfinite(gram).all()):
+                        if not bool(torch.isfinite(values[tapped.finite[r.tensor]]).all()):  # the tap's NaN/Inf probe
                             raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
                                                 "or the data produce non-finite activations")
                         hessians[r.tensor].add_gram(gram, int(dims[0]) if dims.numel() >= 3 else 1)

@@ -8,7 +8,7 @@ size of the written model (:mod:`graphcal.sizing`). No weight is read and no obs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from graphcal.config import RunConfig
@@ -50,6 +50,8 @@ class Inspection:
     runtime: str = "onnxruntime"
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
     smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
+    awq: object | None = None  # graph.smooth.Resolution of AWQ's mappings (None: no AWQ asked for)
+    blocks: list[str] = field(default_factory=list)  # GPTQ's sequential order: the layer blocks, in order
 
     @property
     def quantized(self) -> list[str]:
@@ -78,8 +80,19 @@ def from_plan(run: RunPlan) -> Inspection:
         model_opset=run.model_opset, required_opset=run.opset, output_opset=run.output_opset,
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
-        runtime=str(run.runtime), forms=list(run.forms), smoothing=run.smoothing,
+        runtime=str(run.runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
+        blocks=_blocks(run),
     )
+
+
+def _blocks(run: RunPlan) -> list[str]:
+    """The layer blocks GPTQ's sequential order (or AWQ) takes the graph in (empty when neither runs)."""
+    gptq = run.config.gptq
+    if not ((gptq is not None and gptq.order == "sequential") or (run.awq is not None and run.awq.mappings)):
+        return []
+    from graphcal.graph.blocks import blocks
+
+    return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in blocks(run.model, list(run.chosen))]
 
 
 def _row(t: Target, chosen: bool, config: RunConfig) -> TargetRow:
@@ -134,6 +147,13 @@ def to_dict(report: Inspection) -> dict:
                          for m in report.smoothing.mappings],
             "not_smoothed": list(report.smoothing.notes),
         },
+        "gptq": None if report.config.gptq is None else {**asdict(report.config.gptq), "blocks": report.blocks},
+        "awq": None if report.awq is None else {
+            "duo_scaling": report.config.awq.duo_scaling, "n_grid": report.config.awq.n_grid,
+            "mappings": [{"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
+                          "activation": m.candidate.activation} for m in report.awq.mappings],
+            "not_scaled": list(report.awq.notes), "blocks": report.blocks,
+        },
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
         "size": {
             "input_bytes": report.input_size,
@@ -178,6 +198,17 @@ def format_text(report: Inspection) -> str:
                      + (f", {sq.algorithm}" if sq.algorithm != "smoothquant" else "") + ":")
         lines += [f"  {m.describe()}" for m in report.smoothing.mappings]
         lines += [f"  {n}" for n in report.smoothing.notes]
+    if report.config.gptq is not None:
+        g = report.config.gptq
+        lines.append(f"gptq     {g.order}, block_size {g.block_size}, dampening_frac {g.dampening_frac:g}, actorder "
+                     f"{'static' if g.actorder == 'default' else g.actorder}"
+                     + (f"; {len(report.blocks)} layer blocks: {', '.join(report.blocks[:3])}"
+                        + (" ..." if len(report.blocks) > 3 else "") if report.blocks else ""))
+    if report.awq is not None:
+        a = report.config.awq
+        lines.append(f"awq      {len(report.awq.mappings)} mapping(s), duo_scaling {a.duo_scaling}, n_grid {a.n_grid}:")
+        lines += [f"  {m.describe()}" for m in report.awq.mappings]
+        lines += [f"  {n}" for n in report.awq.notes]
     lines.append(f"ignored  {', '.join(f'{r.target.name} ({r.reason})' for r in report.rows if not r.quantized) or 'none'}")
     lines.append(f"opset    model {report.model_opset}, scheme needs {report.required_opset}, "
                  f"output {report.output_opset}" + (" (converted)" if report.output_opset > report.model_opset else ""))

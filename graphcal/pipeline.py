@@ -2,12 +2,16 @@
 
     options/recipe --config.resolve--> RunConfig
     model + config --plan.plan--> RunPlan                      (what run and inspect both see)
-    RunPlan --observe.ObserverSet--> observers and the taps they need (smoothed activations under SmoothQuant)
+    (with AWQ: awq_stage.awq_smoothing, its scales searched layer block by layer block first)
+    RunPlan --observe.ObserverSet--> observers and the taps they need (smoothed activations under SmoothQuant
+                                     or AWQ; GPTQ's Hessians in its one-pass order)
     data --activations.run_activation_pass--> activation statistics (one pass; ranks gathered)
          (with --smoothquant: smoothing.smooth_and_calibrate, SmoothQuant's scales in the same pass,
           or in one pass before it when an observer of a smoothed activation needs more than extrema)
+    (GPTQ in its sequential order: gptq_stage.sequential_gptq, two runs of each layer block)
     scales --smoothing.Smoothed.fold--> norms, biases, explicit Muls of the smoothing in the model
-    weights --weights.quantize_weights--> qparams, weights quantized into the QDQ writer
+    weights --weights.quantize_weights--> qparams, weights quantized (or GPTQ's, on the same grid) into the
+                                          QDQ writer
     writer.finish + metadata --output.OutputSlot.write--> model.onnx, quantization_config.json,
                                                          qparams.safetensors (all or none)
 """
@@ -59,6 +63,8 @@ class CalibrationResult:
     padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
     exclude_padding: bool = False  # padded positions were left out of the activation statistics
     smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.smooth.Mapping.describe)
+    awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
+    gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -110,6 +116,8 @@ def calibrate(
     with a warning); data without an attention_mask input is a usage error. ``smoothquant``
     ("norms", "all" or "mul") smooths the activations first, as llm-compressor's SmoothQuantModifier
     does, with ``smoothing_strength`` (default 0.5); a recipe's SmoothQuantModifier does the same.
+    GPTQ and AWQ (``config=resolve(Options(algorithm=...))``, or a recipe's GPTQModifier /
+    AWQModifier) round the weights with llm-compressor's algorithms instead of to nearest.
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -206,7 +214,10 @@ def calibrate(
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
         seconds=time.perf_counter() - start, warnings=warnings, forms=list(run.forms), rank=0,
         world=dist.world if dist else 1, padding_share=share, exclude_padding=exclude_padding,
-        smoothed=[m.describe() for m in smoothed.mappings] if smoothed is not None else [],
+        smoothed=[m.describe() for m in smoothed.mappings] if smoothed is not None and smoothed.method != "awq" else [],
+        awq=[m.describe() for m in smoothed.mappings] if smoothed is not None and smoothed.method == "awq" else [],
+        gptq=None if rounding is None else {"order": gptq.order, "layers": len(rounding.log.losses),
+                                            "rtn_fallback": list(rounding.log.rtn_fallback)},
     )
 
 

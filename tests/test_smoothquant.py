@@ -384,9 +384,10 @@ def _expected_bert(scope) -> dict:
     for i in range(2):
         layer = f"encoder.layer.{i}"
         out[(f"{layer}.output.dense",)] = (f"{layer}.intermediate.intermediate_act_fn", "norm", False)
+        if scope in ("all", "mul"):  # through the attention, into value's output rows (llm-compressor's v -> o)
+            out[(f"{layer}.attention.output.dense",)] = (f"{layer}.attention.self.value", "linear", False)
         if scope == "mul":  # post-LN: no fold is exact, only an explicit Mul
             out[tuple(f"{layer}.attention.self.{p}" for p in ("query", "key", "value"))] = (None, "mul", True)
-            out[(f"{layer}.attention.output.dense",)] = (None, "mul", True)
             out[(f"{layer}.intermediate.dense",)] = (None, "mul", True)
     if scope == "mul":
         out[("pooler.dense",)] = (None, "mul", True)
@@ -409,7 +410,10 @@ def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
     smoothed_targets = {b for m in run.smoothing.mappings for b in m.balance}
     if model == "tiny-bert":
         for m in run.smoothing.mappings:
-            if not m.explicit:  # folded into GELU's final constant "* 0.5", nothing else
+            if m.candidate.kind == "linear":  # value's output rows and its bias Add
+                (param,) = m.candidate.params
+                assert param.node.endswith("/attention/self/value/Add_output_0")
+            elif not m.explicit:  # folded into GELU's final constant "* 0.5", nothing else
                 (param,) = m.candidate.params
                 assert param.node.endswith("/intermediate_act_fn/Mul_1_output_0")
                 assert _const(run.model, param.value).tolist() == 0.5

@@ -122,6 +122,16 @@ class GraphIndex:
                 if i:
                     self.readers.setdefault(i, []).append(n)
         self.outputs = {o.name for o in graph.output}
+        self._model, self._types = model, None
+
+    @property
+    def types(self) -> dict:
+        """Element types and shapes of the graph's values (shape inference, on first use only)."""
+        if self._types is None:
+            from graphcal.graph.io import value_types
+
+            self._types = value_types(self._model)
+        return self._types
 
     def const(self, name: str) -> np.ndarray | None:
         """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise."""
@@ -182,6 +192,9 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
             elif c.kind == "linear":
                 out.notes.append(f"{_listed(c.balance)}: not smoothed (its fold is into the linear layer {c.smooth}; "
                                  "--smoothquant all folds it)")
+            elif what != "SmoothQuant":
+                out.notes.append(f"{_listed(c.balance)}: not scaled (no exact fold: {c.blocked}; {what} folds into "
+                                 "norms and linear layers only, adding no node)")
             else:
                 out.notes.append(f"{_listed(c.balance)}: not smoothed (no exact fold: {c.blocked}; "
                                  "--smoothquant mul smooths it through an explicit Mul)")
@@ -301,7 +314,56 @@ def _classify(index: GraphIndex, x: str, readers: list[Target], by_output) -> Ca
                     t, bias = by_output[y]
                     if t.out_features == channels:
                         return _linear(index, x, balance, t, bias, y, channels)
+    value = _attention_value(index, producer, by_output)
+    if value is not None:  # o_proj <- attention <- v_proj: smoothing folds into v_proj's output rows
+        t, bias, y = value
+        if t.out_features == channels:
+            return _linear(index, x, balance, t, bias, y, channels)
     return mul_candidate("")
+
+
+def _attention_value(index: GraphIndex, merge: onnx.NodeProto, by_output):
+    """(v_proj, its bias, its output) when ``merge`` ends an attention that reads v_proj's output as V:
+
+        y = v_proj(h) -> Reshape [b, s, heads, d] -> Transpose(0, 2, 1, 3) -> MatMul(probs, V)
+          -> Transpose(0, 2, 1, 3) -> Reshape [b, s, heads * d] = x   (merge)
+
+    Each attention output channel is a weighted sum of the same V channel over positions, and the
+    reshapes split and merge the channels the same way (the transposes move the heads axis only),
+    so scaling x's channels is scaling y's: v_proj's rows. Every tensor on the V path has one reader;
+    grouped-query attention (V repeated over heads) does not match. None otherwise."""
+    def single(value: str, node: onnx.NodeProto) -> bool:
+        return only_single_reader(index, value, node)
+
+    def perm(node: onnx.NodeProto) -> list[int] | None:
+        for a in node.attribute:
+            if a.name == "perm":
+                return list(a.ints)
+        return None
+
+    def rank(name: str) -> int | None:
+        t = index.types.get(name)
+        return len(t.shape.dim) if t is not None and t.HasField("shape") else None
+
+    if merge.op_type != "Reshape" or rank(merge.output[0]) != 3:
+        return None
+    back = index.producer.get(merge.input[0])
+    if back is None or back.op_type != "Transpose" or perm(back) != [0, 2, 1, 3] or not single(back.output[0], merge):
+        return None
+    mm = index.producer.get(back.input[0])
+    if mm is None or mm.op_type != "MatMul" or not single(mm.output[0], back):
+        return None
+    forward = index.producer.get(mm.input[1])
+    if forward is None or forward.op_type != "Transpose" or perm(forward) != [0, 2, 1, 3] or not single(mm.input[1], mm):
+        return None
+    split = index.producer.get(forward.input[0])
+    if split is None or split.op_type != "Reshape" or rank(split.output[0]) != 4 or not single(split.output[0], forward):
+        return None
+    y = split.input[0]
+    if y not in by_output or not single(y, split):
+        return None
+    t, bias = by_output[y]
+    return t, bias, y
 
 
 def only_single_reader(index: GraphIndex, value: str, node: onnx.NodeProto) -> bool:
