@@ -95,6 +95,9 @@ def calibrate(
     exclude_padding: bool = False,
     smoothquant: str | None = None,
     smoothing_strength: float | None = None,
+    algorithm: str | None = None,
+    group_size: int | None = None,
+    gptq_order: str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -116,8 +119,10 @@ def calibrate(
     with a warning); data without an attention_mask input is a usage error. ``smoothquant``
     ("norms", "all" or "mul") smooths the activations first, as llm-compressor's SmoothQuantModifier
     does, with ``smoothing_strength`` (default 0.5); a recipe's SmoothQuantModifier does the same.
-    GPTQ and AWQ (``config=resolve(Options(algorithm=...))``, or a recipe's GPTQModifier /
-    AWQModifier) round the weights with llm-compressor's algorithms instead of to nearest.
+    ``algorithm`` ("gptq", "awq" or "awq+gptq"; or a recipe's GPTQModifier / AWQModifier) rounds
+    the weights with llm-compressor's algorithms instead of to nearest, GPTQ in ``gptq_order``
+    ("sequential", the default, or "one-pass"); ``group_size`` sets the scheme's weight group size
+    (their other knobs: ``config=resolve(Options(...))``).
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -125,7 +130,8 @@ def calibrate(
     slot = reserve_output(out_dir, [model_path, *data_paths])  # checks -o, locks it (rank 0), clears leftovers
     config = config or resolve(Options(scheme=scheme, targets=_tuple(targets), ignore=_tuple(ignore),
                                        observer=observer, kv_cache=kv_cache, recipe=recipe,
-                                       smoothquant=smoothquant, smoothing_strength=smoothing_strength))
+                                       smoothquant=smoothquant, smoothing_strength=smoothing_strength,
+                                       algorithm=algorithm, group_size=group_size, gptq_order=gptq_order))
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     run = plan(model_path, config, target, matmulnbits)
     inputs = graph_inputs(run.model)
