@@ -226,7 +226,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
                    + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
                       if result.gptq["rtn_fallback"] else ""))
     if result.provider is None and (result.awq or result.gptq is not None):
-        click.echo("calibration pass: only GPTQ's / AWQ's (the scheme has no static activations to observe)")
+        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches (GPTQ / AWQ; the "
+                   "scheme has no static activations to observe)")
     elif result.provider is None:
         click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
     else:
@@ -234,7 +235,9 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
                    f"with onnxruntime {result.provider}")
     if result.padding_share is not None:
-        if result.provider is None:
+        if result.provider is None and (result.awq or result.gptq is not None):
+            what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"
+        elif result.provider is None:
             what = "no activation statistics are taken for this scheme"
         elif result.exclude_padding:
             what = "left out of the statistics"

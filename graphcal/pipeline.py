@@ -214,7 +214,7 @@ def calibrate(
     files = slot.write(_outputs(run, writer.finish(), weights.items, ignored, kv_items))  # all or none; unlocks
     warnings += slot.warnings
     log.info("wrote %s", ", ".join(str(f) for f in files))
-    ran = activations.provider is not None
+    ran = activations.provider is not None or rounding is not None or (smoothed is not None and smoothed.method == "awq")
     return CalibrationResult(
         output_dir=out_dir, files=files, targets=weights.items, ignored=ignored, provider=activations.provider,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
