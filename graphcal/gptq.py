@@ -168,6 +168,7 @@ class GPTQResult:
     loss: float
     rtn_fallback: bool
     perm: torch.Tensor | None = None
+    row_loss: torch.Tensor | None = None  # 1/2 * sum of e^2 per row (layers stacked along rows: split it)
 
 
 def _column_qparams(shape: tuple[int, int], scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -291,31 +292,37 @@ def quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Te
     else:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
-    # 5. blocked sweep
-    Q = torch.zeros_like(W)
+    # 5. blocked sweep, on the transposed weight (each column a contiguous row of Wt: the per-column
+    #    steps read and write contiguous memory). The rank-1 updates are outer products (one multiply
+    #    per element, as matmul with an inner dimension of 1 computes them) and the update after each
+    #    block is the same matmul in the same orientation as llm-compressor's, so the numbers are unchanged.
+    Wt = W.t().contiguous()
+    Qt = torch.zeros_like(Wt)
+    st = col_scale.t().contiguous()
+    zt = None if col_zp is None else col_zp.t().contiguous()
     losses = torch.zeros(rows, dtype=torch.float32, device=device)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
+        W1 = Wt[i1:i2].clone()
         E1 = torch.zeros_like(W1)
         L1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            d = Hinv1[i, i]
+            w = W1[i]
             k = i1 + i
-            q = _fake_quantize(w, col_scale[:, k], None if col_zp is None else col_zp[:, k], q_min, q_max, args)
-            Q1[:, i] = q
-            e = (w - q) / d
-            L1[:, i] = e ** 2
-            W1[:, i:] -= e.unsqueeze(1).matmul(Hinv1[i, i:].unsqueeze(0))
-            E1[:, i] = e
-        Q[:, i1:i2] = Q1
-        losses += torch.sum(L1, 1) / 2
-        W[:, i2:] -= E1.matmul(Hinv[i1:i2, i2:])
+            q = _fake_quantize(w, st[k], None if zt is None else zt[k], q_min, q_max, args)
+            Qt[k] = q
+            e = (w - q) / Hinv1[i, i]
+            L1[i] = e ** 2
+            W1[i:] -= Hinv1[i, i:].unsqueeze(1) * e.unsqueeze(0)
+            E1[i] = e
+        losses += torch.sum(L1.t().contiguous(), 1) / 2  # summed as llm-compressor sums [rows, block]
+        if i2 < cols:
+            Wt[i2:] -= E1.t().matmul(Hinv[i1:i2, i2:]).t()
+    Q = Qt.t()
 
     # 6. original column order
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
-    return GPTQResult(weight=Q.to(weight.dtype), loss=float(torch.sum(losses).item()), rtn_fallback=rtn_fallback, perm=perm)
+    return GPTQResult(weight=Q.to(weight.dtype), loss=float(torch.sum(losses).item()), rtn_fallback=rtn_fallback, perm=perm,
+                      row_loss=losses)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcal.errors import GraphcalError
-from graphcal.types import QuantizedTarget, Target
+from graphcal.types import QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
 
@@ -108,22 +108,51 @@ class GPTQLog:
 def gptq_weight(t: Target, w: torch.Tensor, item: QuantizedTarget, hessian: torch.Tensor, settings,
                 record: GPTQLog) -> torch.Tensor:
     """``w`` (torch [out, in]) rounded by GPTQ on the grid of ``item``'s weight qparams."""
+    return gptq_weights([(t, w, item)], hessian, settings, record)[t.name]
+
+
+def gptq_weights(members: list[tuple[Target, torch.Tensor, QuantizedTarget]], hessian: torch.Tensor, settings,
+                 record: GPTQLog) -> dict[str, torch.Tensor]:
+    """Layers that read one input (q/k/v, gate/up), rounded by GPTQ with its Hessian. Layers with the
+    same channel or group args and no global scale are stacked along their rows and swept once:
+    GPTQ treats rows independently (each row's updates use the same inverse Hessian), so the result
+    is each layer's own, for one factorisation and one sweep (llm-compressor's batched_quantization)."""
     from graphcal.gptq import quantize_weight
 
-    qp = item.qparams["weight"]
-    args = item.scheme.weights
-    try:
-        result = quantize_weight(w.to(hessian.device), hessian, qp.scale, qp.zero_point, qp.global_scale, args,
-                                 block_size=settings.block_size, dampening_frac=settings.dampening_frac)
-    except ValueError as e:
-        raise GraphcalError(f"{t.name}: GPTQ: {e}") from e
-    except torch.linalg.LinAlgError as e:  # the inverse's Cholesky on a badly conditioned Hessian
-        raise GraphcalError(f"{t.name}: GPTQ: the Hessian's inverse is not positive definite; raise "
-                            "--dampening-frac") from e
-    record.losses[t.name] = result.loss
-    if result.rtn_fallback:
-        record.rtn_fallback.append(t.name)
-    return result.weight.to(w.device)
+    def stackable(item: QuantizedTarget) -> bool:
+        qp, args = item.qparams["weight"], item.scheme.weights
+        return qp.global_scale is None and enum_value(args.strategy) in ("channel", "group")
+
+    first = members[0][2].scheme.weights
+    batches = [members]
+    if len(members) > 1 and not all(stackable(m[2]) and m[2].scheme.weights == first and m[1].dtype == members[0][1].dtype
+                                    for m in members):
+        batches = [[m] for m in members]
+    out: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        names = ", ".join(t.name for t, _, _ in batch)
+        w = torch.cat([m[1] for m in batch]) if len(batch) > 1 else batch[0][1]
+        scale = torch.cat([m[2].qparams["weight"].scale for m in batch]) if len(batch) > 1 else batch[0][2].qparams["weight"].scale
+        zps = [m[2].qparams["weight"].zero_point for m in batch]
+        zp = None if zps[0] is None else (torch.cat(zps) if len(batch) > 1 else zps[0])
+        qp = batch[0][2].qparams["weight"]
+        try:
+            result = quantize_weight(w.to(hessian.device), hessian, scale, zp, qp.global_scale, batch[0][2].scheme.weights,
+                                     block_size=settings.block_size, dampening_frac=settings.dampening_frac)
+        except ValueError as e:
+            raise GraphcalError(f"{names}: GPTQ: {e}") from e
+        except torch.linalg.LinAlgError as e:  # the inverse's Cholesky on a badly conditioned Hessian
+            raise GraphcalError(f"{names}: GPTQ: the Hessian's inverse is not positive definite; raise "
+                                "--dampening-frac") from e
+        start = 0
+        for t, wt, _ in batch:
+            rows = wt.shape[0]
+            out[t.name] = result.weight[start:start + rows].to(wt.device)
+            record.losses[t.name] = float(result.row_loss[start:start + rows].sum()) if len(batch) > 1 else result.loss
+            if result.rtn_fallback:
+                record.rtn_fallback.append(t.name)
+            start += rows
+    return out
 
 
 class OnePass:
@@ -136,15 +165,25 @@ class OnePass:
         for obs in hessians.values():
             self._left[id(obs)] = self._left.get(id(obs), 0) + 1
 
-    def __call__(self, t: Target, w: torch.Tensor, item: QuantizedTarget) -> torch.Tensor:
-        obs = self.hessians[t.name]
-        if not obs.has_statistics:
-            raise GraphcalError(f"{t.name}: no activation reached its GPTQ Hessian")
-        out = gptq_weight(t, w, item, obs.value(), self.settings, self.log)
-        self._left[id(obs)] -= 1
-        if not self._left[id(obs)]:
-            obs.release()
+    def __call__(self, members: list[tuple[Target, torch.Tensor, QuantizedTarget]]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for reading in _by_input(members, lambda t: id(self.hessians[t.name])):
+            obs = self.hessians[reading[0][0].name]
+            if not obs.has_statistics:
+                raise GraphcalError(f"{reading[0][0].name}: no activation reached its GPTQ Hessian")
+            out.update(gptq_weights(reading, obs.value(), self.settings, self.log))
+            self._left[id(obs)] -= len(reading)
+            if not self._left[id(obs)]:
+                obs.release()
         return out
+
+
+def _by_input(members: list, key) -> list[list]:
+    """``members`` grouped by the Hessian they use (``key(target)``), in order."""
+    groups: dict = {}
+    for m in members:
+        groups.setdefault(key(m[0]), []).append(m)
+    return list(groups.values())
 
 
 def hessian_bytes(targets: list[Target]) -> int:
@@ -169,8 +208,8 @@ class Rounded:
     def __init__(self, weights: dict[str, torch.Tensor], record: GPTQLog):
         self.weights, self.log = weights, record
 
-    def __call__(self, t: Target, w: torch.Tensor, item: QuantizedTarget) -> torch.Tensor:
-        return self.weights.pop(t.name).to(w.device)
+    def __call__(self, members: list[tuple[Target, torch.Tensor, QuantizedTarget]]) -> dict[str, torch.Tensor]:
+        return {t.name: self.weights.pop(t.name) for t, _, _ in members}
 
 
 def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, progress: bool = False,
@@ -224,14 +263,21 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
                 group = [g for g in run.groups if set(g.members) == set(weights)]
                 if group:
                     observers.share_global_scales(list(group[0].members))
-                for t in unit:
-                    item = observers.qparams(t, run.schemes[t.name])
-                    h = hessians[t.activation].value().to(device_t)
+                members = [(t, weights.pop(t.name).to(device_t), observers.qparams(t, run.schemes[t.name])) for t in unit]
+
+                def key(t: Target):  # one Hessian: the same input, smoothed by the same scales
+                    s = smoothed.column_scale(t) if smoothed is not None else None
+                    return t.activation, None if s is None else tuple(s.tolist())
+
+                for reading in _by_input(members, key):
+                    t0 = reading[0][0]
+                    h = hessians[t0.activation].value().to(device_t)
                     if smoothed is not None:
-                        h = smoothed.smooth_hessian(t, h)
-                    q = gptq_weight(t, weights.pop(t.name).to(device_t), item, h, settings, record).cpu()
-                    rounded[t.name] = q
-                    effective[t.name] = smoothed.unsmooth(t, q) if smoothed is not None else q
+                        h = smoothed.smooth_hessian(t0, h)
+                    for name, q in gptq_weights(reading, h, settings, record).items():
+                        t = by_name[name]
+                        rounded[name] = q.cpu()
+                        effective[name] = smoothed.unsmooth(t, rounded[name]) if smoothed is not None else rounded[name]
             del hessians
             # 3. the block again with its quantized weights: the next blocks' inputs
             if block.outputs:

@@ -37,8 +37,9 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                      rounding=None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
     ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed.
-    ``rounding(target, weight, item)`` (GPTQ, graphcal.gptq_stage) gives the weight on the grid of
-    ``item``'s qparams, which the observer took from the weight before it (None: round to nearest)."""
+    ``rounding([(target, weight, item), ...])`` (GPTQ, graphcal.gptq_stage; one call per fused unit)
+    gives each weight on the grid of its ``item``'s qparams, which the observer took from the weight
+    before it (None: round to nearest)."""
     from graphcal.progress import Progress
 
     log.info("observing and quantizing %d weights", len(plan.chosen))
@@ -72,15 +73,13 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
             group = [g for g in plan.groups if set(g.members) == set(weights)]
             if group and len(unit) == len(weights):  # a member left in float: the others share no global scale
                 observers.share_global_scales(list(group[0].members))
-            for t in unit:
-                if t.name in weights:
-                    item = observers.qparams(smoothed.target(t) if smoothed is not None else t, plan.schemes[t.name])
-                    w = weights.pop(t.name)
-                    if rounding is not None:
-                        w = rounding(t, w.to(device), item).cpu()
-                    writer.quantize_weight(item, w)
-                    by_name[t.name] = item
-                    bar.update(1)
+            members = [(t, weights.pop(t.name), observers.qparams(smoothed.target(t) if smoothed is not None else t,
+                                                               plan.schemes[t.name])) for t in unit if t.name in weights]
+            rounded = rounding([(t, w.to(device), item) for t, w, item in members]) if rounding is not None else {}
+            for t, w, item in members:
+                writer.quantize_weight(item, rounded.pop(t.name).cpu() if t.name in rounded else w)
+                by_name[t.name] = item
+                bar.update(1)
     result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
     return result
 

@@ -159,7 +159,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
         observers.weight_observers[t.name](w)
         item = observers.qparams(t, run.schemes[t.name])
         qp = item.qparams["weight"]
-        codes = _codes(rounding(t, w, item), qp.scale, qp.zero_point)
+        codes = _codes(rounding([(t, w, item)])[t.name], qp.scale, qp.zero_point)
         agree[t.name] = float((codes == ref["weight_codes"][t.name].float()).float().mean())
     layer0 = [v for k, v in agree.items() if ".layers.0." in k]
     layer1 = [v for k, v in agree.items() if ".layers.1." in k]
@@ -334,3 +334,34 @@ def test_gptq_on_the_shipped_llama_beats_round_to_nearest(llama_dir, tmp_path):
         report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz")
         runs[label] = report.outputs[0].sqnr_db
     assert runs["gptq"] > runs["rtn"] + 1 and runs["gptq1"] > runs["rtn"] + 1, runs
+
+
+def test_layers_stacked_on_one_hessian_round_as_each_alone():
+    """q/k/v (one input, one Hessian) are swept once, stacked along their rows: each layer's result
+    is the one it gets alone, codes and loss (GPTQ treats rows independently)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from graphcal.config import GPTQSettings
+    from graphcal.gptq_stage import GPTQLog, gptq_weights
+    from graphcal.observe import make_observer, to_qparams
+    from graphcal.types import QuantizedTarget, Target
+
+    torch.manual_seed(0)
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False, actorder="static")
+    x = torch.randn(512, 96) * torch.linspace(0.1, 3, 96)
+    h = 2 * x.T @ x / 4
+    members = []
+    for name, rows in (("q", 64), ("k", 32), ("v", 32)):
+        w = torch.randn(rows, 96)
+        obs = make_observer("memoryless_minmax", "weight", args)
+        obs(w)
+        t = Target(name, name, "MatMul", "x", name, (), "in_out", rows, 96)
+        members.append((t, w, QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args),
+                                              {"weight": to_qparams(obs.get_qparams())})))
+    settings = GPTQSettings(block_size=32)
+    stacked_log, alone_log = GPTQLog(), GPTQLog()
+    stacked = gptq_weights(members, h, settings, stacked_log)
+    for m in members:
+        alone = gptq_weights([m], h, settings, alone_log)[m[0].name]
+        assert torch.equal(stacked[m[0].name], alone), m[0].name
+        assert stacked_log.losses[m[0].name] == pytest.approx(alone_log.losses[m[0].name], rel=1e-5)
