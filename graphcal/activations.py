@@ -17,7 +17,7 @@ import torch
 from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
-from graphcal.graph.taps import Reduction, build_tapped
+from graphcal.graph.taps import Reduction, build_tapped, gram
 from graphcal.observe import Consumers, Feed
 from graphcal.plan import RunPlan
 from graphcal.runtime import open_runtime
@@ -164,8 +164,7 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
                     request = c.request(in_graph)
                     try:
                         if request.reduction is Reduction.GRAM:
-                            gram, dims = (values[name] for name in tapped.outputs[request])
-                            c.observer.add_gram(gram, int(dims[0]) if dims.numel() >= 3 else 1)
+                            c.observer.add_gram(*gram([values[n] for n in tapped.outputs[request]], request.groups))
                         elif request.reduction is not Reduction.WHOLE:
                             lo, hi = (values[name] for name in tapped.outputs[request])
                             shape = _QPARAM_SHAPE[request.reduction](lo)

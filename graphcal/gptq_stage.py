@@ -218,7 +218,7 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
     each block's Hessians from its inputs as the quantized blocks before it made them, its weights
     quantized, then the block run again with them for the next block's inputs."""
     from graphcal.blockwise import Blockwise
-    from graphcal.graph.taps import Reduction, TapRequest
+    from graphcal.graph.taps import Reduction, TapRequest, gram
     from graphcal.graph.targets import torch_weight
     from graphcal.progress import Progress
     from graphcal.weights import units
@@ -242,11 +242,10 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
                 for _, feeds in walk.batches(k):
                     values = runtime.run(feeds)
                     for r in requests:
-                        gram, dims = (values[n] for n in tapped.outputs[r])
                         if not bool(torch.isfinite(values[tapped.finite[r.tensor]]).all()):  # the tap's NaN/Inf probe
                             raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
                                                 "or the data produce non-finite activations")
-                        hessians[r.tensor].add_gram(gram, int(dims[0]) if dims.numel() >= 3 else 1)
+                        hessians[r.tensor].add_gram(*gram([values[n] for n in tapped.outputs[r]], r.groups))
             finally:
                 runtime.close()
             # 2. the block's weights: observed (the grid), then GPTQ on it

@@ -52,8 +52,8 @@ class TapRequest:
 class TappedGraph:
     """A weightless tapped graph and where each request's values come out.
 
-    ``outputs[request]`` is ``(tensor,)`` for WHOLE, ``(gram, shape)`` for GRAM and ``(min, max)``
-    otherwise; ``finite[tensor]``
+    ``outputs[request]`` is ``(tensor,)`` for WHOLE, ``(*gram blocks, shape)`` for GRAM (:func:`gram`
+    puts them together) and ``(min, max)`` otherwise; ``finite[tensor]``
     is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite).
     """
 
@@ -132,6 +132,35 @@ def _elem_types(model: onnx.ModelProto, types: dict | None = None) -> dict[str, 
 
 
 TAP_PREFIX = "graphcal_tap/"  # names of the reduction nodes and their constants
+GRAM_CHUNK = 256  # x^T x of more columns than this is computed in blocks, the upper triangle only
+
+
+def gram_chunks(columns: int) -> list[tuple[int, int]]:
+    """The column ranges a GRAM reduction splits ``columns`` into (one range up to 2 * GRAM_CHUNK; at most 4)."""
+    k = 1 if columns < 2 * GRAM_CHUNK else min(4, columns // GRAM_CHUNK)
+    edges = [round(i * columns / k) for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def gram(values: list, columns: int) -> tuple:
+    """(x^T x, the number of sequences) from a GRAM request's outputs (``outputs[request]``'s values):
+    the upper blocks placed, the lower ones mirrored; sequences: x's first dim, 1 for a 2-D x."""
+    import torch
+
+    *blocks, dims = values
+    bounds = gram_chunks(columns)
+    sequences = int(dims[0]) if dims.numel() >= 3 else 1
+    if len(bounds) == 1:
+        return blocks[0], sequences
+    full = torch.empty((columns, columns), dtype=blocks[0].dtype, device=blocks[0].device)
+    it = iter(blocks)
+    for i, (a, b) in enumerate(bounds):
+        for c, d in bounds[i:]:
+            block = next(it)
+            full[a:b, c:d] = block
+            if (c, d) != (a, b):
+                full[c:d, a:b] = block.T
+    return full, sequences
 
 
 # -- in-graph reductions ------------------------------------------------------------------------
@@ -206,11 +235,23 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
             rows = node("Reshape", [tensor, const(f"{base}/rows", shape)], f"{base}/rows")
             if elem != onnx.TensorProto.FLOAT:  # the Hessian is summed in fp32, as llm-compressor sums it
                 rows = node("Cast", [rows], f"{base}/rows_fp32", to=onnx.TensorProto.FLOAT)
-            gram = node("MatMul", [node("Transpose", [rows], f"{base}/columns", perm=[1, 0]), rows], f"{base}/gram")
+            # x^T x is symmetric: with the columns in k chunks only the k(k+1)/2 blocks on and above
+            # the diagonal are computed (5/8 of the work for k = 4); gram() mirrors the rest
+            bounds = gram_chunks(request.groups)
+            chunks = [rows] if len(bounds) == 1 else [
+                node("Slice", [rows, const(f"{base}/start{a}", np.array([a], dtype=np.int64)),
+                               const(f"{base}/end{a}", np.array([b], dtype=np.int64)),
+                               const(f"{base}/axis{a}", np.array([1], dtype=np.int64))], f"{base}/chunk{a}")
+                for a, b in bounds]
+            transposed = [node("Transpose", [c], f"{base}/columns", perm=[1, 0]) for c in chunks]
+            blocks = []
+            for i in range(len(chunks)):
+                for j in range(i, len(chunks)):
+                    blocks.append(node("MatMul", [transposed[i], chunks[j]], f"{base}/gram{i}_{j}"))
+                    expose(blocks[-1], onnx.TensorProto.FLOAT)
             dims = node("Shape", [tensor], f"{base}/shape")
-            expose(gram, onnx.TensorProto.FLOAT)
             expose(dims, onnx.TensorProto.INT64)
-            out[request] = (gram, dims)
+            out[request] = (*blocks, dims)
             continue
         if request.reduction is Reduction.GROUP:
             shape = np.array([-1, request.groups, request.group_size], dtype=np.int64)
