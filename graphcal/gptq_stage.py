@@ -217,6 +217,8 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
     """GPTQ layer block by layer block (llm-compressor's sequential pipeline with propagate_error):
     each block's Hessians from its inputs as the quantized blocks before it made them, its weights
     quantized, then the block run again with them for the next block's inputs."""
+    import copy
+
     from graphcal.blockwise import Blockwise
     from graphcal.graph.taps import Reduction, TapRequest, gram
     from graphcal.graph.targets import torch_weight
@@ -225,6 +227,9 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
 
     settings = run.config.gptq
     device_t = torch_device or torch.device("cpu")
+    # the grid is taken here as the weight pass takes it again (the same observers, the same weights):
+    # on copies, so the run's observers are left as they were (a global scale is shared once)
+    observers = copy.deepcopy(observers)
     walk = Blockwise(run, calib, device=device, device_id=device_id)
     record, rounded = GPTQLog(), {}
     by_name = {t.name: t for t in run.chosen}

@@ -365,3 +365,29 @@ def test_layers_stacked_on_one_hessian_round_as_each_alone():
         alone = gptq_weights([m], h, settings, alone_log)[m[0].name]
         assert torch.equal(stacked[m[0].name], alone), m[0].name
         assert stacked_log.losses[m[0].name] == pytest.approx(alone_log.losses[m[0].name], rel=1e-5)
+
+
+@pytest.mark.parametrize("order", ["sequential", "one-pass"])
+def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, tmp_path, order):
+    """GPTQ writes the grid the scheme's observer takes from the weights before it (llm-compressor
+    fixes it there): NVFP4's shared q/k/v and gate/up global scales and its group scales are RTN's."""
+    from safetensors.torch import load_file
+
+    common = ["--data", llama_dir / "calib.npz", "--scheme", "NVFP4A16", "--target", "qdq", "-q"]
+    assert _cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "rtn").exit_code == 0
+    result = _cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "gptq", "--algorithm", "gptq",
+                  "--gptq-order", order)
+    assert result.exit_code == 0, result.output
+    rtn, gptq = (load_file(str(tmp_path / d / "qparams.safetensors")) for d in ("rtn", "gptq"))
+    assert rtn.keys() == gptq.keys() and any(k.endswith("weight_global_scale") for k in rtn)
+    for key in rtn:
+        assert torch.equal(rtn[key], gptq[key]), key
+    import onnx
+
+    def fp4(d):
+        return {t.name: onnx.numpy_helper.to_array(t).astype(np.float32) for t in
+                onnx.load(str(tmp_path / d / "model.onnx")).graph.initializer if t.data_type == onnx.TensorProto.FLOAT4E2M1}
+
+    a, b = fp4("rtn"), fp4("gptq")
+    assert a.keys() == b.keys() and a
+    assert np.mean([np.mean(a[k] != b[k]) for k in a]) > 0.05  # GPTQ moved codes, on the same grid
