@@ -38,6 +38,7 @@ log = logging.getLogger("graphcal")
 
 def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False):
     """AWQ's scales for every mapping of ``run.awq``: a graphcal.smoothing.Smoothed (method "awq")."""
+    from graphcal import blockwise
     from graphcal.awq import AbsMean, search
     from graphcal.blockwise import Blockwise
     from graphcal.graph.blocks import parent_inputs, parent_output
@@ -83,8 +84,9 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
                         kept[n].append(values[n])
                     if i == 0:
                         per_batch = sum(v[0].nbytes for v in (*cached.values(), *kept.values()))
-                        check_fits(per_batch * calib.num_batches, f"AWQ's cached inputs of {block.name} for "
-                                   f"{calib.num_samples} samples", 0.5,
+                        held = sum(sum(a.nbytes for a in v) for v in walk.cache.values())
+                        check_fits(per_batch * (calib.num_batches or 1) + held, f"AWQ's cached inputs of {block.name} "
+                                   f"for {calib.num_samples} samples", blockwise.CACHE_SHARE,
                                    hint="calibrate on fewer samples (--num-samples) or shorter sequences")
             finally:
                 runtime.close()

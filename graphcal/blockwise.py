@@ -103,12 +103,14 @@ class Blockwise:
         for name in [n for n in self.cache if self._last_reader.get(n, -1) <= k]:
             del self.cache[name]
 
-    def check_cache(self, k: int, outputs: dict[str, list[np.ndarray]]) -> None:
-        """Refuse to go on when block ``k``'s outputs for all the data would not fit."""
+    def check_cache(self, k: int, first: dict[str, np.ndarray]) -> None:
+        """Refuse to go on when block ``k``'s outputs for all the data (``first``: its first batch's,
+        times the batches), with what is cached already, would not fit."""
         from graphcal.limits import check_fits
 
-        nbytes = sum(sum(a.nbytes for a in v) for v in outputs.values())
-        nbytes += sum(sum(a.nbytes for a in v) for n, v in self.cache.items() if n not in outputs)
+        batches = self.calib.num_batches or 1
+        nbytes = sum(a.nbytes for a in first.values()) * batches
+        nbytes += sum(sum(a.nbytes for a in v) for n, v in self.cache.items() if n not in first)
         check_fits(nbytes, f"the tensors between layer blocks ({self.blocks[k].name}) for "
                    f"{self.calib.num_samples} samples", CACHE_SHARE,
                    hint="calibrate on fewer samples (--num-samples) or shorter sequences")

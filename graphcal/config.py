@@ -77,6 +77,7 @@ LLMCOMPRESSOR_AWQ_MAPPINGS = (
 # llm-compressor's GPTQModifier and AWQModifier defaults (0.14)
 ALGORITHMS = ("gptq", "awq", "awq+gptq")
 GPTQ_ORDERS = ("sequential", "one-pass")
+MAX_N_GRID = 1000  # AWQ runs each parent once per grid point: a stranger's recipe cannot ask for a million
 ACTORDER_DEFAULT = "default"  # GPTQModifier's sentinel: static unless the scheme says otherwise
 
 
@@ -272,8 +273,9 @@ def check_awq(settings: AWQSettings) -> AWQSettings:
         raise UsageError(f"AWQ duo_scaling must be true, false or both, got {settings.duo_scaling!r}")
     n = settings.n_grid
     least = {True: 3, False: 1, "both": 4}[settings.duo_scaling]
-    if isinstance(n, bool) or not isinstance(n, int) or n < least:
-        raise UsageError(f"AWQ n_grid must be an integer >= {least} with duo_scaling {settings.duo_scaling}, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < least or n > MAX_N_GRID:
+        raise UsageError(f"AWQ n_grid must be an integer >= {least} (with duo_scaling {settings.duo_scaling}) and <= "
+                         f"{MAX_N_GRID}, got {n!r}")
     return settings
 
 

@@ -289,11 +289,12 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
                 fed = dict(walk.feed_weight(by_name[n], w) for n, w in effective.items())
                 outputs: dict[str, list] = {n: [] for n in block.outputs}
                 try:
-                    for _, feeds in walk.batches(k):
+                    for i, feeds in walk.batches(k):
                         values = runtime.run_numpy({**feeds, **fed})
+                        if i == 0:
+                            walk.check_cache(k, {n: values[n] for n in block.outputs})
                         for n in block.outputs:
                             outputs[n].append(values[n])
-                        walk.check_cache(k, outputs) if len(outputs[block.outputs[0]]) == 1 else None
                 finally:
                     runtime.close()
                 walk.keep(k, outputs)

@@ -391,3 +391,16 @@ def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, t
     a, b = fp4("rtn"), fp4("gptq")
     assert a.keys() == b.keys() and a
     assert np.mean([np.mean(a[k] != b[k]) for k in a]) > 0.05  # GPTQ moved codes, on the same grid
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch, algorithm):
+    import graphcal.blockwise
+
+    monkeypatch.setattr(graphcal.blockwise, "CACHE_SHARE", 1e-9)
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
+                  "--scheme", "W4A16", "--algorithm", algorithm)
+    assert result.exit_code == 1, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert "for 64 samples needs" in line and "--num-samples" in line, line
+    assert not (tmp_path / "o").exists()
