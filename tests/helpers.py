@@ -18,6 +18,9 @@ import onnx
 import pytest
 import torch
 
+# llm-compressor's own outputs for SmoothQuant, GPTQ and AWQ (shared/ beside the repository)
+ALGORITHM_VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+
 
 def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
     ref, got = np.asarray(ref, np.float64), np.asarray(got, np.float64)

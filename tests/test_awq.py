@@ -10,7 +10,6 @@ Every check is exact (torch single-threaded, CPU, as the vectors were made).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,9 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from graphcal import awq
+from tests.helpers import ALGORITHM_VECTORS
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+VECTORS = ALGORITHM_VECTORS
 PREFIX = "layers.0."
 NORM = PREFIX + "post_attention_layernorm.weight"
 PROJ = ("gate", "up", "down")

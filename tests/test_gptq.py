@@ -16,8 +16,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
@@ -25,8 +23,9 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
 from graphcal.gptq import ACTORDERS, GPTQResult, Hessian, check_actorder, quantize_weight
 from graphcal.observers import Observer
+from tests.helpers import ALGORITHM_VECTORS
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+VECTORS = ALGORITHM_VECTORS
 CASES = [
     "w4a16_g128_sym_actorder_None",
     "w4a16_g128_sym_actorder_static",

@@ -30,9 +30,9 @@ from graphcal.graph.targets import torch_weight
 from graphcal.observe import ObserverSet
 from graphcal.plan import plan
 from graphcal.recipe import parse_recipe, recipe_config
-from tests.helpers import EXPORTER_CHATTER, reference_llama, sqnr_db
+from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, sqnr_db
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+VECTORS = ALGORITHM_VECTORS
 
 pytestmark = [*EXPORTER_CHATTER, pytest.mark.skipif(not VECTORS.exists(), reason="reference vectors not here")]
 

@@ -18,7 +18,6 @@ The reference values are llm-compressor's (or computed here from algorithms.md a
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -33,9 +32,9 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.graph.smooth import TAP_PREFIX
 from graphcal.plan import plan
 from graphcal.smoothing import collect, smoothing_scales
-from tests.helpers import EXPORTER_CHATTER
+from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+VECTORS = ALGORITHM_VECTORS
 CASES = [
     "rmsnorm_to_qkv_alpha0.5",
     "layernorm_bias_to_fc_alpha0.8_edge_channels",
@@ -305,25 +304,12 @@ sq_stage:
 
 @pytest.mark.slow
 def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
-    """Only the smoothing is compared: graphcal has no GPTQ, whose weights are the rest of the case."""
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from graphcal.export import BATCH_SEQ_AXES, export_torch
+    """The smoothing of the case (its GPTQ weights: tests/test_gptq_awq_run.py)."""
     from graphcal.recipe import parse_recipe, recipe_config
 
     case = next(c for c in vectors["e2e"] if c["name"] == "sq_gptq_w8a8")
     inp, ref = case["inputs"], case["outputs"]
-    config = LlamaConfig(use_cache=False, **inp["llama_config"])
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).eval()
-    model.load_state_dict(inp["init_state_dict"], strict=True)
-    feeds = {"input_ids": inp["input_ids"], "attention_mask": inp["attention_mask"]}
-    axes = {n: dict(BATCH_SEQ_AXES) for n in ("input_ids", "attention_mask", "logits")}
-    path = export_torch(model, feeds, tmp_path / "model.onnx", output_names=["logits"], dynamic_axes=axes)
-    arrays = {k: v.numpy() for k, v in feeds.items()}
-    with torch.no_grad():  # the export computes what the torch model does (padded row included)
-        expected = model(**feeds).logits.numpy()
+    path, arrays, expected = reference_llama(case, tmp_path)  # the torch model's logits, padded row included
     _close(_session(path).run(None, arrays)[0], expected, 1e-5, "exported logits")
 
     run = plan(path, recipe_config(parse_recipe(SQ_RECIPE)))
