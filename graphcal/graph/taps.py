@@ -132,12 +132,14 @@ def _elem_types(model: onnx.ModelProto, types: dict | None = None) -> dict[str, 
 
 
 TAP_PREFIX = "graphcal_tap/"  # names of the reduction nodes and their constants
-GRAM_CHUNK = 256  # x^T x of more columns than this is computed in blocks, the upper triangle only
+GRAM_CHUNK = 128  # x^T x of more columns than this is computed in blocks, the upper triangle only
+GRAM_CHUNKS = 8  # at most: (k + 1) / 2k of the work (9/16 for 8)
 
 
 def gram_chunks(columns: int) -> list[tuple[int, int]]:
-    """The column ranges a GRAM reduction splits ``columns`` into (one range up to 2 * GRAM_CHUNK; at most 4)."""
-    k = 1 if columns < 2 * GRAM_CHUNK else min(4, columns // GRAM_CHUNK)
+    """The column ranges a GRAM reduction splits ``columns`` into (one range up to 2 * GRAM_CHUNK; at
+    most GRAM_CHUNKS, each at least GRAM_CHUNK wide)."""
+    k = 1 if columns < 2 * GRAM_CHUNK else min(GRAM_CHUNKS, columns // GRAM_CHUNK)
     edges = [round(i * columns / k) for i in range(k + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
@@ -236,7 +238,7 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
             if elem != onnx.TensorProto.FLOAT:  # the Hessian is summed in fp32, as llm-compressor sums it
                 rows = node("Cast", [rows], f"{base}/rows_fp32", to=onnx.TensorProto.FLOAT)
             # x^T x is symmetric: with the columns in k chunks only the k(k+1)/2 blocks on and above
-            # the diagonal are computed (5/8 of the work for k = 4); gram() mirrors the rest
+            # the diagonal are computed ((k + 1) / 2k of the work); gram() mirrors the rest
             bounds = gram_chunks(request.groups)
             chunks = [rows] if len(bounds) == 1 else [
                 node("Slice", [rows, const(f"{base}/start{a}", np.array([a], dtype=np.int64)),
