@@ -69,7 +69,7 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
         for k, block in enumerate(walk.blocks):
             here = [p for p in plans if p[0] == k]
             taps = list(dict.fromkeys(x for p in here for x in p[4]))
-            outputs = list(block.outputs)
+            outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
             if not here and not outputs:
                 continue
             runtime, _ = walk.session(list(dict.fromkeys([*taps, *outputs])), list(block.inputs))

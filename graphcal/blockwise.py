@@ -95,6 +95,10 @@ class Blockwise:
                 feeds[name] = self.cache[name][i]
             yield i, feeds
 
+    def needed(self, k: int) -> list[str]:
+        """Block ``k``'s outputs that a later block reads (graph outputs such as logits are not kept)."""
+        return [n for n in self.blocks[k].outputs if self._last_reader.get(n, -1) > k]
+
     def keep(self, k: int, outputs: dict[str, list[np.ndarray]]) -> None:
         """Cache block ``k``'s outputs and drop what no later block reads."""
         for name, values in outputs.items():

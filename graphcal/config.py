@@ -272,7 +272,7 @@ def check_awq(settings: AWQSettings) -> AWQSettings:
     if settings.duo_scaling not in (True, False, "both"):
         raise UsageError(f"AWQ duo_scaling must be true, false or both, got {settings.duo_scaling!r}")
     n = settings.n_grid
-    least = {True: 3, False: 1, "both": 4}[settings.duo_scaling]
+    least = {True: 3, False: 2, "both": 4}[settings.duo_scaling]
     if isinstance(n, bool) or not isinstance(n, int) or n < least or n > MAX_N_GRID:
         raise UsageError(f"AWQ n_grid must be an integer >= {least} (with duo_scaling {settings.duo_scaling}) and <= "
                          f"{MAX_N_GRID}, got {n!r}")

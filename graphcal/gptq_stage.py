@@ -49,10 +49,11 @@ class HessianObserver:
         self._value: torch.Tensor | None = None
 
     def add_gram(self, gram: torch.Tensor, sequences: int) -> None:
-        self.hessian.add_gram(gram, sequences)
+        self.hessian.add_gram(gram.cpu(), sequences)  # held in host memory (counted by check_one_pass)
 
     def add_activations(self, x: torch.Tensor) -> None:
         self.hessian.add_activations(x)
+        self.hessian.sum = self.hessian.sum.cpu()
 
     @property
     def has_statistics(self) -> bool:
@@ -137,7 +138,7 @@ def gptq_weights(members: list[tuple[Target, torch.Tensor, QuantizedTarget]], he
         zp = None if zps[0] is None else (torch.cat(zps) if len(batch) > 1 else zps[0])
         qp = batch[0][2].qparams["weight"]
         try:
-            result = quantize_weight(w.to(hessian.device), hessian, scale, zp, qp.global_scale, batch[0][2].scheme.weights,
+            result = quantize_weight(w, hessian.to(w.device), scale, zp, qp.global_scale, batch[0][2].scheme.weights,
                                      block_size=settings.block_size, dampening_frac=settings.dampening_frac)
         except ValueError as e:
             raise GraphcalError(f"{names}: GPTQ: {e}") from e
@@ -193,12 +194,15 @@ def hessian_bytes(targets: list[Target]) -> int:
     return sum(4 * n * n for n in seen.values())
 
 
-def check_one_pass(run) -> None:
+def check_one_pass(run, world: int = 1) -> None:
     """Refuse the one-pass order when its Hessians (every distinct layer input's, fp32, held at once)
-    would take more than half the memory available."""
+    would take more than half the memory available. Under torchrun (``world`` ranks) the exchange
+    hands rank 0 every rank's copy and merges through one more: world + 1 copies there."""
     from graphcal.limits import check_fits
 
-    check_fits(hessian_bytes(list(run.chosen)), "GPTQ's one-pass Hessians",
+    copies = 1 if world <= 1 else world + 1
+    check_fits(copies * hessian_bytes(list(run.chosen)), "GPTQ's one-pass Hessians"
+               + (f" ({copies} copies across the exchange of {world} ranks)" if copies > 1 else ""),
                hint="--gptq-order sequential holds one layer block's Hessians at a time")
 
 
@@ -284,16 +288,17 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
                         effective[name] = smoothed.unsmooth(t, rounded[name]) if smoothed is not None else rounded[name]
             del hessians
             # 3. the block again with its quantized weights: the next blocks' inputs
-            if block.outputs:
-                runtime, _ = walk.session(list(block.outputs), list(block.inputs), [by_name[n] for n in effective])
+            needed = walk.needed(k)
+            if needed:
+                runtime, _ = walk.session(needed, list(block.inputs), [by_name[n] for n in effective])
                 fed = dict(walk.feed_weight(by_name[n], w) for n, w in effective.items())
-                outputs: dict[str, list] = {n: [] for n in block.outputs}
+                outputs: dict[str, list] = {n: [] for n in needed}
                 try:
                     for i, feeds in walk.batches(k):
                         values = runtime.run_numpy({**feeds, **fed})
                         if i == 0:
-                            walk.check_cache(k, {n: values[n] for n in block.outputs})
-                        for n in block.outputs:
+                            walk.check_cache(k, {n: values[n] for n in needed})
+                        for n in needed:
                             outputs[n].append(values[n])
                 finally:
                     runtime.close()

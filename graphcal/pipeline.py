@@ -146,21 +146,22 @@ def calibrate(
     pass_options = dict(device=device, device_id=device_id, dist=dist, progress=progress and main,
                         reduce_in_graph=reduce_in_graph, exclude_padding=exclude_padding, inputs=input_names)
     gptq = run.config.gptq
+    if hasattr(data, "get_next") and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
+        from graphcal.errors import UsageError
+
+        raise UsageError("GPTQ's sequential order and AWQ read the data once per layer block, and a "
+                         "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
+                         "or use --gptq-order one-pass without AWQ")
     if gptq is not None and gptq.order == "one-pass":
         from graphcal.gptq_stage import check_one_pass
 
-        check_one_pass(run)  # every Hessian is held until the weight pass: refused when it cannot fit
+        check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
     if run.awq is not None and run.awq.mappings:  # AWQ's scales first, then the pass over x * (1/s)
         from graphcal.awq_stage import awq_smoothing
 
-        smoothed = awq_smoothing(run, calib, device=device, device_id=device_id, progress=progress and main) \
-            if main else None
-        if dist is not None:  # rank 0 searched over all the data; every rank taps with its scales
-            import torch.distributed as tdist
-
-            box = [smoothed]
-            tdist.broadcast_object_list(box, src=0)
-            smoothed = box[0]
+        # under torchrun every rank searches over all the data (the search is deterministic, so every
+        # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
+        smoothed = awq_smoothing(run, calib, device=device, device_id=device_id, progress=progress and main)
         observers = ObserverSet(run, taps_of(smoothed.mappings))
         activations = run_activation_pass(run, observers, calib, prelude=smoothed.prelude(run.types), **pass_options)
     elif run.smoothing is not None and run.smoothing.mappings:

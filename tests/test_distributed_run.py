@@ -87,6 +87,14 @@ def test_two_ranks_gptq_as_one_process(llama_dir, tmp_path, order):
     assert same > 0.999, same
 
 
+def test_two_ranks_run_awq(llama_dir, tmp_path):
+    """AWQ under torchrun: every rank searches over all the data (no rank waits on another's search)."""
+    two = _torchrun(2, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16",
+                    "--algorithm", "awq", "--target", "qdq", "-o", tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "AWQ: scaled 6 activation(s)" in two.stdout and two.stdout.count("wrote:") == 1
+
+
 def _ema_input_scales(llama_dir, ranks: int) -> dict[str, torch.Tensor]:
     """``{module}.input_scale`` by llm-compressor's rule, from activations onnxruntime computes:
     each rank's minmax EMA (first batch sets, then ``old * 0.99 + new * 0.01``) over its batches

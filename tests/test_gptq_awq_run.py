@@ -404,3 +404,42 @@ def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, mo
     line = result.output.strip().splitlines()[-1]
     assert "for 64 samples needs" in line and "--num-samples" in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_data_reader_is_refused_where_the_data_is_read_per_block(llama_dir, tmp_path):
+    """A CalibrationDataReader is read once: sequential GPTQ and AWQ say so before any work; one-pass runs."""
+    from graphcal.config import Options, resolve
+    from graphcal.errors import UsageError
+    from graphcal.pipeline import calibrate
+
+    arrays = dict(np.load(llama_dir / "calib.npz"))
+
+    class Reader:
+        def __init__(self):
+            self.batches = iter([{k: v[i:i + 8] for k, v in arrays.items()} for i in range(0, 64, 8)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    for algorithm, order in (("gptq", None), ("awq", None)):
+        with pytest.raises(UsageError, match="read once"):
+            calibrate(llama_dir / "model.onnx", Reader(), tmp_path / "o",
+                      config=resolve(Options(scheme="W4A16", algorithm=algorithm, gptq_order=order)))
+    result = calibrate(llama_dir / "model.onnx", Reader(), tmp_path / "o1",
+                       config=resolve(Options(scheme="W4A16", algorithm="gptq", gptq_order="one-pass")))
+    assert result.gptq["layers"] == 14
+
+
+def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_path, monkeypatch):
+    """The last block's graph output (logits) is not rerun and cached: nothing after it reads it."""
+    import graphcal.blockwise
+
+    seen = []
+    original = graphcal.blockwise.Blockwise.check_cache
+    monkeypatch.setattr(graphcal.blockwise.Blockwise, "check_cache",
+                        lambda self, k, first: (seen.append(sorted(first)), original(self, k, first))[1])
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
+                  "--scheme", "W4A16", "--algorithm", "gptq", "--ignore", "none", "--json")
+    assert result.exit_code == 0, result.output
+    assert "lm_head" in json.loads(result.stdout)["quantized"]
+    assert seen and all("logits" not in names for names in seen), seen
