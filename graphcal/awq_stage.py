@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from graphcal.errors import GraphcalError
@@ -38,12 +37,10 @@ log = logging.getLogger("graphcal")
 
 def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False):
     """AWQ's scales for every mapping of ``run.awq``: a graphcal.smoothing.Smoothed (method "awq")."""
-    from graphcal import blockwise
     from graphcal.awq import AbsMean, search
     from graphcal.blockwise import Blockwise
     from graphcal.graph.blocks import parent_inputs, parent_output
     from graphcal.graph.targets import torch_weight
-    from graphcal.limits import check_fits
     from graphcal.progress import Progress
     from graphcal.smoothing import Smoothed
 
@@ -72,26 +69,11 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
             if not here and not outputs:
                 continue
-            runtime, _ = walk.session(list(dict.fromkeys([*taps, *outputs])), list(block.inputs))
-            cached: dict[str, list[np.ndarray]] = {n: [] for n in taps}
-            kept: dict[str, list[np.ndarray]] = {n: [] for n in outputs}
-            try:
-                for i, feeds in walk.batches(k):
-                    values = runtime.run_numpy(feeds)
-                    for n in taps:
-                        cached[n].append(values[n])
-                    for n in outputs:
-                        kept[n].append(values[n])
-                    if i == 0:
-                        per_batch = sum(v[0].nbytes for v in (*cached.values(), *kept.values()))
-                        held = sum(sum(a.nbytes for a in v) for v in walk.cache.values())
-                        check_fits(per_batch * (calib.num_batches or 1) + held, f"AWQ's cached inputs of {block.name} "
-                                   f"for {calib.num_samples} samples", blockwise.CACHE_SHARE,
-                                   hint="calibrate on fewer samples (--num-samples) or shorter sequences")
-            finally:
-                runtime.close()
-            walk.keep(k, kept)
-            del kept
+            values = walk.run_block(k, list(dict.fromkeys([*taps, *outputs])),
+                                    what=f"AWQ's cached inputs of {block.name}")
+            walk.keep(k, {n: values[n] for n in outputs})
+            cached = {n: values[n] for n in taps}
+            del values
             for _, m, balance, output, reads in here:
                 x = m.candidate.activation
                 stats = AbsMean()

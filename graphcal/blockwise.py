@@ -43,6 +43,20 @@ class Blockwise:
         self.dependent = weight_dependent(run.model, self.targets)
         self.types = dict(run.types)
         self.cache: dict[str, list[np.ndarray]] = {}
+        # where each target's node reads its weight (the initializer, or the end of its Transpose/Cast
+        # path), and the dtype a fed weight takes there: looked up once, fed many times (AWQ's grid)
+        nodes = {t.node for t in run.found}
+        b_input = {n.name: n.input[1] for n in run.model.graph.node if n.name in nodes and len(n.input) > 1}
+        init_types = {i.name: i.data_type for i in run.model.graph.initializer}
+        self._fed: dict[str, tuple[str, np.dtype]] = {}
+        for t in run.found:
+            if t.node not in b_input:
+                raise GraphcalError(f"{t.name}: node {t.node!r} not found")
+            name = b_input[t.node]
+            known = self.types.get(name)
+            elem = init_types.get(name) or (known.elem_type if known is not None else 0)
+            self._fed[t.name] = (name, onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else np.dtype(np.float32))
+        self._inits = set(init_types)
         self._last_reader: dict[str, int] = {}
         for k, b in enumerate(self.blocks):
             for name in b.inputs:
@@ -59,11 +73,11 @@ class Blockwise:
         from graphcal.graph.taps import build_tapped
 
         model = self.run.model
-        inits = {t.name for t in model.graph.initializer}
-        fed = [_weight_tensor(model, t) for t in weights]
+        fed = [self._fed[t.name][0] for t in weights]
         # a weight behind a Transpose/Cast path is fed where the node reads it (a cut tensor)
-        sub = subgraph(model, list(outputs) or [r.tensor for r in requests], [*cut, *(n for n in fed if n not in inits)],
-                       [n for n in fed if n in inits], dependent=self.dependent, types=self.types)
+        sub = subgraph(model, list(outputs) or [r.tensor for r in requests],
+                       [*cut, *(n for n in fed if n not in self._inits)], [n for n in fed if n in self._inits],
+                       dependent=self.dependent, types=self.types)
         tapped, fetch = None, list(outputs)
         if requests:
             tapped = build_tapped(sub, list(requests), value_types_of(sub, self.types))
@@ -74,14 +88,8 @@ class Blockwise:
 
     def feed_weight(self, t: Target, w: torch.Tensor) -> tuple[str, np.ndarray]:
         """The feed that stands ``w`` (torch [out, in]) in for ``t``'s weight, as the node reads it."""
-        name = _weight_tensor(self.run.model, t)
+        name, dtype = self._fed[t.name]
         consumed = w.T if t.layout == "in_out" else w
-        elem = self.types.get(name)
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem.elem_type) if elem is not None and elem.elem_type \
-            else np.float32
-        inits = {i.name: i for i in self.run.model.graph.initializer}
-        if name in inits:
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(inits[name].data_type)
         return name, np.ascontiguousarray(consumed.detach().cpu().numpy().astype(dtype, copy=False))
 
     # -- passes ----------------------------------------------------------------------------------
@@ -95,6 +103,28 @@ class Blockwise:
                 feeds[name] = self.cache[name][i]
             yield i, feeds
 
+    def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
+                  what: str = "") -> dict[str, list[np.ndarray]]:
+        """Block ``k``'s subgraph computing ``names`` from the block's inputs, run on every batch:
+        each name's value per batch. ``weights`` (target name -> torch [out, in] weight) are fed in
+        place of the model's. After the first batch, what all the batches will hold is checked
+        (:meth:`check_cache`; ``what`` names it in the error)."""
+        weights = weights or {}
+        by_name = {t.name: t for t in self.run.found}
+        runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in weights])
+        fed = dict(self.feed_weight(by_name[n], w) for n, w in weights.items())
+        out: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        try:
+            for i, feeds in self.batches(k):
+                values = runtime.run_numpy({**feeds, **fed})
+                if i == 0:
+                    self.check_cache(k, {n: values[n] for n in names}, what)
+                for n in names:
+                    out[n].append(values[n])
+        finally:
+            runtime.close()
+        return out
+
     def needed(self, k: int) -> list[str]:
         """Block ``k``'s outputs that a later block reads (graph outputs such as logits are not kept)."""
         return [n for n in self.blocks[k].outputs if self._last_reader.get(n, -1) > k]
@@ -107,15 +137,15 @@ class Blockwise:
         for name in [n for n in self.cache if self._last_reader.get(n, -1) <= k]:
             del self.cache[name]
 
-    def check_cache(self, k: int, first: dict[str, np.ndarray]) -> None:
-        """Refuse to go on when block ``k``'s outputs for all the data (``first``: its first batch's,
+    def check_cache(self, k: int, first: dict[str, np.ndarray], what: str = "") -> None:
+        """Refuse to go on when block ``k``'s tensors for all the data (``first``: their first batch's,
         times the batches), with what is cached already, would not fit."""
         from graphcal.limits import check_fits
 
         batches = self.calib.num_batches or 1
         nbytes = sum(a.nbytes for a in first.values()) * batches
         nbytes += sum(sum(a.nbytes for a in v) for n, v in self.cache.items() if n not in first)
-        check_fits(nbytes, f"the tensors between layer blocks ({self.blocks[k].name}) for "
+        check_fits(nbytes, f"{what or f'the tensors between layer blocks ({self.blocks[k].name})'} for "
                    f"{self.calib.num_samples} samples", CACHE_SHARE,
                    hint="calibrate on fewer samples (--num-samples) or shorter sequences")
 
@@ -131,10 +161,3 @@ def value_types_of(sub: onnx.ModelProto, types: dict) -> dict:
     merged.update({k: v for k, v in types.items() if k in known})
     return merged
 
-
-def _weight_tensor(model: onnx.ModelProto, t: Target) -> str:
-    """The tensor ``t``'s node reads its weight from (B input: the initializer, or the end of its path)."""
-    node = next((n for n in model.graph.node if n.name == t.node), None)
-    if node is None:
-        raise GraphcalError(f"{t.name}: node {t.node!r} not found")
-    return node.input[1]

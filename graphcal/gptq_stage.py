@@ -106,12 +106,6 @@ class GPTQLog:
                 f"dampening ({shown}); rounded to nearest on the same grid (raise --dampening-frac)"]
 
 
-def gptq_weight(t: Target, w: torch.Tensor, item: QuantizedTarget, hessian: torch.Tensor, settings,
-                record: GPTQLog) -> torch.Tensor:
-    """``w`` (torch [out, in]) rounded by GPTQ on the grid of ``item``'s weight qparams."""
-    return gptq_weights([(t, w, item)], hessian, settings, record)[t.name]
-
-
 def gptq_weights(members: list[tuple[Target, torch.Tensor, QuantizedTarget]], hessian: torch.Tensor, settings,
                  record: GPTQLog) -> dict[str, torch.Tensor]:
     """Layers that read one input (q/k/v, gate/up), rounded by GPTQ with its Hessian. Layers with the
@@ -227,7 +221,7 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
     from graphcal.graph.taps import Reduction, TapRequest, gram
     from graphcal.graph.targets import torch_weight
     from graphcal.progress import Progress
-    from graphcal.weights import units
+    from graphcal.weights import observe_unit, units
 
     settings = run.config.gptq
     device_t = torch_device or torch.device("cpu")
@@ -261,17 +255,11 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
             effective: dict[str, torch.Tensor] = {}
             members = {t.name for t in block.targets}
             for unit in [u for u in all_units if u[0].name in members]:
-                weights = {}
-                for t in unit:
-                    w = torch.from_numpy(torch_weight(run.model, t, run.base_dir))
-                    if smoothed is not None:
-                        w = smoothed.weight(t, w)
-                    observers.weight_observers[t.name](w.to(device_t))
-                    weights[t.name] = w
-                group = [g for g in run.groups if set(g.members) == set(weights)]
-                if group:
-                    observers.share_global_scales(list(group[0].members))
-                members = [(t, weights.pop(t.name).to(device_t), observers.qparams(t, run.schemes[t.name])) for t in unit]
+                weights = {t.name: torch.from_numpy(torch_weight(run.model, t, run.base_dir)) for t in unit}
+                if smoothed is not None:
+                    weights = {t.name: smoothed.weight(t, weights[t.name]) for t in unit}
+                members = [(t, w.to(device_t), item)
+                           for t, w, item in observe_unit(run, observers, unit, weights, device_t, smoothed)]
 
                 def key(t: Target):  # one Hessian: the same input, smoothed by the same scales
                     s = smoothed.column_scale(t) if smoothed is not None else None
@@ -290,19 +278,7 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
             # 3. the block again with its quantized weights: the next blocks' inputs
             needed = walk.needed(k)
             if needed:
-                runtime, _ = walk.session(needed, list(block.inputs), [by_name[n] for n in effective])
-                fed = dict(walk.feed_weight(by_name[n], w) for n, w in effective.items())
-                outputs: dict[str, list] = {n: [] for n in needed}
-                try:
-                    for i, feeds in walk.batches(k):
-                        values = runtime.run_numpy({**feeds, **fed})
-                        if i == 0:
-                            walk.check_cache(k, {n: values[n] for n in needed})
-                        for n in needed:
-                            outputs[n].append(values[n])
-                finally:
-                    runtime.close()
-                walk.keep(k, outputs)
+                walk.keep(k, walk.run_block(k, needed, effective))
             bar.update(1)
     missing = [t.name for t in run.chosen if t.name not in rounded]
     if missing:

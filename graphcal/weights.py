@@ -63,18 +63,8 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                         smoothed.write_float(writer.model, t, plan.base_dir)
                     bar.update(1)
                     continue
-                if smoothed is not None:
-                    w = smoothed.weight(t, w)
-                try:
-                    observers.weight_observers[t.name](w.to(device))
-                except ValueError as e:  # e.g. a group size that does not divide in_features
-                    raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
-                weights[t.name] = w
-            group = [g for g in plan.groups if set(g.members) == set(weights)]
-            if group and len(unit) == len(weights):  # a member left in float: the others share no global scale
-                observers.share_global_scales(list(group[0].members))
-            members = [(t, weights.pop(t.name), observers.qparams(smoothed.target(t) if smoothed is not None else t,
-                                                               plan.schemes[t.name])) for t in unit if t.name in weights]
+                weights[t.name] = smoothed.weight(t, w) if smoothed is not None else w
+            members = observe_unit(plan, observers, unit, weights, device, smoothed)
             rounded = rounding([(t, w.to(device), item) for t, w, item in members]) if rounding is not None else {}
             for t, w, item in members:
                 writer.quantize_weight(item, rounded.pop(t.name).cpu() if t.name in rounded else w)
@@ -82,6 +72,25 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                 bar.update(1)
     result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
     return result
+
+
+def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weights: dict[str, torch.Tensor],
+                 device: torch.device, smoothed=None) -> list[tuple[Target, torch.Tensor, QuantizedTarget]]:
+    """Observe the weights of ``unit`` found in ``weights`` (torch [out, in], smoothed already; a
+    member left in float is absent), let a fused group share its global scale when all of it is
+    there, and give each member with its QuantizedTarget (the grid), in unit order. The weight pass
+    and GPTQ's sequential order take the grid this one way."""
+    for t in unit:
+        if t.name in weights:
+            try:
+                observers.weight_observers[t.name](weights[t.name].to(device))
+            except ValueError as e:  # e.g. a group size that does not divide in_features
+                raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
+    group = [g for g in plan.groups if set(g.members) == set(weights)]
+    if group and len(unit) == len(weights):  # a member left in float: the others share no global scale
+        observers.share_global_scales(list(group[0].members))
+    return [(t, weights[t.name], observers.qparams(smoothed.target(t) if smoothed is not None else t,
+                                                   plan.schemes[t.name])) for t in unit if t.name in weights]
 
 
 def units(plan: RunPlan) -> list[list[Target]]:

@@ -437,7 +437,7 @@ def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_pat
     seen = []
     original = graphcal.blockwise.Blockwise.check_cache
     monkeypatch.setattr(graphcal.blockwise.Blockwise, "check_cache",
-                        lambda self, k, first: (seen.append(sorted(first)), original(self, k, first))[1])
+                        lambda self, k, first, what="": (seen.append(sorted(first)), original(self, k, first, what))[1])
     result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
                   "--scheme", "W4A16", "--algorithm", "gptq", "--ignore", "none", "--json")
     assert result.exit_code == 0, result.output
