@@ -234,20 +234,13 @@ def parse_recipe(text: str, where: str = "recipe") -> Recipe:
             raise UsageError(f"{where}: {by_name[transform][2]} comes after the modifier that quantizes; graphcal "
                              "rescales before it quantizes, as llm-compressor recipes put it")
     gptq = None
-    if GPTQ in by_name:
-        args = by_name[GPTQ][1] or {}
-        if not isinstance(args, dict):
-            raise UsageError(f"{where}: {by_name[GPTQ][2]} must be a mapping of its fields")
+    if GPTQ in by_name:  # its own fields here (actorder checked with the others, config.check_gptq)
+        args = _mapping(by_name[GPTQ][1], f"{where}: {by_name[GPTQ][2]}")
         gptq = _fields(GPTQFields, {k: v for k, v in args.items() if k not in FIELDS | NO_EFFECT},
                        f"{where}: {by_name[GPTQ][2]}")
-        if gptq["actorder"] in ("group", "dynamic"):
-            raise UsageError(f"{where}: {by_name[GPTQ][2]}: Invalid activation ordering {gptq['actorder']}. Only "
-                             "'weight' and 'static' are supported for GPTQ.")
     sources = []
     for q in quantizers:
-        args = by_name[q][1] or {}
-        if not isinstance(args, dict):
-            raise UsageError(f"{where}: {by_name[q][2]} must be a mapping of its fields")
+        args = _mapping(by_name[q][1], f"{where}: {by_name[q][2]}")
         own = {k: v for k, v in args.items() if k in FIELDS}
         if q == MODIFIER:
             unknown = sorted(str(k) for k in args if k not in FIELDS | NO_EFFECT)
@@ -289,23 +282,31 @@ def _order(data: dict, where: str = "recipe") -> list[tuple]:
     return out
 
 
-def _fields(model, args: dict, where: str) -> dict[str, Any]:
+def _mapping(args, where: str) -> dict:
+    """A modifier's body: a mapping of its fields (nothing given: none)."""
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise UsageError(f"{where} must be a mapping of its fields")
+    return args
+
+
+def _fields(model, args, where: str, one_shot: str = "") -> dict[str, Any]:
+    """A modifier's fields validated by ``model`` (pydantic); with ``one_shot`` (the algorithm's
+    name), its ``start``/``end`` must be unset or -1, as llm-compressor's one-shot modifiers require."""
     try:
-        return model.model_validate(args).model_dump()
+        fields = model.model_validate(_mapping(args, where)).model_dump()
     except ValidationError as e:
         raise UsageError(f"{where}.{pydantic_message(e)}") from None
+    for bound in ("start", "end") if one_shot else ():
+        if fields[bound] is not None and fields[bound] != -1:
+            raise UsageError(f"{where}: {bound}: {fields[bound]} is not supported ({one_shot} is one-shot only)")
+    return fields
 
 
 def _awq_fields(args, where: str) -> dict[str, Any]:
     """An AWQModifier's fields, checked as llm-compressor checks them."""
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise UsageError(f"{where} must be a mapping of its fields")
-    fields = _fields(AWQFields, args, where)
-    for bound in ("start", "end"):
-        if fields[bound] is not None and fields[bound] != -1:
-            raise UsageError(f"{where}: {bound}: {fields[bound]} is not supported (AWQ is one-shot only)")
+    fields = _fields(AWQFields, args, where, one_shot="AWQ")
     for m in fields["mappings"] or ():
         if m["activation_hook_target"] is not None:
             raise UsageError(f"{where}: activation_hook_target is not supported (graphcal reads the balance layers' "
@@ -336,19 +337,8 @@ def gptq_from(fields: dict[str, Any]):
 
 def _smoothquant_fields(args, where: str) -> dict[str, Any]:
     """A SmoothQuantModifier's fields, checked as llm-compressor checks them."""
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise UsageError(f"{where} must be a mapping of its fields")
-    try:
-        m = SmoothQuantFields.model_validate(args)
-    except ValidationError as e:
-        raise UsageError(f"{where}.{pydantic_message(e)}") from None
-    for bound in ("start", "end"):
-        value = getattr(m, bound)
-        if value is not None and value != -1:
-            raise UsageError(f"{where}: {bound}: {value} is not supported (SmoothQuant is one-shot only)")
-    return m.model_dump(include={"smoothing_strength", "mappings", "ignore", "algorithm"})
+    fields = _fields(SmoothQuantFields, args, where, one_shot="SmoothQuant")
+    return {k: fields[k] for k in ("smoothing_strength", "mappings", "ignore", "algorithm")}
 
 
 def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModifier"):
