@@ -451,11 +451,8 @@ def recipe_config(recipe: Recipe, *, scheme: str | None = None, targets: list[st
         kv_args = kv_args.model_copy(update={"observer": observer})
     smoothing = smoothing_from(recipe.smoothquant) if recipe.smoothquant is not None else None
     awq = awq_from(recipe.awq) if recipe.awq is not None else None
-    gptq = gptq_from(recipe.gptq) if recipe.gptq is not None else None
-    if gptq is not None:  # GPTQ's actorder resolved into the schemes, as llm-compressor resolves it
-        from graphcal.config import with_actorder
-
-        groups = {g: with_actorder(s, gptq.actorder) for g, s in groups.items()}
+    gptq = gptq_from(recipe.gptq) if recipe.gptq is not None else None  # (its actorder enters the schemes
+    #                                  in config.resolve, after the flags: the one place that resolves it)
     return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args, smoothing=smoothing,
                      awq=awq, gptq=gptq)
 

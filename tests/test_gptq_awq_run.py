@@ -29,7 +29,6 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.graph.targets import torch_weight
 from graphcal.observe import ObserverSet
 from graphcal.plan import plan
-from graphcal.recipe import parse_recipe, recipe_config
 from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, sqnr_db
 
 VECTORS = ALGORITHM_VECTORS
@@ -96,6 +95,15 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> to
     return torch.round(w / s + zp)
 
 
+def _config(text: str, folder: Path, **flags):
+    """A recipe's RunConfig as run resolves it (graphcal.config.resolve: the recipe, then the flags)."""
+    from graphcal.config import Options, resolve
+
+    path = folder / "recipe.yaml"
+    path.write_text(text)
+    return resolve(Options(recipe=path, **flags))
+
+
 def _grid(observers, run, t, w):
     observers.weight_observers[t.name](w)
     return observers.qparams(t, run.schemes[t.name]).qparams["weight"]
@@ -104,13 +112,13 @@ def _grid(observers, run, t, w):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, recipe", [("gptq_w4a16_asym_g32_none", GPTQ_W4_RECIPE),
                                           ("sq_gptq_w8a8", SQ_GPTQ_RECIPE)])
-def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recipe):
+def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recipe, tmp_path):
     from graphcal.gptq_stage import sequential_gptq
     from graphcal.smoothing import collect
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
-    run = plan(path, recipe_config(parse_recipe(recipe)))
+    run = plan(path, _config(recipe, tmp_path))
     assert {t.name for t in run.chosen} == set(ref["weight_codes"])
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
     smoothed = collect(run, calib, device="cpu") if run.smoothing is not None else None
@@ -135,7 +143,7 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
 
 
 @pytest.mark.slow
-def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vectors, llama):
+def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vectors, llama, tmp_path):
     """One pass takes every Hessian from the float model: layer 0 sees what the sequential order
     sees (the same codes as llm-compressor), layer 1 does not (no error propagated)."""
     from graphcal.activations import run_activation_pass
@@ -143,11 +151,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
-    config = recipe_config(parse_recipe(GPTQ_W4_RECIPE))
-    from dataclasses import replace
-
-    config.gptq = replace(config.gptq, order="one-pass")
-    run = plan(path, config)
+    run = plan(path, _config(GPTQ_W4_RECIPE, tmp_path, gptq_order="one-pass"))
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
     observers = ObserverSet(run)
     assert len({id(h) for h in observers.hessians.values()}) == 8  # q/k/v and gate/up share their input's
@@ -168,12 +172,12 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
 
 
 @pytest.mark.slow
-def test_awq_picks_llm_compressors_scales(vectors, llama):
+def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
     from graphcal.awq_stage import awq_smoothing
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "awq_qm_w4a16_asym_g32")["outputs"]
-    run = plan(path, recipe_config(parse_recipe(AWQ_RECIPE)))
+    run = plan(path, _config(AWQ_RECIPE, tmp_path))
     # llm-compressor skips v_proj -> o_proj under grouped-query attention; graphcal finds no exact fold there
     assert any("re:.*v_proj$" in w for w in run.warnings)
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
@@ -443,3 +447,16 @@ def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_pat
     assert result.exit_code == 0, result.output
     assert "lm_head" in json.loads(result.stdout)["quantized"]
     assert seen and all("logits" not in names for names in seen), seen
+
+
+def test_actorder_from_the_command_line_overrides_the_recipes(tmp_path):
+    """--actorder beats the GPTQModifier's, and the schemes get it as llm-compressor resolves it: the
+    recipe's static on a scheme without one, or none when the flag says none."""
+    recipe = GPTQ_W4_RECIPE.replace("actorder: null", "actorder: static")
+    args = lambda config: config.groups["group_0"].weights.actorder  # noqa: E731
+    from graphcal.types import enum_value
+
+    assert enum_value(args(_config(recipe, tmp_path))) == "static"
+    assert args(_config(recipe, tmp_path, actorder="none")) is None
+    assert args(_config(GPTQ_W4_RECIPE, tmp_path)) is None
+    assert _config(GPTQ_W4_RECIPE, tmp_path, gptq_order="one-pass").gptq.order == "one-pass"
