@@ -75,7 +75,9 @@ CONFIG_OPTIONS = (
                       "replaces the default."),
     click.option("--observer", default=None,
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
-                      "mse, ...); default: llm-compressor's choice for the scheme."),
+                      "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "
+                      "histogram_mse, whose weights take min/max or the exact MSE); default: llm-compressor's "
+                      "choice for the scheme."),
     click.option("--kv-cache-scheme", "kv_cache", default=None,
                  help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
                       "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "

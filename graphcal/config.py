@@ -36,7 +36,11 @@ GRAPHCAL_PRESETS = {"W8A8_STATIC": _INT8_STATIC, "INT8_STATIC": _INT8_STATIC}
 # llm-compressor's observer defaults and weight-side substitutions (initialize_observer).
 DEFAULT_WEIGHT_OBSERVER = "memoryless_minmax"
 DEFAULT_ACTIVATION_OBSERVER = "minmax"
-_WEIGHT_OBSERVER_SUBSTITUTES = {"static_minmax": "memoryless_minmax", "minmax": "memoryless_minmax", "mse": "memoryless_mse"}
+_WEIGHT_OBSERVER_SUBSTITUTES = {"static_minmax": "memoryless_minmax", "minmax": "memoryless_minmax", "mse": "memoryless_mse",
+                                # graphcal's histogram observers are for activations; weights take min/max
+                                # (as onnxruntime's and ModelOpt's calibrators do) or the exact MSE
+                                "percentile": "memoryless_minmax", "entropy": "memoryless_minmax",
+                                "histogram_mse": "memoryless_mse"}
 
 
 # llm-compressor's SmoothQuant defaults (SmoothQuantModifier; its DEFAULT_SMOOTHQUANT_MAPPINGS, the Llama entry)

@@ -2,7 +2,8 @@
 
 Registered names (``_`` and ``-`` are interchangeable): memoryless_minmax, static_minmax,
 minmax, memoryless_mse, mse, nvfp4_expanded_mse (alias fouroversix, warns), imatrix_mse,
-nvfp4_expanded_imatrix.
+nvfp4_expanded_imatrix; and graphcal's own histogram observers for per-tensor activations:
+percentile, entropy, histogram_mse.
 
 Observers of one fused group (q/k/v, gate/up, ...) share one global scale through
 :func:`share_global_scale`; which modules form a group is the graph side's business
@@ -17,6 +18,7 @@ from graphcal.observers.base import (
     share_global_scale,
 )
 from graphcal.observers.helpers import flatten_for_calibration
+from graphcal.observers.histogram import EntropyObserver, HistogramMSEObserver, PercentileObserver
 from graphcal.observers.imatrix import (
     IMatrixFallbackWarning,
     IMatrixMSEObserver,
@@ -52,4 +54,7 @@ __all__ = [
     "NVFP4ExpandedMSEObserver",
     "IMatrixMSEObserver",
     "NVFP4ExpandedIMatrixObserver",
+    "PercentileObserver",
+    "EntropyObserver",
+    "HistogramMSEObserver",
 ]

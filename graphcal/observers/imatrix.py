@@ -56,21 +56,16 @@ def imatrix_grid_search(
     shape, fp32 (``None`` = uniform). Error is fp32; ``patience=0`` disables early stopping.
     """
 
-    def error(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        diff = (q.float() - x.float()).abs().pow(norm)
-        if importance is not None:
-            diff = importance * diff
-        return diff.sum(dim=REDUCE_DIMS)
-
     steps = max(1, int(maxshrink * grid))
-    factors = (1 - i / grid for i in range(steps + 1))
+    factors = [1 - i / grid for i in range(steps + 1)]
     return shrink_search(
         observed,
         args,
         factors,
-        error,
+        norm=norm,
         patience=patience if patience > 0 else None,
         expand=expand,
+        importance=importance,
         error_dtype=torch.float32,
     )
 
