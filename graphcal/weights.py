@@ -15,7 +15,7 @@ import torch
 
 from graphcal.activations import all_finite
 from graphcal.errors import GraphcalError
-from graphcal.graph.targets import torch_weight
+from graphcal.graph.targets import weight_tensor
 from graphcal.observe import ObserverSet
 from graphcal.plan import RunPlan
 from graphcal.types import QuantizedTarget, Target
@@ -50,7 +50,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
         for unit in units(plan):
             weights = {}
             for t in unit:
-                w = torch.from_numpy(torch_weight(writer.model, t, plan.base_dir))
+                w = weight_tensor(writer.model, t, plan.base_dir)  # [out, in], a view of [in, out] for MatMul
                 bad = _nonfinite_count(w)
                 if bad:
                     if not skip_nonfinite:

@@ -31,12 +31,13 @@ def _single(*args):
                           capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.parametrize("scheme", [
-    "W8A8_STATIC",  # static_minmax activations: MIN/MAX over ranks
-    '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}',  # SUM
-])
-def test_two_ranks_write_what_one_process_writes(llama_dir, tmp_path, scheme):
-    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme]
+@pytest.mark.parametrize("scheme, flags", [
+    ("W8A8_STATIC", []),  # static_minmax activations: MIN/MAX over ranks
+    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}', []),  # SUM
+    ("W8A8_STATIC", ["--observer", "histogram_mse"]),  # histograms merged exactly
+], ids=["static_minmax", "imatrix", "histogram"])
+def test_two_ranks_write_what_one_process_writes(llama_dir, tmp_path, scheme, flags):
+    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme, *flags]
     two = _torchrun(2, *common, "-o", tmp_path / "two")
     assert two.returncode == 0, two.stderr[-2000:]
     assert "calibrated on 64 samples in 8 batches across 2 ranks" in two.stdout

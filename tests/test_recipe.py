@@ -199,3 +199,37 @@ def test_python_api_takes_a_recipe(llama_dir, tmp_path):
     assert _run(llama_dir, tmp_path / "cli", "--recipe", str(recipe)).exit_code == 0
     for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
         assert _digest(tmp_path / "api" / name) == _digest(tmp_path / "cli" / name), name
+
+
+def test_recipe_names_graphcals_histogram_observers_with_kwargs(llama_dir, tmp_path):
+    """input_observer and observer_kwargs reach graphcal's percentile observer: the written input scale
+    is the one a percentile observer at 99.0 gives on the same activation (the first layer's input)."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from graphcal.observers import Observer
+
+    args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False,
+            "observer_kwargs": {"percentile": 99.0}}
+    text = yaml.safe_dump({"QuantizationModifier": {
+        "ignore": ["lm_head"], "input_observer": "percentile",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
+                                "input_activations": args}}}})
+    result = _run(llama_dir, tmp_path / "o", "--recipe", str(_recipe(tmp_path, text)))
+    assert result.exit_code == 0, result.output
+    config, params = load_written(tmp_path / "o")
+    assert config.config_groups["g"].input_activations.observer == "percentile"
+    assert config.config_groups["g"].weights.observer is None  # the weights kept llm-compressor's default
+    # the q_proj input is the first layer norm's output: fetch it with onnxruntime and observe it directly
+    model = __import__("onnx").load(str(llama_dir / "model.onnx"))
+    q_proj = next(n for n in model.graph.node if n.op_type == "MatMul" and "q_proj" in (n.name + n.input[1]))
+    model.graph.output.append(__import__("onnx").helper.make_tensor_value_info(q_proj.input[0], 1, None))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    data = dict(np.load(llama_dir / "calib.npz"))
+    obs = Observer.load_from_registry("percentile", base_name="input", args=QuantizationArgs(**args))
+    n = len(next(iter(data.values())))
+    for i in range(0, n, 8):
+        obs(torch.from_numpy(session.run([q_proj.input[0]], {k: v[i:i + 8] for k, v in data.items()})[0]))
+    assert torch.equal(params["model.layers.0.self_attn.q_proj.input_scale"], obs.get_qparams()["scale"])

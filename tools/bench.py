@@ -10,9 +10,10 @@ For each model and sample count it runs, each in a fresh child process (so each 
 - ``onnxruntime`` inference over the same batches: the floor (ORT_ENABLE_BASIC, as graphcal's pass);
 - ``graphcal run`` with W8A8_STATIC and static_minmax (in-graph min/max reductions), the same with
   whole tensors fetched (``reduce_in_graph=False``), with SmoothQuant (``--smoothquant``, ``--smoothquant
-  all``, and the latter with ``--smoothing-strength auto``; in the same pass), with ``mse`` observers, with
-  ``imatrix_mse`` weights (W4A16), and W4A16 rounded to nearest, by GPTQ (sequential and one-pass) and by
-  AWQ, and W8A8 by SmoothQuant + GPTQ;
+  all``, and the latter with ``--smoothing-strength auto``; in the same pass), with ``mse`` observers and
+  graphcal's histogram observers (``histogram_mse``, ``percentile``, ``entropy``), with ``imatrix_mse``
+  weights (W4A16), and W4A16 rounded to nearest, by GPTQ (sequential and one-pass) and by AWQ, and W8A8 by
+  SmoothQuant + GPTQ;
 - onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with
   MinMax, Percentile and Entropy calibration;
 
@@ -22,6 +23,10 @@ startup), the ratio to the floor, and peak host memory
 whose memory passes ``--mem-limit-gb`` is stopped and reported as such. Data: seeded random token
 ids (models/tiny-llama: seq 32; bench decoder: seq 512, made by
 ``tools/make_models.py --bench-decoder``), batch 8.
+
+Then, per model, the weight phase alone (``--weight-schemes``, default W8A8 and NVFP4A16: int8 per
+channel and NVFP4): every weight read, checked, observed, quantized and stored, timed by
+tools/weight_phase.py in a child (best of 3), as seconds per billion weight parameters.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ CONFIGS = {
     "graphcal minmax + SmoothQuant all, strength auto": {"kind": "graphcal", "scheme": "W8A8_STATIC",
                                                           "smoothquant": "all", "smoothing_strength": "auto"},
     "graphcal mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "mse"},
+    "graphcal histogram_mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "histogram_mse"},
+    "graphcal percentile": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "percentile"},
+    "graphcal entropy": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "entropy"},
     "graphcal imatrix_mse (W4A16)": {"kind": "graphcal", "scheme": IMATRIX},
     "graphcal RTN (W4A16)": {"kind": "graphcal", "scheme": "W4A16"},
     "graphcal GPTQ (W4A16)": {"kind": "graphcal", "scheme": "W4A16", "algorithm": "gptq"},
@@ -86,6 +94,11 @@ def child(spec: dict) -> dict:
         from graphcal.pipeline import calibrate
     elif kind == "ort":
         import onnxruntime.quantization  # noqa: F401
+    elif kind == "weights":
+        from tools.weight_phase import measure
+
+        return {**measure(spec["model"], spec["scheme"]), "startup": time.perf_counter() - t0,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     startup = time.perf_counter() - t0
     data = dict(np.load(spec["data"]))
     out = Path(spec["out"])
@@ -219,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decoder-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-bench-decoder",
                     help="where the bench decoder is (made there by tools/make_models.py if missing)")
     ap.add_argument("--mem-limit-gb", type=float, default=16.0)
+    ap.add_argument("--weight-schemes", nargs="*", default=["W8A8", "NVFP4A16"],
+                    help="schemes whose weight phase is timed alone, per model (none: skip it)")
     ap.add_argument("--markdown", type=Path,
                     help="also write the results table to this file (a file of its own: a hand-written page such as "
                          "docs/benchmarks.md is refused, so it is never overwritten)")
@@ -229,7 +244,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
 
-    rows = []
+    rows, weight_rows = [], []
     with tempfile.TemporaryDirectory(prefix="graphcal-bench-") as tmp:
         for name in args.models:
             path, vocab, seq = MODELS[name]
@@ -252,7 +267,15 @@ def main(argv=None) -> int:
                         floor = result["seconds"]
                     rows.append((name, n, label, result, floor))
                     print(_row(rows[-1]), flush=True)
+            for scheme in args.weight_schemes if args.device == "cpu" else []:
+                result = run_child({"kind": "weights", "model": str(path), "scheme": scheme}, args.mem_limit_gb * 1024,
+                                   args.device)
+                weight_rows.append((name, scheme, result))
+                print(_weight_row(weight_rows[-1]), flush=True)
     table = _table(rows, args.device)
+    if weight_rows:
+        table += "\n\n" + "\n".join(["| model | weight phase | parameters | seconds | seconds per billion parameters |",
+                                      "|---|---|---|---|---|"] + [_weight_row(r) for r in weight_rows])
     print()
     print(table)
     if args.markdown:
@@ -269,6 +292,13 @@ def _row(row) -> str:
     gpu = f" {r['peak_gpu_mb']:.0f} |" if "peak_gpu_mb" in r else ""
     return (f"| {name} | {n} | {label} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} "
             f"| {r['startup']:.1f} |{gpu}")
+
+
+def _weight_row(row) -> str:
+    name, scheme, r = row
+    if "error" in r:
+        return f"| {name} | {scheme} | {r['error']} | | |"
+    return f"| {name} | {scheme} | {r['parameters'] / 1e6:.1f} M | {r['seconds']:.2f} | {r['per_billion']:.1f} |"
 
 
 def _table(rows, device: str) -> str:

@@ -159,17 +159,24 @@ def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
 
 def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
     """The raw bytes of one external tensor, checked again as it is read."""
+    return bytes(read_tensor_buffer(t, base_dir))
+
+
+def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytearray:
+    """The raw bytes of one external tensor in a buffer of its own (numpy can view it writable),
+    read straight into it, checked again as it is read."""
     ref = resolve(t, base_dir)
     check_fits(ref.length, f"tensor {t.name!r}", share=0.9)
+    buffer = bytearray(ref.length)
+    view = memoryview(buffer)
     with open_regular(ref.path, f"external data of {t.name!r}") as f:
-        fd, chunks, done = f.fileno(), [], 0
+        fd, done = f.fileno(), 0
         while done < ref.length:
-            chunk = os.pread(fd, min(ref.length - done, 1 << 30), ref.offset + done)
-            if not chunk:
+            got = os.preadv(fd, [view[done:done + (1 << 30)]], ref.offset + done)
+            if not got:
                 raise GraphcalError(f"external data of {t.name!r} ended early (the file shrank while reading)")
-            chunks.append(chunk)
-            done += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            done += got
+    return buffer
 
 
 def inline(t: onnx.TensorProto, base_dir: str | os.PathLike) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,25 @@ def torch_weight(model: onnx.ModelProto, target: Target, base_dir: str | None = 
     return np.array(b.T if target.layout == "in_out" else b, order="C", copy=True)
 
 
+def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None = None):
+    """The target's weight as torch [out, in], like :func:`torch_weight` but without its copies: for
+    a node that stores [in, out] (MatMul) a transposed view of the array as stored, and read-only
+    where the bytes are the model's own (nothing writes into a weight: GPTQ, the smoothing and the
+    quantizer make new tensors). What reads it whole (observers, the quantizer) reads it in memory
+    order."""
+    import warnings
+
+    import torch
+
+    inits = {t.name: t for t in model.graph.initializer}
+    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
+    b = np.ascontiguousarray(weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        w = torch.from_numpy(b)
+    return w.t() if target.layout == "in_out" else w
+
+
 def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
     """Torch module path for a node: name_scopes metadata, else the legacy node name."""
     name = scoped_module(node, _LEGACY_OP_SUFFIX)
@@ -164,19 +184,30 @@ def producers_by_name(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
     raise KeyError(node_name)
 
 
+#: element types whose raw bytes are the little-endian numpy array itself
+_PLAIN_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+
+
 def weight_as_consumed(
     init: onnx.TensorProto, path: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
     base_dir: str | None = None,
 ) -> np.ndarray:
     """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
     if init.data_location == onnx.TensorProto.EXTERNAL:  # checked against the model's folder as it is read
-        from graphcal.graph.external import read_tensor_bytes
+        from graphcal.graph.external import read_tensor_buffer
 
         if base_dir is None:
             raise GraphcalError(f"weight {init.name!r} is in external data, but no model folder was given to read it")
-        init = onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
-                                raw_data=read_tensor_bytes(init, base_dir))
-    value = numpy_helper.to_array(init)
+        raw = read_tensor_buffer(init, base_dir)
+        if init.data_type in _PLAIN_FLOATS and sys.byteorder == "little":  # the bytes are the array: view them
+            value = np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
+        else:
+            value = numpy_helper.to_array(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
+                                                           raw_data=bytes(raw)))
+    elif init.data_type in _PLAIN_FLOATS and init.HasField("raw_data") and sys.byteorder == "little":
+        value = np.frombuffer(init.raw_data, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
+    else:
+        value = numpy_helper.to_array(init)
     for node in path:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Transpose":

@@ -9,7 +9,6 @@ plain broadcasting, error ``sum |q - x|^norm`` per qparam in the observed dtype,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 

@@ -31,15 +31,9 @@ from onnx import helper
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.policy import FP4, FP8, Runtime, fp8_scales, is_mx, qtype_of
+from graphcal.graph.qdq.quantize import quantized_array
 from graphcal.types import QParams, Target
 from graphcal.types import enum_value as _name
-
-
-def _quantize(args, qp: QParams, w: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' quantized values of ``w`` (torch [out, in]), on its grid, in w's dtype."""
-    from compressed_tensors.quantization.lifecycle.forward import quantize
-
-    return quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale)
 
 
 def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runtime: Runtime,
@@ -51,12 +45,12 @@ def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runti
     needs it)."""
     qtype = qtype_of(args, t.name, "weights")
     strategy = _name(args.strategy)
-    q = _quantize(args, qp, w)
+    q = quantized_array(args, qp, w, qtype)
     # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter
     # form); a MatMul then reads them through a Transpose.
     transpose = runtime is Runtime.TENSORRT and qtype is FP4 and t.layout == "in_out"
     layout = _WeightLayout(t, strategy, args, "out_in" if transpose else (stored or t.layout))
-    stored = edits.const(f"{t.name}.weight_quantized", layout.weight(qtype.array(q)))
+    stored = edits.const(f"{t.name}.weight_quantized", layout.weight(q))
     scale = _weight_scale(edits, t, args, qp, w.dtype, layout)
     inputs = [stored, scale]
     if not args.symmetric or zero_point:
@@ -84,7 +78,7 @@ def weight_cast_mul(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor)
     qtype = qtype_of(args, t.name, "weights")
     strategy = _name(args.strategy)
     layout = _WeightLayout(t, strategy, args, t.layout)
-    q = layout.weight(qtype.array(_quantize(args, qp, w)))
+    q = layout.weight(quantized_array(args, qp, w, qtype))
     dtype = _np_dtype(w.dtype)
     scale = layout.param(_effective_scale(qp).to(w.dtype).numpy())
     zp = None if args.symmetric else layout.param(qp.zero_point.detach().to(torch.float32).numpy()).astype(dtype)
@@ -133,7 +127,7 @@ def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tens
         while block * 2 <= min(k, 128):
             block *= 2
     blocks = -(-k // block)
-    q = qtype.array(_quantize(args, qp, w)).astype(np.int16) + (1 << (bits - 1))  # unsigned [n, k]
+    q = quantized_array(args, qp, w, qtype).astype(np.int16) + (1 << (bits - 1))  # unsigned [n, k]
     layout = _WeightLayout(t, strategy, args, "out_in")  # groups and blocks as [out, in / block]
     scale = _per_block(layout, _effective_scale(qp).numpy(), blocks).astype(_np_dtype(w.dtype))
     padded = np.zeros((n, blocks * block), np.uint8)

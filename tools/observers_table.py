@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Every activation observer's calibration time against plain inference, and its accuracy, in one table.
+
+    python tools/observers_table.py                                  # minilm and bench-decoder, 3 repeats
+    python tools/observers_table.py --models minilm --repeat 1 --markdown /tmp/obs.md --json /tmp/obs.json
+
+W8A8_STATIC (int8 per-channel weights, int8 per-tensor static activations) calibrated with each
+activation observer of ``CONFIGS`` -- llm-compressor's static_minmax (the preset's) and mse, and
+graphcal's histogram observers histogram_mse, percentile and entropy -- and, as the peers users know,
+onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with its
+MinMax, Percentile and Entropy calibrators. Every run is a child process (its peak RSS its own, through
+tools/algorithms_table.py's launcher); each is repeated ``--repeat`` times and its median time kept. Time:
+graphcal's ``seconds`` (model and data loading included, imports not) or quantize_static's call; the
+baseline is plain onnxruntime over the same calibration batches (session creation included).
+
+Accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL, what a
+deployment runs): cosine and SQNR against fp32, and for all-MiniLM-L6-v2 the mean cosine of the sentence
+embeddings (mean over the attention mask) to fp32's. Models and data as tools/smoothquant_table.py
+prepares them: MiniLM calibrated on Python's docstrings in 128-token windows and evaluated on the licence
+texts; the bench decoder on its random-token data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tools.algorithms_table import INFER, child, outputs  # noqa: E402
+from tools.smoothquant_table import metrics, prepare  # noqa: E402
+from tools.speed_table import log  # noqa: E402
+
+MODELS = ("minilm", "bench-decoder")
+SCHEME = "W8A8_STATIC"
+CONFIGS = {  # key: (label, kind, observer or calibration method)
+    "fp32": ("fp32 (onnxruntime over the calibration batches)", "infer", None),
+    "static_minmax": ("graphcal static_minmax (the preset's)", "graphcal", None),
+    "mse": ("graphcal mse (llm-compressor's search)", "graphcal", "mse"),
+    "histogram_mse": ("graphcal histogram_mse", "graphcal", "histogram_mse"),
+    "percentile": ("graphcal percentile (99.999)", "graphcal", "percentile"),
+    "entropy": ("graphcal entropy", "graphcal", "entropy"),
+    "ort-minmax": ("onnxruntime quantize_static MinMax", "ort", "MinMax"),
+    "ort-percentile": ("onnxruntime quantize_static Percentile", "ort", "Percentile"),
+    "ort-entropy": ("onnxruntime quantize_static Entropy", "ort", "Entropy"),
+}
+
+# onnxruntime's quantize_static, timed around the call (session, calibration, writing)
+ORT = r"""
+import json, sys, time
+import numpy as np
+from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+model, data, out, batch, n, method = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+import onnx
+names = {i.name for i in onnx.load(model, load_external_data=False).graph.input}
+feeds = {k: v[:n] for k, v in np.load(data).items() if k in names}
+count = len(next(iter(feeds.values())))
+
+class Reader(CalibrationDataReader):
+    def __init__(self):
+        self.batches = iter([{k: v[i:i + batch] for k, v in feeds.items()} for i in range(0, count, batch)])
+
+    def get_next(self):
+        return next(self.batches, None)
+
+start = time.perf_counter()
+quantize_static(model, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                calibrate_method=getattr(CalibrationMethod, method),
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def command_for(key: str, data, out: Path, batch: int, samples: int) -> list[str]:
+    _, kind, what = CONFIGS[key]
+    if kind == "infer":
+        return [sys.executable, "-c", INFER, str(data.model), str(data.calib), str(batch), str(samples)]
+    if kind == "ort":
+        out.mkdir(parents=True, exist_ok=True)
+        return [sys.executable, "-c", ORT, str(data.model), str(data.calib), str(out / "model.onnx"), str(batch),
+                str(samples), what]
+    return [sys.executable, "-m", "graphcal", "run", str(data.model), "--data", str(data.calib), "-o", str(out),
+            "--scheme", SCHEME, "--batch-size", str(batch), "--num-samples", str(samples), "--device", "cpu", "--json",
+            *(["--observer", what] if what else [])]
+
+
+def run_model(name: str, args) -> dict:
+    data = prepare(name, args.work)
+    batch = data.batch_size or 8
+    calib_count = len(next(iter(np.load(data.calib).values())))
+    samples = min(args.num_samples or calib_count, calib_count)
+    feeds = dict(np.load(data.heldout))
+    mask = feeds.get("attention_mask") if name == "minilm" else None
+    ref = outputs(data.model, feeds, batch, "ORT_ENABLE_ALL")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.configs:
+            label, kind, _ = CONFIGS[key]
+            row = {"model": name, "config": key, "run": label, "times": [], "peaks": []}
+            for i in range(args.repeat):
+                out = Path(tmp) / f"{key}-{i}"
+                command = command_for(key, data, out, batch, samples)
+                result = child(command)
+                if result["rc"] != 0:
+                    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+                    row["error"] = lines[-1] if lines else f"exit code {result['rc']}"
+                    break
+                row["times"].append(json.loads(result["stdout"].strip().splitlines()[-1])["seconds"])
+                row["peaks"].append(result["peak_rss_mb"])
+            shown = {"infer": ["python", "-c", "<INFER>"], "ort": ["python", "-c", "<ORT>"]}.get(kind, ["graphcal"])
+            row["command"] = " ".join(shlex.quote(c) for c in shown + command[3:])
+            if "error" in row:
+                log(f"{name} {key}: FAILED: {row['error']}")
+                rows.append(row)
+                continue
+            row["seconds"], row["peak_rss_mb"] = statistics.median(row["times"]), max(row["peaks"])
+            if kind == "infer":
+                row.update(cosine=1.0, sqnr=None)
+                if mask is not None:
+                    row["sentence_cosine"] = 1.0
+            else:
+                row.update(metrics(ref, outputs(out / "model.onnx", feeds, batch, "ORT_ENABLE_ALL"), mask))
+            log(f"{name} {key}: {row['seconds']:.2f} s (of {', '.join(f'{t:.2f}' for t in row['times'])}), "
+                f"cosine {row['cosine']:.6f}, {row['peak_rss_mb']:.0f} MB")
+            rows.append(row)
+    base = next((r for r in rows if r["config"] == "fp32" and "error" not in r), None)
+    minmax = next((r for r in rows if r["config"] == "static_minmax" and "error" not in r), None)
+    for r in rows:
+        if "error" not in r:
+            r["vs_inference"] = r["seconds"] / base["seconds"] if base else None
+            r["vs_minmax"] = r["seconds"] / minmax["seconds"] if minmax else None
+            r["memory_vs_inference"] = r["peak_rss_mb"] / base["peak_rss_mb"] if base else None
+    return {"model": name, "description": data.description, "samples": samples, "batch": batch,
+            "heldout": len(next(iter(feeds.values()))), "rows": rows}
+
+
+def _f(value, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | calibration | time (s, median) | vs inference | vs static_minmax | peak RSS (MB) | "
+             "memory vs inference | cosine to fp32 | SQNR (dB) | sentence cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        for r in result["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['run']} | failed: `{r['error'].replace('|', '/')[:120]}` | | | | | | | |")
+                continue
+            lines.append(f"| {r['model']} | {r['run']} | {r['seconds']:.2f} | {_f(r['vs_inference'], '.2f', 'x')} | "
+                         f"{_f(r['vs_minmax'], '.2f', 'x')} | {r['peak_rss_mb']:.0f} | "
+                         f"{_f(r['memory_vs_inference'], '.2f', 'x')} | {r['cosine']:.6f} | "
+                         f"{_f(r['sqnr'], '.2f') if r['sqnr'] is not None else 'inf'} | "
+                         f"{_f(r.get('sentence_cosine'), '.6f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--num-samples", type=int, help="calibration samples (default: all of calib.npz)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-speed")
+    ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    args.configs = [k for k in CONFIGS if k in args.configs]
+    command = "python tools/observers_table.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    results = [run_model(name, args) for name in args.models]
+    notes = [f"Generated by `{command.strip()}`."] + [
+        f"- **{r['model']}**: {r['description']}; {r['samples']} calibration samples in batches of {r['batch']}, "
+        f"{r['heldout']} held-out samples." for r in results]
+    text = "\n".join([table(results), "", *notes])
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
