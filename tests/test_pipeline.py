@@ -89,13 +89,13 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
     from graphcal.pipeline import calibrate
 
     reads = Counter()
-    real = graphcal.weights.torch_weight
+    real = graphcal.weights.weight_tensor
 
     def counting(model, target, base_dir=None):
         reads[target.name] += 1
         return real(model, target, base_dir)
 
-    monkeypatch.setattr(graphcal.weights, "torch_weight", counting)
+    monkeypatch.setattr(graphcal.weights, "weight_tensor", counting)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu",
                        target="qdq")
     assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}

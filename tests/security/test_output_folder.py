@@ -200,10 +200,14 @@ def test_sigterm_while_writing_cleans_up_like_ctrl_c(tmp_path, bert_dir):
 
 
 def test_sigterm_while_calibrating(tmp_path, llama_dir):
+    import numpy as np
+
     out = tmp_path / "out"
     out.mkdir()
+    big = tmp_path / "big.npz"  # enough batches that the MSE pass is still running when the signal comes
+    np.savez(big, **{k: np.tile(v, (64, 1)) for k, v in np.load(llama_dir / "calib.npz").items()})
     proc = subprocess.Popen([sys.executable, "-m", "graphcal", *argv(llama_dir, out, "--scheme", "W8A8_STATIC",
-                                                                     "--observer", "mse")],
+                                                                     "--observer", "mse", "--data", str(big))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / ".out.graphcal-lock").exists():  # reserved: the calibration has begun
