@@ -61,6 +61,12 @@ def _coarsen(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: values binned per step: the scratch (a float and an int32 buffer of this size) is allocated once and stays
+#: in cache; fresh tap-sized temporaries cost more in page faults than the binning itself
+CHUNK_ELEMENTS = 1 << 18
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def add_to_histogram(counts: torch.Tensor | None, width: float, x: torch.Tensor, absmax: float,
                      bins: int) -> tuple[torch.Tensor, float]:
     """``(counts, width)`` with the values of ``x`` (whose largest |value| is ``absmax``) added;
@@ -69,8 +75,19 @@ def add_to_histogram(counts: torch.Tensor | None, width: float, x: torch.Tensor,
         counts, width = torch.zeros(2 * bins, dtype=torch.float64, device=x.device), _width_for(absmax, bins)
     while absmax > bins * width:
         counts, width = _coarsen(counts), width * 2
-    index = torch.floor(x.reshape(-1).float() * (1.0 / width)).add_(bins).clamp_(0, 2 * bins - 1).to(torch.int64)
-    counts += torch.bincount(index, minlength=2 * bins).to(counts)
+    if x.device not in _SCRATCH:
+        _SCRATCH[x.device] = (torch.empty(CHUNK_ELEMENTS, device=x.device),
+                              torch.empty(CHUNK_ELEMENTS, dtype=torch.int32, device=x.device))
+    scratch, index = _SCRATCH[x.device]
+    total = None
+    for part in x.reshape(-1).split(CHUNK_ELEMENTS):
+        n = part.numel()
+        # floor(x / width) + bins, exact (width is a power of two); int32: bincount reads it 4x faster than int64
+        torch.mul(part, 1.0 / width, out=scratch[:n]).floor_().add_(bins).clamp_(0, 2 * bins - 1)
+        index[:n].copy_(scratch[:n])
+        found = torch.bincount(index[:n], minlength=2 * bins)
+        total = found if total is None else total.add_(found)
+    counts += total.to(counts)
     return counts, width
 
 
