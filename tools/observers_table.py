@@ -7,7 +7,8 @@
 W8A8_STATIC (int8 per-channel weights, int8 per-tensor static activations) calibrated with each
 activation observer of ``CONFIGS`` -- llm-compressor's static_minmax (the preset's) and mse, and
 graphcal's histogram observers histogram_mse, percentile and entropy -- and, as the peers users know,
-onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights) with its
+onnxruntime's ``quantize_static`` at its defaults for x86 (QDQ, uint8 asymmetric activations, int8 per-channel
+weights: its docs advise against int8 activations on x86, which its kernels may saturate) with its
 MinMax, Percentile and Entropy calibrators, on the same layers (the MatMul/Gemm nodes with a weight; by
 default it would also quantize the attention's activation-by-activation MatMuls). Every run is a child process (its peak RSS its own, through
 tools/algorithms_table.py's launcher); the configurations run round-robin ``--repeat`` times (a slow spell of the shared machine hits them
@@ -78,10 +79,9 @@ class Reader(CalibrationDataReader):
         return next(self.batches, None)
 
 start = time.perf_counter()
-quantize_static(model, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QInt8,
+quantize_static(model, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=layers,
-                calibrate_method=getattr(CalibrationMethod, method),
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+                calibrate_method=getattr(CalibrationMethod, method))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
