@@ -318,13 +318,17 @@ def main(argv=None) -> int:
         results.append(run_model(name, args))
         results[-1]["imports_rss_mb"] = imports["peak_rss_mb"]
         log(f"{name}: {results[-1]['seconds']:.0f} s")
-    text = "\n".join([table(results), "", *notes(results, command.strip())])
+    emit("\n".join([table(results), "", *notes(results, command.strip())]), results, args)
+    return 0
+
+
+def emit(text: str, results: list[dict], args) -> None:
+    """Print the table and notes; write them to ``args.markdown`` and the results to ``args.json`` when given."""
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
-    return 0
 
 
 if __name__ == "__main__":
