@@ -46,11 +46,15 @@ __all__ = [
 _ZERO_WIDTH = 2.0 ** -64
 
 
+#: the narrowest width: 1 / width stays a finite float32 (subnormal-sized ranges share its first bins)
+_MIN_WIDTH_EXPONENT = -100
+
+
 def _width_for(absmax: float, bins: int) -> float:
-    """The smallest power of two ``w`` with ``bins * w >= absmax``."""
+    """The smallest power of two ``w`` (at least 2**-100) with ``bins * w >= absmax``."""
     if absmax <= 0:
         return _ZERO_WIDTH
-    return 2.0 ** math.ceil(math.log2(absmax / bins))
+    return 2.0 ** max(math.ceil(math.log2(absmax / bins)), _MIN_WIDTH_EXPONENT)
 
 
 def _coarsen(counts: torch.Tensor) -> torch.Tensor:

@@ -105,3 +105,20 @@ def test_weight_tensor_is_torch_weight_without_the_copies(llama_dir, tmp_path, e
         got = weight_tensor(model, t, base)
         assert got.shape == (t.out_features, t.in_features)
         assert torch.equal(got, torch.from_numpy(torch_weight(model, t, base)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_single_group_divides_in_compressed_tensors_dtype(dtype):
+    """One NVFP4 group: its fp32 effective scale (scale / global scale) must promote the division as
+    compressed-tensors' [1, 1, 1] scale does, not be a 0-dim tensor that leaves it in bf16."""
+    args = QuantizationArgs(**CASES["nvfp4"])
+    qtype = qtype_of(args, "x", "weights")
+    for seed in range(200):
+        w = (torch.randn(1, 16, generator=torch.Generator().manual_seed(seed)) * 0.3).to(dtype)
+        obs = Observer.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+        obs(w)
+        qp = to_qparams(obs.get_qparams())
+        qp = type(qp)(scale=qp.scale * 1.0137, zero_point=qp.zero_point, global_scale=qp.global_scale)
+        want = qtype.array(quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale))
+        got = Q.quantized_array(args, qp, w, qtype)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), seed

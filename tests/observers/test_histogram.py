@@ -225,3 +225,13 @@ def test_weights_take_min_max_or_the_exact_mse():
     for name, weight in (("percentile", "memoryless_minmax"), ("entropy", "memoryless_minmax"),
                          ("histogram_mse", "memoryless_mse")):
         assert observer_name(QuantizationArgs(num_bits=8, observer=name), "weight") == weight
+
+
+def test_a_subnormal_range_is_binned():
+    """A first batch of subnormal-sized values: the width stops at 2**-100 (1 / width stays finite)."""
+    x = torch.tensor([0.0, 1e-39, -3e-39, 5e-40])
+    counts, width = add_to_histogram(None, 0.0, x, float(x.abs().max()), 4096)
+    assert width == 2.0 ** -100 and counts.sum().item() == 4 and counts[4096].item() == 3  # 0 and the two positives
+    obs = load("percentile")
+    obs(x.reshape(1, 1, -1))
+    assert torch.isfinite(obs.get_qparams()["scale"]).all()

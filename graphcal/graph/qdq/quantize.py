@@ -112,8 +112,8 @@ def _chunks(w: torch.Tensor, group: int | None):
 
 def _param(value: torch.Tensor, rows: slice, cols: slice, group: int | None, shape) -> torch.Tensor:
     """A scale or zero point in compressed-tensors' shape, cut to the chunk and shaped to broadcast."""
-    if value.numel() == 1:
-        return value.reshape(())
+    if value.numel() == 1:  # kept a dimension: a 0-dim scale would not take part in dtype promotion
+        return value.reshape((1, 1, 1) if group else (1, 1))
     if group:  # [out, in / group] -> [rows, groups, 1]
         value = value.reshape(shape[0], -1)
         g = slice(None) if cols == slice(None) else slice(cols.start // group, -(-min(cols.stop, shape[1]) // group))
