@@ -19,6 +19,7 @@ from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, build_tapped, gram
 from graphcal.observe import Consumers, Feed
+from graphcal.observers.helpers import memory_order
 from graphcal.plan import RunPlan
 from graphcal.runtime import open_runtime
 
@@ -191,7 +192,7 @@ def all_finite(x: torch.Tensor) -> bool:
     if x.numel() == 0:
         return True
     if not x.is_contiguous():  # e.g. a weight seen through a transpose: read it as it lies
-        x = x.permute(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
+        x = x.permute(memory_order(x))
     return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
 
 

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError
 
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
-from graphcal.graph.external import all_tensors, check_external_data, expected_bytes, inline, is_external, read_tensor_bytes
+from graphcal.graph.external import all_tensors, check_external_data, expected_bytes, inline, is_external, read_tensor_buffer
 from graphcal.limits import check_fits, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
@@ -130,9 +130,10 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
         for t in model.graph.initializer:
             raw = t.raw_data if t.HasField("raw_data") else None
             if raw is None and is_external(t) and base_dir is not None:
-                raw = read_tensor_bytes(t, base_dir)
+                raw = read_tensor_buffer(t, base_dir)  # written as it is read: no bytes copy of a big tensor
                 if len(raw) < threshold:  # small: inline, no longer pointing at the source's file
-                    g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, raw_data=raw))
+                    g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type,
+                                                          raw_data=bytes(raw)))
                     continue
             if raw is None or len(raw) < threshold:
                 g.initializer.append(t)

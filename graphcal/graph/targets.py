@@ -92,9 +92,7 @@ def torch_weight(model: onnx.ModelProto, target: Target, base_dir: str | None = 
     A weight the model keeps in external data is read from its file under ``base_dir`` (the
     model's folder), this one tensor only.
     """
-    inits = {t.name: t for t in model.graph.initializer}
-    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
-    b = weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir)
+    b = _consumed(model, target, base_dir)
     return np.array(b.T if target.layout == "in_out" else b, order="C", copy=True)
 
 
@@ -108,13 +106,18 @@ def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None =
 
     import torch
 
-    inits = {t.name: t for t in model.graph.initializer}
-    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
-    b = np.ascontiguousarray(weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir))
+    b = np.ascontiguousarray(_consumed(model, target, base_dir))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         w = torch.from_numpy(b)
     return w.t() if target.layout == "in_out" else w
+
+
+def _consumed(model: onnx.ModelProto, target: Target, base_dir: str | None) -> np.ndarray:
+    """The target's weight as its node consumes it (its initializer through the weight path)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
+    return weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir)
 
 
 def module_name(node: onnx.NodeProto, weight_name: str, index: int) -> str:
@@ -193,19 +196,20 @@ def weight_as_consumed(
     base_dir: str | None = None,
 ) -> np.ndarray:
     """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
-    if init.data_location == onnx.TensorProto.EXTERNAL:  # checked against the model's folder as it is read
+    external = init.data_location == onnx.TensorProto.EXTERNAL
+    if external:  # checked against the model's folder as it is read
         from graphcal.graph.external import read_tensor_buffer
 
         if base_dir is None:
             raise GraphcalError(f"weight {init.name!r} is in external data, but no model folder was given to read it")
         raw = read_tensor_buffer(init, base_dir)
-        if init.data_type in _PLAIN_FLOATS and sys.byteorder == "little":  # the bytes are the array: view them
-            value = np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
-        else:
-            value = numpy_helper.to_array(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
-                                                           raw_data=bytes(raw)))
-    elif init.data_type in _PLAIN_FLOATS and init.HasField("raw_data") and sys.byteorder == "little":
-        value = np.frombuffer(init.raw_data, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
+    else:
+        raw = init.raw_data if init.HasField("raw_data") else None
+    if raw is not None and init.data_type in _PLAIN_FLOATS and sys.byteorder == "little":  # the bytes are the array
+        value = np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
+    elif external:  # other element types: numpy_helper decodes them
+        value = numpy_helper.to_array(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
+                                                       raw_data=bytes(raw)))
     else:
         value = numpy_helper.to_array(init)
     for node in path:

@@ -17,6 +17,7 @@ __all__ = [
     "ATTENTION_BASE_NAMES",
     "BASE_NAMES",
     "REDUCE_DIMS",
+    "memory_order",
     "flatten_for_calibration",
 ]
 
@@ -27,6 +28,12 @@ BASE_NAMES = (WEIGHT_BASE_NAME, *ACTIVATION_BASE_NAMES, *ATTENTION_BASE_NAMES)
 
 #: dims of a flattened tensor that a statistic is reduced over
 REDUCE_DIMS = (0, -1)
+
+
+def memory_order(x: torch.Tensor) -> list[int]:
+    """``x``'s dims from the largest stride to the smallest: ``x.permute(memory_order(x))`` reads it as
+    it lies in memory (a transposed view becomes contiguous again)."""
+    return sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))
 
 _S = QuantizationStrategy
 

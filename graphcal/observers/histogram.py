@@ -245,10 +245,7 @@ class _HistogramObserver(Observer):
         return 0.0 if self.hist_width is None else float(self.hist_width)
 
     def merge(self, *others: Observer) -> Observer:
-        for other in others:
-            if type(other) is not type(self) or other.base_name != self.base_name:
-                raise TypeError(f"cannot merge {type(other).__name__}({other.base_name!r}) into "
-                                f"{type(self).__name__}({self.base_name!r})")
+        self._check_peers(others)
         present = [o for o in (self, *others) if o.has_statistics]
         if not present:
             return self
