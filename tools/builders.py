@@ -53,6 +53,18 @@ def build_bench_decoder(seed: int = 0, seq: int = 512):
                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=max(seq, 512))
 
 
+def build_large_decoder(seed: int = 0, seq: int = 256):
+    """A random-initialised ``LlamaForCausalLM`` of about 1.5B parameters for memory and time at real
+    sizes, not shipped: hidden 2048, 30 layers, intermediate 5632, GQA 32/4 heads, vocab 32000
+    (TinyLlama-1.1B's widths with 8 more layers; about 5.8 GB fp32, so it is written with external data).
+
+    Returns ``(model, example_inputs, output_names, dynamic_axes)`` like :func:`build_tiny_llama`.
+    """
+    return _build_llama(seed, 1, seq, vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                        num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=4,
+                        max_position_embeddings=max(seq, 2048))
+
+
 def build_tiny_bert(seed: int = 0):
     """A 2-layer random-initialised ``BertModel`` (vocab 256, hidden 128, 4 heads, with pooler).
 

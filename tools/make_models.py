@@ -133,6 +133,26 @@ def make_bench_decoder(out_dir: str | Path) -> Path:
                         dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
 
 
+LARGE_SEQ = 256
+
+
+def make_large_decoder(out_dir: str | Path) -> Path:
+    """The 1.5B-parameter decoder (tools.builders.build_large_decoder), not shipped:
+    ``out_dir/model.onnx`` with its weights in ``model.onnx.data`` beside it.
+
+    Its data comes from :func:`make_data` with ``LARGE_SEQ`` tokens (tools/bench.py makes it).
+    Building it takes a few minutes and about 15 GB of host memory (torch's model and the exporter's copy).
+    """
+    from graphcal.export import export_torch
+    from tools.builders import build_large_decoder
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, inputs, output_names, dynamic_axes = build_large_decoder(seed=0, seq=LARGE_SEQ)
+    return export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
+                        dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
+
+
 def make_all(root: str | Path, names=None) -> list[Path]:
     written = []
     for name in names or MODELS:
@@ -161,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=MODELS_DIR, help="output root (default: models/)")
     ap.add_argument("--bench-decoder", type=Path, metavar="DIR",
                     help="write the (not shipped) benchmark decoder's model.onnx into DIR and exit")
+    ap.add_argument("--large-decoder", type=Path, metavar="DIR",
+                    help="write the (not shipped) 1.5B-parameter decoder's model.onnx (+ .data) into DIR and exit")
     ap.add_argument("names", nargs="*", metavar="NAME",
                     help=f"models to build (default: all of {', '.join(MODELS)})")
     args = ap.parse_args(argv)
@@ -170,6 +192,10 @@ def main(argv=None) -> int:
     if args.bench_decoder is not None:
         path = make_bench_decoder(args.bench_decoder)
         print(f"wrote {path} ({path.stat().st_size} bytes)")
+        return 0
+    if args.large_decoder is not None:
+        path = make_large_decoder(args.large_decoder)
+        print(f"wrote {path} and its external data")
         return 0
     names = args.names or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
