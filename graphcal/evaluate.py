@@ -24,7 +24,8 @@ import onnx
 from graphcal.config import DEFAULT_IGNORE
 from graphcal.data import batch_samples, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
-from graphcal.graph.io import load_model
+from graphcal.graph.external import is_external, rebase
+from graphcal.graph.io import load_model, load_model_info
 from graphcal.graph.smooth import SCOPE_OF_KIND, SCOPES
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
@@ -224,7 +225,10 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
-    ref_model, cand_model = load_model(reference), load_model(candidate)
+    # Weights stay on disk (lazy) for the paired graph, where onnxruntime reads them; the other
+    # paths run each model as a whole protobuf and load them whole below.
+    (ref_model, ref_files), (cand_model, cand_files) = load_model_info(reference, lazy=True), load_model_info(
+        candidate, lazy=True)
     smoothed = _smoothquant_record(cand_model)
     if (isolated or sensitivity) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
         # a folded smoothing: the balance layers read x/s, which the fp32 model never computes
@@ -259,6 +263,27 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     from graphcal.runtime import open_model_runner  # onnxruntime (and torch): imported when a comparison runs
 
     optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+    from graphcal.graph.io import runs_in_onnxruntime
+
+    paired = None
+    if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
+        # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
+        from graphcal.graph.compare import OUTPUT, SUMS, paired_model
+        from graphcal.runtime import ModelRunner, open_runtime
+
+        folder = _data_root([(ref_model, reference), (cand_model, candidate)])
+        model, weights, sums = paired_model(ref_model, cand_model, fetch)
+        names = [OUTPUT]
+        runtime = open_runtime(model, names, device="cpu", optimization=optimization,
+                               renamed_weights=weights, external_folder=folder, priority_order=False)
+        paired = ModelRunner(names, "onnxruntime", runtime.run_numpy)
+        del model, weights
+        runner_kind = paired.kind
+    else:
+        if ref_files:
+            ref_model = load_model(reference)
+        if cand_files:
+            cand_model = load_model(candidate)
     forced, forced_run, ref_fetch = {}, None, fetch
     if isolated:  # the reference run also hands over every layer's float input
         forced, forced_model = _forced_inputs(cand_model, targets)
@@ -267,21 +292,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         forced_run = open_model_runner(add_taps(forced_model, layer_tensors)[0], layer_tensors,
                                        optimization=optimization)
         del forced_model
-    from graphcal.graph.io import runs_in_onnxruntime
-
-    paired = None
-    if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
-        # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
-        from graphcal.graph.compare import paired_model
-        from graphcal.runtime import ModelRunner, open_runtime
-
-        model, weights, sums = paired_model(ref_model, cand_model, fetch)
-        names = [n for group in sums.values() for n in group]
-        runtime = open_runtime(model, names, device="cpu", optimization=optimization, renamed_weights=weights)
-        paired = ModelRunner(names, "onnxruntime", runtime.run_numpy)
-        del model, weights
-        runner_kind = paired.kind
-    else:
+    if paired is None:
         ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
         cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
         runner_kind = cand_run.kind
@@ -297,9 +308,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():
         if paired is not None:
-            values = paired.run(batch)
+            values = paired.run(batch)[OUTPUT]
             for agreement, tensor in compared:
-                agreement.add_sums(*(float(values[n]) for n in sums[tensor]))
+                agreement.add_sums(*map(float, values[sums[tensor]:sums[tensor] + len(SUMS)]))
         else:
             ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
             for agreement, tensor in compared:
@@ -320,6 +331,28 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
                       runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
                       smoothable=smoothable, sensitivity=sens)
+
+
+def _data_root(models: list[tuple[onnx.ModelProto, str | Path]]) -> Path | None:
+    """The folder onnxruntime reads the models' external data from when they run as one session
+    (it takes one folder and refuses paths out of it): the deepest folder holding every model's
+    folder, the models' (lazy) external references rewritten relative to it. None when no weight
+    is external. Each reference is checked against its own model's folder first."""
+    import os
+
+    holding = [(model, Path(path).parent) for model, path in models if any(map(is_external, model.graph.initializer))]
+    if not holding:
+        return None
+    try:
+        root = Path(os.path.commonpath([os.path.realpath(folder) for _, folder in holding]))
+    except ValueError:  # folders on different drives (Windows)
+        raise GraphcalError("the two models' weights are on different drives; put both models on one drive "
+                            "to compare them") from None
+    for model, folder in holding:
+        for t in model.graph.initializer:
+            if is_external(t):
+                rebase(t, folder, root)
+    return root
 
 
 def _sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored):

@@ -181,7 +181,7 @@ def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme,
     """eval compares the two models inside one onnxruntime graph (six float64 sums per tensor); the
     numbers equal those from fetching every tensor of both models and comparing them in numpy."""
     from graphcal.evaluate import evaluate
-    from graphcal.graph.compare import paired_model
+    from graphcal.graph.compare import OUTPUT, SUMS, paired_model
     from graphcal.pipeline import calibrate
 
     folder = Path(__file__).resolve().parent.parent / "models" / model
@@ -197,6 +197,66 @@ def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme,
     # only scalars leave onnxruntime: six per compared tensor
     merged, weights, sums = paired_model(onnx.load(folder / "model.onnx"), onnx.load(candidate),
                                          ["logits" if model == "tiny-llama" else "last_hidden_state"])
-    assert not merged.graph.initializer and weights  # the weights stay in the models: handed over by reference
-    assert [o.name for o in merged.graph.output] == list(next(iter(sums.values())))
-    assert all(not o.type.tensor_type.shape.dim for o in merged.graph.output)
+    # the weights stay in the models, handed over by reference: the graph holds only the comparison's shapes
+    assert [t.name for t in merged.graph.initializer] == [f"graphcal-compare/{k}" for k in ("row", "column", "scalar", "one")]
+    assert weights
+    assert [o.name for o in merged.graph.output] == [OUTPUT] and sums == {next(iter(sums)): 0}
+    assert [d.dim_value for d in merged.graph.output[0].type.tensor_type.shape.dim] == [len(SUMS)]
+
+
+def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir, tmp_path):
+    """Two models whose weights lie in external data files of different folders (the fp32 one and
+    graphcal's output beside it): onnxruntime reads both from their files (their common folder),
+    the pairs run in order, and the numbers equal those of the same models inline and fetched."""
+    from graphcal.evaluate import evaluate
+    from graphcal.graph.io import save_with_external_data
+    from graphcal.pipeline import calibrate
+
+    (tmp_path / "fp32").mkdir()
+    save_with_external_data(onnx.load(llama_dir / "model.onnx"), tmp_path / "fp32" / "model.onnx")
+    calibrate(tmp_path / "fp32" / "model.onnx", llama_dir / "calib.npz", tmp_path / "deep" / "q", scheme="W8A8_STATIC")
+    candidate = tmp_path / "deep" / "q" / "model.onnx"
+    assert (candidate.parent / "model.onnx.data").exists()  # graphcal keeps the input's external form
+    fast = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz")
+    slow = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz", in_graph=False)
+    assert fast.runner == "onnxruntime" and len(fast.layers) == len(slow.layers) > 10
+    for a, b in zip(fast.outputs + fast.layers, slow.outputs + slow.layers):
+        assert a.name == b.name
+        for key in ("ref_sq", "cand_sq", "dot", "err_sq", "max_abs_err", "max_abs_ref"):
+            assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-9), (a.name, key)
+    # the models on disk are untouched by eval's rebased references
+    stored = onnx.load(candidate, load_external_data=False)
+    assert {e.value for t in stored.graph.initializer for e in t.external_data if e.key == "location"} == {
+        "model.onnx.data"}
+
+
+def test_pairs_run_in_order_under_onnxruntimes_default_order(llama_dir, quantized):
+    """graph.compare's one output is built so that onnxruntime's default order (depth first from the
+    output, the highest-indexed input first) computes the pairs in order: simulated here on the
+    paired graph, no pair's sums may come before an earlier pair's."""
+    from graphcal.graph.compare import paired_model
+
+    reference, candidate = onnx.load(llama_dir / "model.onnx"), onnx.load(quantized)
+    nodes = {n.name: n for n in reference.graph.node}
+    layers = [nodes[t.node].output[0] for t in find_targets(reference)[0]]
+    merged, _, sums = paired_model(reference, candidate, ["logits", *layers])
+    producer = {o: i for i, n in enumerate(merged.graph.node) for o in n.output}
+    visited, order = set(), []
+
+    def visit(index):  # ReverseDFSFrom with NodeCompare: inputs sorted by index, the highest popped first
+        stack = [(index, False)]
+        while stack:
+            i, leave = stack.pop()
+            if leave:
+                order.append(i)
+                continue
+            if i in visited:
+                continue
+            visited.add(i)
+            stack.append((i, True))
+            inputs = sorted({producer[x] for x in merged.graph.node[i].input if x in producer})
+            stack.extend((j, False) for j in inputs)
+
+    visit(producer[merged.graph.output[0].name])
+    done = [merged.graph.node[i].name for i in order if merged.graph.node[i].name.endswith("/sums")]
+    assert done == [f"graphcal-compare/{k}/sums" for k in range(len(sums))]

@@ -10,21 +10,23 @@ took 14 GB).
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.graph.io import default_opset
 
 PREFIX = "graphcal-quantized/"
 SUMS = ("ref_sq", "cand_sq", "dot", "err_sq", "max_abs_err", "max_abs_ref")
+OUTPUT = "graphcal-compare/all"  # the graph's one output: SUMS of every pair, one after the other
 
 
 def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: list[str]
-                 ) -> tuple[onnx.ModelProto, list[tuple[str, onnx.TensorProto]], dict[str, tuple[str, ...]]]:
-    """One weightless graph running both models (their inputs shared) whose outputs are the
-    agreement sums of each tensor of ``pairs`` (its name in both models); the weights it reads, as
-    (name in the graph, the models' own initializer), for ``runtime.open_runtime``'s
-    ``renamed_weights``; and {tensor: six output names, in SUMS order}. ``reference`` is raised to
+                 ) -> tuple[onnx.ModelProto, list[tuple[str, onnx.TensorProto]], dict[str, int]]:
+    """One weightless graph running both models (their inputs shared) whose one output, ``OUTPUT``,
+    holds the agreement sums of each tensor of ``pairs`` (its name in both models), six in SUMS
+    order per tensor; the weights it reads, as (name in the graph, the models' own initializer),
+    for ``runtime.open_runtime``'s ``renamed_weights``; and {tensor: where its six sums start}. ``reference`` is raised to
     the candidate's opset in place if below it; no weight is copied."""
     from onnx.compose import add_prefix
 
@@ -67,7 +69,8 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
             order.extend(nodes[done[key]:upto + 1])
             done[key] = upto + 1
 
-    out: dict[str, tuple[str, ...]] = {}
+    out: dict[str, int] = {}
+    accumulated, chain = None, []
     # The two graphs interleaved, pair by pair: each model runs up to the pair's tensor, the pair is
     # reduced, and the fp32 value can go before the next pair (else every fp32 layer output would
     # wait, alive, for the quantized model to reach it).
@@ -81,18 +84,49 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
             order.append(helper.make_node(kind, inputs, [output], name=output, **attrs))
             return output
 
+        # Three temporaries of the tensor's size (float64 ref, cand, and their difference): the squares
+        # are summed by ReduceSumSquare, the dot product is a [1, n] x [n, 1] MatMul and max |x| comes
+        # from the max and min, so no other copy of a layer's output is made (each would be one more
+        # arena block per pair)
         ref = op("Cast", [name], "ref", to=TensorProto.DOUBLE)
         cand_value = op("Cast", [PREFIX + name], "cand", to=TensorProto.DOUBLE)
         err = op("Sub", [cand_value, ref], "err")
-        sums = (op("ReduceSum", [op("Mul", [ref, ref], "ref2")], "ref_sq", keepdims=0),
-                op("ReduceSum", [op("Mul", [cand_value, cand_value], "cand2")], "cand_sq", keepdims=0),
-                op("ReduceSum", [op("Mul", [ref, cand_value], "refcand")], "dot", keepdims=0),
-                op("ReduceSum", [op("Mul", [err, err], "err2")], "err_sq", keepdims=0),
-                op("ReduceMax", [op("Abs", [err], "abs_err")], "max_abs_err", keepdims=0),
-                op("ReduceMax", [op("Abs", [ref], "abs_ref")], "max_abs_ref", keepdims=0))
-        graph.output.extend(helper.make_tensor_value_info(s, TensorProto.DOUBLE, []) for s in sums)
-        out[name] = sums
+        row = op("Reshape", [ref, "graphcal-compare/row"], "ref_row")
+        column = op("Reshape", [cand_value, "graphcal-compare/column"], "cand_column")
+        sums = (op("ReduceSumSquare", [ref], "ref_sq", keepdims=0),
+                op("ReduceSumSquare", [cand_value], "cand_sq", keepdims=0),
+                op("Reshape", [op("MatMul", [row, column], "refcand"), "graphcal-compare/scalar"], "dot"),
+                op("ReduceSumSquare", [err], "err_sq", keepdims=0),
+                _max_abs(op, err, "err"), _max_abs(op, ref, "ref"))
+        vector = op("Concat", [op("Reshape", [x, "graphcal-compare/one"], f"{label}_1") for x, label in zip(sums, SUMS)],
+                    "sums", axis=0)
+        # placed at the end, below (see there)
+        chain.append(helper.make_node("Identity", [vector], [f"{base}/so_far"], name=f"{base}/so_far")
+                     if accumulated is None else
+                     helper.make_node("Concat", [vector, accumulated], [f"{base}/so_far"], name=f"{base}/so_far", axis=0))
+        accumulated = f"{base}/so_far"
+        out[name] = i
     advance(ref_nodes, "ref", len(ref_nodes) - 1)
     advance(cand_nodes, "cand", len(cand_nodes) - 1)
+    out = {name: len(SUMS) * (len(out) - 1 - i) for name, i in out.items()}  # the last pair comes first
+    # The order onnxruntime runs this graph in (its default: depth first back from the one output,
+    # a node's inputs visited highest node index first) follows the accumulating Concats: placed
+    # after every pair's nodes, each one's sums so far outrank its own pair's sums, so onnxruntime
+    # runs the pairs in order: both models up to pair k, its sums, then on. With an output per
+    # pair it ran a whole model first, every compared output alive until its pair (17.9 GB on a
+    # 1.5B decoder against 8.4 GB for the two models' plain sessions); in priority order it
+    # dequantized every weight up front.
+    order.extend(chain)
+    order.append(helper.make_node("Identity", [accumulated], [OUTPUT], name=OUTPUT))
+    graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.DOUBLE, [len(SUMS) * len(out)]))
     graph.node.extend(order)
+    for label, shape in (("row", [1, -1]), ("column", [-1, 1]), ("scalar", []), ("one", [1])):
+        graph.initializer.append(numpy_helper.from_array(np.array(shape, dtype=np.int64), f"graphcal-compare/{label}"))
     return model, weights, out
+
+
+def _max_abs(op, x: str, label: str) -> str:
+    """max |x| as max(max x, -min x): two reductions, no |x| tensor."""
+    high = op("ReduceMax", [x], f"max_{label}", keepdims=0)
+    low = op("Neg", [op("ReduceMin", [x], f"min_{label}", keepdims=0)], f"neg_min_{label}")
+    return op("Max", [high, low], f"max_abs_{label}")

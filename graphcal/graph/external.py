@@ -139,6 +139,19 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
     return ExternalRef(real, offset, length)
 
 
+def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Point ``t``'s external reference (checked against ``base_dir``, its model's folder) at the
+    same bytes as a path relative to ``root``, a folder holding the real file: for one onnxruntime
+    session over two models' data (eval), which reads one folder and refuses paths out of it."""
+    ref = resolve(t, base_dir)
+    location = os.path.relpath(ref.path, root)
+    if location.startswith(".."):
+        raise GraphcalError(f"external data of {t.name!r} is not inside {root}")
+    for entry in t.external_data:
+        if entry.key == "location":
+            entry.value = location
+
+
 def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
                         where: str | os.PathLike) -> tuple[str, ...]:
     """Check every external reference of ``model`` against ``base_dir``; return the data files
