@@ -16,13 +16,16 @@ For each model and sample count it runs, each in a fresh child process (so each 
   SmoothQuant + GPTQ;
 - onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with
   MinMax, Percentile and Entropy calibration;
+- ``graphcal eval`` of the fp32 model against the W8A8_STATIC output, and its floor: both models run
+  over the same batches, each in a plain onnxruntime session in one process;
 
 and reports wall time (the work: session, pass, observers, writing; imports are reported apart as
-startup), the ratio to the floor, and peak host memory
+startup), peak host memory, and both as ratios to the floor (eval's to its own floor)
 (the child's maximum resident set); with ``--device cuda``, peak GPU memory from nvidia-smi. A child
 whose memory passes ``--mem-limit-gb`` is stopped and reported as such. Data: seeded random token
 ids (models/tiny-llama: seq 32; bench decoder: seq 512, made by
-``tools/make_models.py --bench-decoder``), batch 8.
+``tools/make_models.py --bench-decoder``; the 1.5B-parameter large decoder, ``--models large-decoder``,
+seq 256, made by ``tools/make_models.py --large-decoder``), batch 8.
 
 Then, per model, the weight phase alone (``--weight-schemes``, default W8A8 and NVFP4A16: int8 per
 channel and NVFP4): every weight read, checked, observed, quantized and stored, timed by
@@ -60,18 +63,24 @@ CONFIGS = {
     "graphcal entropy": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "entropy"},
     "graphcal imatrix_mse (W4A16)": {"kind": "graphcal", "scheme": IMATRIX},
     "graphcal RTN (W4A16)": {"kind": "graphcal", "scheme": "W4A16"},
+    "graphcal NVFP4A16": {"kind": "graphcal", "scheme": "NVFP4A16", "target": "qdq"},  # onnxruntime runs no fp4
     "graphcal GPTQ (W4A16)": {"kind": "graphcal", "scheme": "W4A16", "algorithm": "gptq"},
     "graphcal GPTQ one-pass (W4A16)": {"kind": "graphcal", "scheme": "W4A16", "algorithm": "gptq",
                                        "gptq_order": "one-pass"},
     "graphcal AWQ (W4A16)": {"kind": "graphcal", "scheme": "W4A16", "algorithm": "awq"},
     "graphcal SmoothQuant + GPTQ (W8A8)": {"kind": "graphcal", "scheme": "W8A8", "smoothquant": "norms",
                                            "algorithm": "gptq"},
+    "onnxruntime inference of both models (eval floor)": {"kind": "floor2"},
+    "graphcal eval (W8A8_STATIC output)": {"kind": "eval"},
     "quantize_static MinMax": {"kind": "ort", "method": "MinMax"},
     "quantize_static Percentile": {"kind": "ort", "method": "Percentile"},
     "quantize_static Entropy": {"kind": "ort", "method": "Entropy"},
 }
 MODELS = {"tiny-llama": (REPO / "models" / "tiny-llama" / "model.onnx", 256, 32),
-          "bench-decoder": (None, 1024, 512)}  # path filled from --decoder-dir
+          "bench-decoder": (None, 1024, 512),  # path filled from --decoder-dir
+          "large-decoder": (None, 32000, 256)}  # 1.5B parameters; path filled from --large-dir
+DEFAULT_MODELS = ["tiny-llama", "bench-decoder"]  # the large decoder takes about an hour for every config
+EVAL_KINDS = ("floor2", "eval")  # compared against the eval floor, on the output of "graphcal minmax"
 BATCH = 8
 GROUP_SIZE = {"tiny-llama": 32}  # W4A16's group of 128 does not divide tiny-llama's 64 features
 
@@ -103,7 +112,24 @@ def child(spec: dict) -> dict:
     data = dict(np.load(spec["data"]))
     out = Path(spec["out"])
     start = time.perf_counter()
-    if kind == "floor":
+    if kind == "eval":
+        from graphcal.evaluate import evaluate
+
+        startup = time.perf_counter() - t0
+        start = time.perf_counter()
+        evaluate(spec["model"], spec["candidate"], spec["data"], batch_size=BATCH)
+        return {"seconds": time.perf_counter() - start, "startup": startup,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if kind == "floor2":  # the two models eval compares, each in its own plain session
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        sessions = [ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+                    for path in (spec["model"], spec["candidate"])]
+        n = len(next(iter(data.values())))
+        for i in range(0, n, BATCH):
+            for session in sessions:
+                session.run(None, {k: v[i:i + BATCH] for k, v in data.items()})
+    elif kind == "floor":
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if spec["device"] == "cuda" else ["CPUExecutionProvider"]
@@ -122,7 +148,7 @@ def child(spec: dict) -> dict:
                                  smoothing_strength=spec.get("smoothing_strength"), algorithm=spec.get("algorithm"),
                                  gptq_order=spec.get("gptq_order"), group_size=spec.get("group_size")))
         calibrate(spec["model"], spec["data"], out, config=config, device=spec["device"], batch_size=BATCH,
-                  reduce_in_graph=spec.get("reduce_in_graph", True))
+                  reduce_in_graph=spec.get("reduce_in_graph", True), target=spec.get("target", "onnxruntime"))
     elif kind == "ort":
         from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 
@@ -224,14 +250,16 @@ def machine() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     ap.add_argument("--samples", nargs="+", type=int, default=None,
                     help="sample counts (default: 64 512)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--decoder-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-bench-decoder",
                     help="where the bench decoder is (made there by tools/make_models.py if missing)")
-    ap.add_argument("--mem-limit-gb", type=float, default=16.0)
+    ap.add_argument("--large-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-large-decoder",
+                    help="where the 1.5B decoder is (made there by tools/make_models.py if missing: 6 GB, minutes)")
+    ap.add_argument("--mem-limit-gb", type=float, default=20.0)
     ap.add_argument("--weight-schemes", nargs="*", default=["W8A8", "NVFP4A16"],
                     help="schemes whose weight phase is timed alone, per model (none: skip it)")
     ap.add_argument("--markdown", type=Path,
@@ -249,23 +277,35 @@ def main(argv=None) -> int:
         for name in args.models:
             path, vocab, seq = MODELS[name]
             if path is None:
-                path = args.decoder_dir / "model.onnx"
+                folder, flag = ((args.large_dir, "--large-decoder") if name == "large-decoder"
+                                else (args.decoder_dir, "--bench-decoder"))
+                path = folder / "model.onnx"
                 if not path.exists():
-                    subprocess.run([sys.executable, str(REPO / "tools" / "make_models.py"), "--bench-decoder",
-                                    str(args.decoder_dir)], check=True)
+                    subprocess.run([sys.executable, str(REPO / "tools" / "make_models.py"), flag, str(folder)],
+                                   check=True)
             for n in args.samples or [64, 512]:
                 data = Path(tmp) / f"{name}-{n}.npz"
                 make_data(data, vocab, n, seq)
-                floor = None
+                floors, candidate = {}, None
                 for label in args.configs:
                     spec = {**CONFIGS[label], "model": str(path), "data": str(data), "device": args.device,
                             "out": str(Path(tmp) / f"out-{len(rows)}")}
                     if spec.get("scheme") == "W4A16":
                         spec["group_size"] = GROUP_SIZE.get(name)
-                    result = run_child(spec, args.mem_limit_gb * 1024, args.device)
-                    if label.endswith("(floor)") and "seconds" in result:
-                        floor = result["seconds"]
-                    rows.append((name, n, label, result, floor))
+                    if spec["kind"] in EVAL_KINDS:
+                        if candidate is None:  # graphcal minmax was not asked for: its output made untimed
+                            made = run_child({**CONFIGS["graphcal minmax"], **{k: spec[k] for k in ("model", "data", "device", "out")}},
+                                             args.mem_limit_gb * 1024, args.device)
+                            candidate = str(Path(spec["out"]) / "model.onnx") if "error" not in made else None
+                        spec["candidate"] = candidate
+                    result = (run_child(spec, args.mem_limit_gb * 1024, args.device) if spec.get("candidate", True)
+                              else {"error": "no W8A8_STATIC output to evaluate"})
+                    group = "eval" if spec["kind"] in EVAL_KINDS else "run"
+                    if spec["kind"] in ("floor", "floor2") and "seconds" in result:
+                        floors[group] = result
+                    if label == "graphcal minmax" and "error" not in result:
+                        candidate = str(Path(spec["out"]) / "model.onnx")
+                    rows.append((name, n, label, result, floors.get(group)))
                     print(_row(rows[-1]), flush=True)
             for scheme in args.weight_schemes if args.device == "cpu" else []:
                 result = run_child({"kind": "weights", "model": str(path), "scheme": scheme}, args.mem_limit_gb * 1024,
@@ -287,10 +327,11 @@ def main(argv=None) -> int:
 def _row(row) -> str:
     name, n, label, r, floor = row
     if "error" in r:
-        return f"| {name} | {n} | {label} | {r['error']} | | | |" + (" |" if "peak_gpu_mb" in r else "")
-    ratio = f"{r['seconds'] / floor:.2f}x" if floor else "-"
+        return f"| {name} | {n} | {label} | {r['error']} | | | | |" + (" |" if "peak_gpu_mb" in r else "")
+    ratio = f"{r['seconds'] / floor['seconds']:.2f}x" if floor else "-"
+    memory = f"{r['peak_rss_mb'] / floor['peak_rss_mb']:.2f}x" if floor else "-"
     gpu = f" {r['peak_gpu_mb']:.0f} |" if "peak_gpu_mb" in r else ""
-    return (f"| {name} | {n} | {label} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} "
+    return (f"| {name} | {n} | {label} | {r['seconds']:.2f} | {ratio} | {r['peak_rss_mb']:.0f} | {memory} "
             f"| {r['startup']:.1f} |{gpu}")
 
 
@@ -302,8 +343,9 @@ def _weight_row(row) -> str:
 
 
 def _table(rows, device: str) -> str:
-    head = "| model | samples | run | wall time (s) | vs floor | peak host memory (MB) | startup (s) |"
-    rule = "|---|---|---|---|---|---|---|"
+    head = ("| model | samples | run | wall time (s) | vs floor | peak host memory (MB) | memory vs floor "
+            "| startup (s) |")
+    rule = "|---|---|---|---|---|---|---|---|"
     if device == "cuda":
         head += " peak GPU memory (MB) |"
         rule += "---|"
