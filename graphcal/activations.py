@@ -94,8 +94,13 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
     tapped = build_tapped(plan.model, observers.requests(reduce_in_graph), dict(plan.types), prelude)
     provider, batches, error = None, 0, None
     try:
+        # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
+        # output of its own) would run after the whole model, every tapped activation alive until
+        # then: +2.9 GB a batch on a 1.5B decoder. Priority order (Kahn's, ties by node order) runs
+        # each reduction where graph.taps placed it, right after its producer; 15% faster there.
         runtime = open_runtime(tapped.model, tapped.fetch, device, device_id=device_id,
-                               external_folder=plan.base_dir, weights=plan.model.graph.initializer)
+                               external_folder=plan.base_dir, weights=plan.model.graph.initializer,
+                               priority_order=True)
         provider = runtime.provider
         whole = sum(r.reduction is Reduction.WHOLE for r in tapped.outputs)
         log.info("%s pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "

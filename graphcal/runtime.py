@@ -100,15 +100,18 @@ def open_runtime(
     external_folder: str | os.PathLike | None = None,
     weights: Sequence[onnx.TensorProto] = (),
     renamed_weights: Sequence[tuple[str, onnx.TensorProto]] = (),
-    priority_order: bool = True,
+    priority_order: bool = False,
 ) -> Runtime:
     """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs.
 
     ``weights`` are initializers that live beside ``model`` (the weightless tapped graph reads
     the original model's initializers, which are never copied into it); ``renamed_weights`` are
     more of them, each under the name the graph reads it by (eval's two models in one graph).
-    ``priority_order`` runs nodes in onnxruntime's priority order (node order where it can), else
-    in its default order (depth first back from the outputs; graph.compare builds for that)."""
+    ``priority_order`` runs nodes in onnxruntime's priority order (node order where it can; the
+    tapped calibration pass), else in its default order (depth first back from the outputs; graph.compare
+    builds for that). Neither suits every graph: on a model with activation Q/DQ, onnxruntime adds
+    DequantizeLinear copies at the highest node indices and priority order then dequantizes every
+    weight up front."""
     _check_device_choice(device)
     want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
     providers = [(_CUDA, {"device_id": device_id}), _CPU] if want_cuda else [_CPU]
@@ -122,10 +125,6 @@ def open_runtime(
     # The memory pattern planner keeps a tapped graph's activations apart (extra consumers):
     # measured on the bench decoder, off is both faster and 0.9 GB smaller (docs/benchmarks.md).
     opts.enable_mem_pattern = False
-    # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
-    # output of its own) can run only after the whole model, every tapped activation alive until
-    # then: +2.9 GB a batch on a 1.5B decoder. Priority order (Kahn's, ties by node order) runs
-    # each reduction where graph.taps placed it, right after its producer; and is 15% faster there.
     if priority_order:
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode

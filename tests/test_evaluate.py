@@ -204,7 +204,7 @@ def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme,
     assert [d.dim_value for d in merged.graph.output[0].type.tensor_type.shape.dim] == [len(SUMS)]
 
 
-def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir, tmp_path):
+def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir, tmp_path, monkeypatch):
     """Two models whose weights lie in external data files of different folders (the fp32 one and
     graphcal's output beside it): onnxruntime reads both from their files (their common folder),
     the pairs run in order, and the numbers equal those of the same models inline and fetched."""
@@ -217,7 +217,15 @@ def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir
     calibrate(tmp_path / "fp32" / "model.onnx", llama_dir / "calib.npz", tmp_path / "deep" / "q", scheme="W8A8_STATIC")
     candidate = tmp_path / "deep" / "q" / "model.onnx"
     assert (candidate.parent / "model.onnx.data").exists()  # graphcal keeps the input's external form
+    import graphcal.evaluate as evaluate_module
+    import graphcal.graph.io as graph_io
+
+    monkeypatch.setattr(graph_io, "LAZY_MIN_BYTES", 1)  # tiny-llama's weights are all under 1 MB: keep them on disk
+    roots = []
+    real_root = evaluate_module._data_root
+    monkeypatch.setattr(evaluate_module, "_data_root", lambda models: roots.append(real_root(models)) or roots[-1])
     fast = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz")
+    assert roots == [tmp_path.resolve()]  # onnxruntime read both data files from the folder holding both
     slow = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz", in_graph=False)
     assert fast.runner == "onnxruntime" and len(fast.layers) == len(slow.layers) > 10
     for a, b in zip(fast.outputs + fast.layers, slow.outputs + slow.layers):
@@ -260,3 +268,28 @@ def test_pairs_run_in_order_under_onnxruntimes_default_order(llama_dir, quantize
     visit(producer[merged.graph.output[0].name])
     done = [merged.graph.node[i].name for i in order if merged.graph.node[i].name.endswith("/sums")]
     assert done == [f"graphcal-compare/{k}/sums" for k in range(len(sums))]
+
+
+def test_a_large_constant_beside_a_layer_is_read_from_the_models_folder(tmp_path):
+    """eval loads models lazily: a constant of 1 MB or more (here an Add after a layer, which the
+    SmoothQuant advice looks at) stays in external data and is read from the model's own folder."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from graphcal.evaluate import evaluate
+    from graphcal.graph.io import save_with_external_data
+
+    n = c = 512
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((c, c)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((1, n, c)).astype(np.float32), "pos"),
+             numpy_helper.from_array(rng.standard_normal((c, c)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="/proj/MatMul"),
+             helper.make_node("Add", ["h", "pos"], ["hp"], name="/add/Add"),
+             helper.make_node("MatMul", ["hp", "w2"], ["y"], name="/out/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n, c])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n, c])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    save_with_external_data(model, tmp_path / "model.onnx")
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((2, n, c)).astype(np.float32))
+    report = evaluate(tmp_path / "model.onnx", tmp_path / "model.onnx", tmp_path / "data.npz", batch_size=1)
+    assert report.outputs[0].err_sq == 0 and report.outputs[0].ref_sq > 0

@@ -141,7 +141,7 @@ def make_large_decoder(out_dir: str | Path) -> Path:
     ``out_dir/model.onnx`` with its weights in ``model.onnx.data`` beside it.
 
     Its data comes from :func:`make_data` with ``LARGE_SEQ`` tokens (tools/bench.py makes it).
-    Building it takes a few minutes and about 15 GB of host memory (torch's model and the exporter's copy).
+    Building it takes a few minutes and about 12 GB of host memory (torch's model and the exporter's copy).
     """
     from graphcal.export import export_torch
     from tools.builders import build_large_decoder

@@ -101,9 +101,9 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
         vector = op("Concat", [op("Reshape", [x, "graphcal-compare/one"], f"{label}_1") for x, label in zip(sums, SUMS)],
                     "sums", axis=0)
         # placed at the end, below (see there)
-        chain.append(helper.make_node("Identity", [vector], [f"{base}/so_far"], name=f"{base}/so_far")
-                     if accumulated is None else
-                     helper.make_node("Concat", [vector, accumulated], [f"{base}/so_far"], name=f"{base}/so_far", axis=0))
+        # (the first a one-input Concat: onnxruntime removes an Identity, which put pair 1 before pair 0)
+        chain.append(helper.make_node("Concat", [vector] if accumulated is None else [vector, accumulated],
+                                      [f"{base}/so_far"], name=f"{base}/so_far", axis=0))
         accumulated = f"{base}/so_far"
         out[name] = i
     advance(ref_nodes, "ref", len(ref_nodes) - 1)

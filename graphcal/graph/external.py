@@ -145,7 +145,7 @@ def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.Path
     session over two models' data (eval), which reads one folder and refuses paths out of it."""
     ref = resolve(t, base_dir)
     location = os.path.relpath(ref.path, root)
-    if location.startswith(".."):
+    if os.path.commonpath([os.path.realpath(root), ref.path]) != os.path.realpath(root):
         raise GraphcalError(f"external data of {t.name!r} is not inside {root}")
     for entry in t.external_data:
         if entry.key == "location":
