@@ -415,13 +415,13 @@ def _smoothquant_record(model: onnx.ModelProto) -> dict:
     return {}
 
 
-def _smoothable(model: onnx.ModelProto, targets, record: dict, base_dir: Path) -> dict[str, str]:
+def _smoothable(model: onnx.ModelProto, targets, record: dict, base_dir: Path | None = None) -> dict[str, str]:
     """Layer -> the --smoothquant scope that smooths its input exactly, for layers the candidate left unsmoothed."""
     from graphcal.graph.smooth import candidates
 
     done = {b for m in record.get("mappings", []) if isinstance(m, dict) for b in m.get("balance", [])}
     out = {}
-    for c in candidates(model, list(targets), str(base_dir)):  # the model is lazy: constants read from its folder
+    for c in candidates(model, list(targets), None if base_dir is None else str(base_dir)):  # lazy: read from its folder
         if c.reason or any(b in done for b in c.balance):
             continue
         for b in c.balance:
