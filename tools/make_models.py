@@ -123,14 +123,9 @@ def make_bench_decoder(out_dir: str | Path) -> Path:
 
     Its data comes from :func:`make_data` with ``BENCH_SEQ`` tokens (tools/bench.py makes it).
     """
-    from graphcal.export import export_torch
     from tools.builders import build_bench_decoder
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model, inputs, output_names, dynamic_axes = build_bench_decoder(seed=0, seq=BENCH_SEQ)
-    return export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
-                        dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
+    return _export_decoder(build_bench_decoder, BENCH_SEQ, out_dir)
 
 
 LARGE_SEQ = 256
@@ -143,12 +138,18 @@ def make_large_decoder(out_dir: str | Path) -> Path:
     Its data comes from :func:`make_data` with ``LARGE_SEQ`` tokens (tools/bench.py makes it).
     Building it takes a few minutes and about 12 GB of host memory (torch's model and the exporter's copy).
     """
-    from graphcal.export import export_torch
     from tools.builders import build_large_decoder
+
+    return _export_decoder(build_large_decoder, LARGE_SEQ, out_dir)
+
+
+def _export_decoder(build, seq: int, out_dir: str | Path) -> Path:
+    """``build(seed=0, seq=seq)`` exported to ``out_dir/model.onnx`` (external data past 2 GB)."""
+    from graphcal.export import export_torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model, inputs, output_names, dynamic_axes = build_large_decoder(seed=0, seq=LARGE_SEQ)
+    model, inputs, output_names, dynamic_axes = build(seed=0, seq=seq)
     return export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
                         dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
 

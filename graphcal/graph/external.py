@@ -143,13 +143,12 @@ def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.Path
     """Point ``t``'s external reference (checked against ``base_dir``, its model's folder) at the
     same bytes as a path relative to ``root``, a folder holding the real file: for one onnxruntime
     session over two models' data (eval), which reads one folder and refuses paths out of it."""
-    ref = resolve(t, base_dir)
-    location = os.path.relpath(ref.path, root)
-    if os.path.commonpath([os.path.realpath(root), ref.path]) != os.path.realpath(root):
+    ref, real_root = resolve(t, base_dir), os.path.realpath(root)
+    if os.path.commonpath([real_root, ref.path]) != real_root:
         raise GraphcalError(f"external data of {t.name!r} is not inside {root}")
     for entry in t.external_data:
         if entry.key == "location":
-            entry.value = location
+            entry.value = os.path.relpath(ref.path, real_root)
 
 
 def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
