@@ -12,8 +12,10 @@ recomputed during or after the sweep (llm-compressor 0.14). With activation orde
 keeps the scale of its original group.
 
 :func:`quantize_weight` follows llm-compressor 0.14's eager path (``quantize_weight`` with
-``gptq_block_update``) step by step in fp32 torch, which reproduces its codes and loss bit for bit
-on CPU (single-threaded; BLAS summation order can move a Hessian by ~1e-7 and flip a code):
+``gptq_block_update``) step by step in fp32 torch, which reproduces its codes bit for bit on CPU
+(single-threaded; BLAS summation order can move a Hessian by ~1e-7 and flip a code), and its loss
+bit for bit on the same instruction set (torch's vectorized fp32 sum adds in another order on AVX2
+than on AVX-512: 5e-6 apart):
 
 1. actorder ``weight``/``static``: ``perm = argsort(diag(H), descending=True)`` (torch's unstable
    argsort of the undamped diagonal), both axes of H and the columns of W permuted;

@@ -119,6 +119,11 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     opset = items_opset(items, runtime=runtime)  # raises for a scheme with no ONNX form here
     warnings += runtime_notes(items, runtime)
     forms = form_notes(items, runtime, matmulnbits)  # raises for a target with no form
+    if any("u8 x s8" in f for f in forms):
+        from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
+
+        if int8_gemm_saturates():
+            warnings.append(INT8_SATURATION_NOTE)
     kv_states: list[KVState] = []
     if config.kv_cache is not None:
         kv_opset = required_kv_opset(config.kv_cache, runtime)

@@ -324,3 +324,40 @@ def cuda_usable() -> bool:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
     return torch.cuda.is_available() or Path("/dev/nvidiactl").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# What this CPU's onnxruntime integer kernels compute
+# --------------------------------------------------------------------------------------------
+
+INT8_SATURATION_NOTE = (
+    "onnxruntime's u8 x s8 integer kernels on this CPU (x86 without AVX-VNNI) add products in pairs in 16 bits "
+    "and saturate: int8 layers written for them (MatMulIntegerToFloat, DynamicQuantizeMatMul, QGemm) lose "
+    "accuracy here, not on CPUs with VNNI; check with graphcal eval --level all (docs/speed.md)")
+
+
+def int8_gemm_saturates() -> bool:
+    """Whether onnxruntime's u8 x s8 integer GEMM on this machine's CPU saturates: MLAS's AVX2
+    kernel (x86 without AVX-VNNI) sums pairs of u8 x s8 products in int16 (vpmaddubsw), so 255 x 127
+    twice gives 32767 instead of 64770. Asked of onnxruntime itself, once, on a 1 x 64 x 1 MatMulInteger."""
+    global _SATURATES
+    if _SATURATES is None:
+        from onnx import TensorProto, helper, numpy_helper
+
+        k = 64
+        graph = helper.make_graph(
+            [helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "saturation",
+            [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
+            [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+            [numpy_helper.from_array(np.full((k, 1), 127, np.int8), "b")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+        try:
+            session = ort.InferenceSession(model.SerializeToString(), providers=[_CPU])
+            got = int(session.run(None, {"a": np.full((1, k), 255, np.uint8)})[0].item())
+        except Exception:  # noqa: BLE001 -- a build without the kernel: nothing to warn about
+            got = 255 * 127 * k
+        _SATURATES = got != 255 * 127 * k
+    return _SATURATES
+
+
+_SATURATES: bool | None = None

@@ -173,6 +173,7 @@ class BenchReport:
     quantized: ModelFacts
     shapes: list[Shape]
     memory_skipped: str | None = None
+    notes: list[str] = field(default_factory=list)  # what the numbers mean on this machine
 
     def as_dict(self) -> dict:
         models = {}
@@ -190,7 +191,7 @@ class BenchReport:
             "shapes": {s.name: s.as_dict() for s in self.shapes},
             "ratios": {s.name: s.ratio for s in self.shapes},
             "size_ratio": self.quantized.size / self.reference.size,
-            "memory_skipped": self.memory_skipped,
+            "memory_skipped": self.memory_skipped, "notes": self.notes,
             **models,
         }
 
@@ -291,11 +292,17 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         else:
             memory_skipped = "--no-memory"
 
+    notes = []
+    if active != _CUDA and any(layer.kind == "integer" and "MatMulNBits" not in layer.kernel
+                               for layer in facts["quantized"].layers):
+        from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
+
+        notes += [INT8_SATURATION_NOTE] if int8_gemm_saturates() else []
     return BenchReport(
         onnxruntime=ort.__version__, device="cuda" if active == _CUDA else "cpu", provider=active,
         cpu_count=os.cpu_count(), usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         warmup=warmup, rounds=rounds, reference=facts["reference"], quantized=facts["quantized"], shapes=shapes,
-        memory_skipped=memory_skipped,
+        memory_skipped=memory_skipped, notes=notes,
     )
 
 
@@ -701,6 +708,7 @@ def format_text(report: BenchReport, layers: bool = False) -> str:
     if any(layer.attributes.get("accuracy_level") == 4 for layer in every):
         lines.append(f"{'':<16} acc4: MatMulNBits accuracy_level 4: on CPU the kernel quantizes activations to int8 "
                      "per block (onnxruntime's CUDA kernel ignores the level: float activations)")
+    lines += [f"{'note':<16} {note}" for note in report.notes]
     if layers and ref.layers:
         width = max(len(layer.module) for layer in ref.layers)
         lines += ["", f"{'layer':<{width}}  {'reference kernel':<38}  {'quantized kernel':<46}  provider"]

@@ -22,6 +22,54 @@ import torch
 ALGORITHM_VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
 
 
+def int8_kernels_saturate() -> bool:
+    """Whether onnxruntime's u8 x s8 integer GEMM on this CPU differs from exact integer arithmetic
+    (numpy's int32 matmul) on random full-range data: on x86 without AVX-VNNI, MLAS's AVX2 kernel adds
+    products in pairs in int16 with saturation. Tests comparing onnxruntime's integer kernels with
+    the Q/DQ spec need a CPU where it does not (graphcal.runtime.int8_gemm_saturates asks the same
+    of a single extreme case; tests/test_saturation.py checks the two agree)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (16, 256), dtype=np.uint8)
+    b = rng.integers(-127, 128, (256, 32), dtype=np.int8)
+    graph = helper.make_graph([helper.make_node("MatMulInteger", ["a", "b"], ["y"])], "exact",
+                              [helper.make_tensor_value_info("a", TensorProto.UINT8, [16, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+                              [numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    return not np.array_equal(got, a.astype(np.int32) @ b.astype(np.int32))
+
+
+INT8_SATURATES = int8_kernels_saturate()
+#: why a comparison of onnxruntime's integer kernels with the Q/DQ spec is left out on this CPU
+SATURATION_REASON = ("onnxruntime's u8 x s8 kernels saturate on this CPU (x86 without AVX-VNNI): their numbers are "
+                     "not the Q/DQ spec's here (graphcal warns; tests/test_saturation.py)")
+
+
+def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The most units in the last place between ``got`` and ``want``, element by element (same dtype
+    and shape: float32 or float64; opposite signs count as far apart unless both are zero)."""
+    assert got.dtype == want.dtype and got.dtype in (torch.float32, torch.float64) and got.shape == want.shape
+    bits = torch.int32 if got.dtype == torch.float32 else torch.int64
+    a, b = got.contiguous().view(bits).long(), want.contiguous().view(bits).long()
+    # the bits of same-signed floats are ordered like the floats: their difference counts ulps
+    same_sign = (a < 0) == (b < 0)
+    far = torch.iinfo(torch.int64).max
+    distance = torch.where(same_sign, (a - b).abs(), torch.where(got == want, 0, far))
+    return int(distance.max()) if distance.numel() else 0
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
+    """``got`` equals ``want`` to at most ``ulps`` units in the last place (:func:`ulps_apart`). For
+    torch's vectorized transcendentals and reductions, whose last bit depends on the CPU's
+    instruction set (AVX2 / AVX-512): the reference vectors were made on another CPU."""
+    worst = ulps_apart(got, want)
+    assert worst <= ulps, f"{worst} ulps apart (max |difference| {float((got - want).abs().max()):.3g})"
+
+
 def sqnr_db(ref: np.ndarray, got: np.ndarray) -> float:
     ref, got = np.asarray(ref, np.float64), np.asarray(got, np.float64)
     return float(10 * np.log10((ref**2).sum() / max(((ref - got) ** 2).sum(), 1e-300)))

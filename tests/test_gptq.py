@@ -122,7 +122,9 @@ def test_quantize_weight_matches_llm_compressor(vectors, name):
         assert result.perm is None
     else:
         assert torch.equal(result.perm, out["perm"])
-    assert result.loss == out["loss"]  # bit-exact (one thread; fp32 sum as llm-compressor's)
+    # bit-exact on the vectors' CPU (one thread; fp32 sum as llm-compressor's); torch's vectorized sum
+    # adds in another order on another instruction set (AVX2 against AVX-512: 5e-6 apart)
+    assert result.loss == pytest.approx(out["loss"], rel=1e-5, abs=0)
     assert result.rtn_fallback is out["rtn_fallback"]
 
 
@@ -150,7 +152,7 @@ def test_actorder_argument_overrides_args(vectors):
     result = quantize_weight(case["inputs"]["weight"], case["inputs"]["hessian"], qp["scale"], qp["zero_point"], None,
                              args, actorder="static")
     assert torch.equal(result.perm, static["outputs"]["perm"])
-    assert result.loss == static["outputs"]["loss"]
+    assert result.loss == pytest.approx(static["outputs"]["loss"], rel=1e-5, abs=0)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "indefinite" not in n])

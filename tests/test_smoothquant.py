@@ -32,7 +32,7 @@ from graphcal.data import graph_inputs, load_data
 from graphcal.graph.smooth import TAP_PREFIX
 from graphcal.plan import plan
 from graphcal.smoothing import collect, smoothing_scales
-from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama
+from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, INT8_SATURATES, assert_within_ulps, reference_llama
 
 VECTORS = ALGORITHM_VECTORS
 CASES = [
@@ -63,6 +63,11 @@ def _mappings(case) -> tuple:
     Smoothing takes mappings."""
     balance, smooth = case["args"]["mappings"]
     return ((tuple(balance), smooth),)
+
+
+#: the level whose numbers the written int8 models are checked at: onnxruntime's default, except where
+#: its u8 x s8 kernels saturate (x86 without AVX-VNNI; tests/test_saturation.py): there the Q/DQ spec's
+INT8_LEVEL = "basic" if INT8_SATURATES else "all"
 
 
 def _session(model, level="basic"):
@@ -112,10 +117,11 @@ def test_scales_from_reference_statistics_are_bit_exact(vectors, name):
     weights = [inp["params"][f"{b}.weight"] for b in inp["balance_names"]]
     scales, unclamped = smoothing_scales(out["min_channel_vals"], out["max_channel_vals"], weights,
                                          case["args"]["smoothing_strength"], case["args"]["algorithm"])
-    # same torch ops in the same dtype as llm-compressor: bit for bit
+    # same torch ops in the same dtype as llm-compressor: bit for bit on the CPU the vectors were made
+    # on; torch's vectorized pow differs by an ulp between instruction sets (AVX2 / AVX-512), so within one
     assert unclamped.dtype == scales.dtype == torch.float32
-    assert torch.equal(unclamped, out["scales_unclamped"]), (unclamped - out["scales_unclamped"]).abs().max()
-    assert torch.equal(scales, out["scales"]), (scales - out["scales"]).abs().max()
+    assert_within_ulps(unclamped, out["scales_unclamped"], 1)
+    assert_within_ulps(scales, out["scales"], 1)
     if name.startswith("layernorm"):  # the edge channels are really exercised
         assert (out["scales_unclamped"] == 0).any() and (out["scales"] == 1e-5).any()
         assert (out["weight_max_abs"] == 0).any()
@@ -524,7 +530,8 @@ def test_calibrate_writes_the_smoothed_static_input_scale(llama_dir, tmp_path, l
     with np.load(llama_dir / "heldout.npz") as data:
         feeds = dict(data)
     ref = _session(llama_dir / "model.onnx").run(None, feeds)[0]
-    out = _session(tmp_path / "out" / "model.onnx", level="all").run(None, feeds)[0]
+    _session(tmp_path / "out" / "model.onnx", level="all")  # it loads at the default level
+    out = _session(tmp_path / "out" / "model.onnx", level=INT8_LEVEL).run(None, feeds)[0]
     assert np.isfinite(out).all()
     assert sqnr_db(ref, out) > 25, sqnr_db(ref, out)
     assert result.warnings == []
@@ -660,7 +667,8 @@ def test_a_mapping_given_twice_smooths_once(llama_dir, tmp_path, llama_reference
     with np.load(llama_dir / "heldout.npz") as data:
         feeds = dict(data)
     ref = _session(llama_dir / "model.onnx").run(None, feeds)[0]
-    assert sqnr_db(ref, _session(tmp_path / "out" / "model.onnx", level="all").run(None, feeds)[0]) > 25
+    _session(tmp_path / "out" / "model.onnx", level="all")  # it loads at the default level
+    assert sqnr_db(ref, _session(tmp_path / "out" / "model.onnx", level=INT8_LEVEL).run(None, feeds)[0]) > 25
 
 
 # ------------------------------------------------------------------------------------------
