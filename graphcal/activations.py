@@ -10,14 +10,18 @@ its share of the batches and the ranks then exchange their statistics once.
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import onnx
 import torch
 
 from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, build_tapped, gram
+from graphcal.limits import format_size
 from graphcal.observe import Consumers, Feed
 from graphcal.observers.helpers import memory_order
 from graphcal.plan import RunPlan
@@ -63,12 +67,115 @@ class PassResult:
     provider: str | None
     batches: int
     padding: Padding | None = None
+    runs_per_batch: int = 1  # the most onnxruntime runs one batch took (TapRuns)
+    whole_bytes: int = 0  # the whole taps of the largest batch, in bytes
+    tap_limit: int = 0  # the bytes of whole taps one run may fetch
+
+    def warnings(self) -> list[str]:
+        """A line for the run's summary when batches ran more than once to bound the taps' memory."""
+        if self.runs_per_batch <= 1:
+            return []
+        return [f"the {format_size(self.whole_bytes)} of whole activations tapped per batch exceed --tap-limit-mb "
+                f"{self.tap_limit / 1e6:g}: each batch ran {self.runs_per_batch} times, each run fetching a share "
+                "(a higher limit, or a smaller --batch-size where the observers allow it, runs fewer)"]
+
+
+#: the whole taps one onnxruntime run may fetch, in MB (``--tap-limit-mb``)
+TAP_LIMIT_MB = 1024
+
+
+class TapRuns:
+    """Which outputs each onnxruntime run of a batch fetches, so that the whole taps a run holds stay
+    under ``limit`` bytes.
+
+    onnxruntime runs the whole graph on every run (whatever is fetched; ``only_execute_path_to_fetches``
+    changes nothing on its CPU provider) and keeps each fetched output alive until the run ends. A
+    batch whose whole taps (every observed activation of every layer, for ``mse`` or
+    ``--exclude-padding``) add up past the limit therefore runs more than once, each run fetching a
+    slice of them in graph order, and each slice dropped before the next run. Sizes come from a first
+    run per batch shape that fetches the in-graph reductions and only the whole taps' shapes. Under
+    the limit every later batch of that shape runs once, fetching everything.
+    """
+
+    def __init__(self, tapped, limit: int, types: dict):
+        self.tapped, self.limit = tapped, limit
+        position = {o: i for i, n in enumerate(tapped.model.graph.node) for o in n.output}
+        self.whole = sorted(tapped.shapes, key=lambda n: position.get(n, -1))  # in graph order
+        self.reduced = [n for n in tapped.fetch if n not in tapped.shapes]
+        self.itemsize = {n: _itemsize(types.get(n)) for n in self.whole}
+        self.plans: dict[tuple, list[list[str]]] = {}  # batch shape -> the outputs of each run
+        self.most = 1  # the most runs one batch took
+        self.largest = 0  # the whole taps of one batch, the most seen, in bytes
+
+    def values(self, runtime, batch: dict) -> Iterator[dict[str, torch.Tensor]]:
+        """The outputs of each run of ``batch``: every output, in one run or more."""
+        if not self.whole:
+            yield runtime.run(batch)
+            return
+        key = tuple(sorted((name, tuple(getattr(a, "shape", ()))) for name, a in batch.items()))
+        plan = self.plans.get(key)
+        if plan is None:  # the first batch of this shape: the reductions, and the sizes of the rest
+            probe = runtime.run(batch, self.reduced + [self.tapped.shapes[n] for n in self.whole])
+            sizes = {n: self.itemsize[n] * math.prod(int(d) for d in probe[self.tapped.shapes[n]].tolist())
+                     for n in self.whole}
+            slices = _slices(self.whole, sizes, self.limit)
+            plan = self.plans[key] = [self.reduced + slices[0], *slices[1:]]
+            self.most, self.largest = max(self.most, len(plan)), max(self.largest, sum(sizes.values()))
+            if len(plan) > 1:
+                log.warning("the %d whole taps of a batch shaped %s take %s, over --tap-limit-mb %g: each "
+                            "batch runs %d times", len(self.whole), ", ".join(f"{n} {list(s)}" for n, s in key),
+                            format_size(sum(sizes.values())), self.limit / 1e6, len(plan))
+            yield {n: probe[n] for n in self.reduced}
+            del probe
+            for outputs in slices:
+                yield runtime.run(batch, outputs)
+            return
+        for outputs in plan:
+            yield runtime.run(batch, outputs)
+
+
+def _slices(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """``names`` cut, in order, into runs whose sizes add up to at most ``limit`` (a tap larger than
+    that runs alone)."""
+    out: list[list[str]] = [[]]
+    total = 0
+    for n in names:
+        if out[-1] and total + sizes[n] > limit:
+            out.append([])
+            total = 0
+        out[-1].append(n)
+        total += sizes[n]
+    return out
+
+
+def _itemsize(t) -> int:
+    """Bytes per element of a value typed ``t`` (onnx TypeProto.Tensor; fp32's 4 where unknown)."""
+    elem = getattr(t, "elem_type", 0)
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem).itemsize if elem else 4
+    except (KeyError, TypeError, ValueError):
+        return 4
+
+
+def check_state(observers: Consumers, world: int = 1) -> None:
+    """Refuse, before the pass, statistics that every observer holds at once (histograms: ``bins``
+    of them per tap) when they would take more than half the memory available. Under torchrun every
+    rank receives every rank's copy at the exchange, and rank 0 makes one more of each to merge."""
+    from graphcal.limits import check_fits
+
+    nbytes = sum(o.state_bytes() for o in observers.activation_observers() if hasattr(o, "state_bytes"))
+    copies = 1 if world <= 1 else 2 * world
+    if nbytes:
+        check_fits(copies * nbytes, "the observers' statistics"
+                   + (f" ({copies} copies across the exchange of {world} ranks)" if copies > 1 else ""),
+                   hint="lower the histogram observers' bins (observer_kwargs) or observe fewer layers")
 
 
 def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: str, device_id: int = 0,
                         dist=None, progress: bool = False, reduce_in_graph: bool = True,
                         exclude_padding: bool = False, inputs: tuple[str, ...] = (),
-                        prelude: tuple[list, list] = ((), ()), label: str = "calibrating") -> PassResult:
+                        prelude: tuple[list, list] = ((), ()), label: str = "calibrating",
+                        tap_limit_mb: float | None = None) -> PassResult:
     """Stream ``calib`` through the tapped model and feed every activation observer.
 
     With ``reduce_in_graph``, observers that take extrema get them from ReduceMin/ReduceMax in
@@ -79,7 +186,8 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
     taps are observed whole and listed in ``padding.unmasked``). ``inputs``: the model's input
     names; with an attention_mask among them the pass counts the padding it sees. ``prelude``:
     nodes that make tensors to tap which the model lacks (see :func:`graphcal.graph.taps.build_tapped`);
-    ``label`` names the pass on the progress bar and in the log.
+    ``label`` names the pass on the progress bar and in the log. ``tap_limit_mb`` (default
+    :data:`TAP_LIMIT_MB`) bounds the whole taps one onnxruntime run fetches (:class:`TapRuns`).
     """
     padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if not observers.consumers:
@@ -91,7 +199,12 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         return PassResult(None, 0, padding if padding is not None and padding.positions else None)
     if exclude_padding:
         reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
-    tapped = build_tapped(plan.model, observers.requests(reduce_in_graph), dict(plan.types), prelude)
+    check_state(observers, dist.world if dist is not None else 1)
+    requests = observers.requests(reduce_in_graph)
+    tapped = build_tapped(plan.model, requests, dict(plan.types), prelude,
+                          shapes=any(r.reduction is Reduction.WHOLE for r in requests))
+    limit = TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb
+    runs = TapRuns(tapped, int(limit * 1e6), plan.types)
     provider, batches, error = None, 0, None
     try:
         # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
@@ -106,7 +219,7 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         log.info("%s pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
                  "reductions fetched per batch", label, provider, runtime.device, whole, len(tapped.outputs) - whole)
         try:
-            batches = _feed_batches(runtime, calib, observers, tapped, reduce_in_graph,
+            batches = _feed_batches(runtime, calib, observers, runs, reduce_in_graph,
                                     progress and (dist is None or dist.is_main), dist, padding, label)
         finally:
             runtime.close()
@@ -119,7 +232,7 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         counts = gather_statistics(dist, observers.activation_observers(), error, counts)
         if padding is not None:
             padding.padded, padding.positions = counts
-    return PassResult(provider, batches, padding)
+    return PassResult(provider, batches, padding, runs.most, runs.largest, runs.limit)
 
 
 def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:
@@ -131,12 +244,13 @@ def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, 
     return x[keep.to(x.device)]
 
 
-def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
+def _feed_batches(runtime, calib, observers: Consumers, runs: TapRuns, in_graph: bool, progress: bool, dist=None,
                   padding: Padding | None = None, label: str = "calibrating") -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
     from graphcal.progress import Progress
 
     routes = observers.by_tensor()
+    tapped = runs.tapped
     count = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     if dist is None:  # samples/s and the time left over the whole data
@@ -148,47 +262,55 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
         for index, batch in enumerate(calib.batches()):
             if dist is not None and index % dist.world != dist.rank:
                 continue
-            values = runtime.run(batch)
             keep = padding.count(batch) if padding is not None else None
-            for tensor, consumers in routes.items():
-                x = values.get(tensor)
-                probe = tapped.finite.get(tensor)
-                finite = (all_finite(x) if x is not None and x.is_floating_point()
-                          else probe is None or bool(torch.isfinite(values[probe]).all()))
-                if not finite:
-                    raise GraphcalError(
-                        f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
-                        f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations"
-                    )
-                rows = _unpadded(x, keep, consumers, padding, tensor) if keep is not None else None
-                for c in consumers:
-                    seen = x
-                    if rows is not None and c.feed is not Feed.KV:
-                        if rows.shape[0] == 0:
-                            continue  # all padding in this batch: nothing to observe
-                        seen = rows
-                    request = c.request(in_graph)
-                    try:
-                        if request.reduction is Reduction.GRAM:
-                            c.observer.add_gram(*gram([values[n] for n in tapped.outputs[request]], request.groups))
-                        elif request.reduction is not Reduction.WHOLE:
-                            lo, hi = (values[name] for name in tapped.outputs[request])
-                            shape = _QPARAM_SHAPE[request.reduction](lo)
-                            c.observer.observe_extrema(lo.reshape(shape), hi.reshape(shape))
-                        elif c.feed is Feed.IMPORTANCE:
-                            c.observer.accumulate_importance(seen)
-                        elif c.feed is Feed.HESSIAN:
-                            c.observer.add_activations(seen)
-                        elif c.feed is Feed.KV:
-                            c.observer(seen)
-                        else:
-                            c.observer(_as_bsh(seen))
-                    except ValueError as e:  # e.g. a group size that does not divide the hidden size
-                        raise GraphcalError(f"tap {tensor!r} {tuple(x.shape) if x is not None else ''}: {e}") from e
+            for values in runs.values(runtime, batch):
+                _feed(values, routes, tapped, in_graph, keep, padding, index)
+                del values  # this run's taps go before the next run fetches its own
             count += 1
             bar.update(batch_samples(batch) if dist is None else 1)
     return count
 
+
+def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int) -> None:
+    """Feed the consumers whose taps are all in ``values`` (one run's outputs) for batch ``index``."""
+    for tensor, consumers in routes.items():
+        consumers = [c for c in consumers if all(n in values for n in tapped.outputs[c.request(in_graph)])]
+        if not consumers:
+            continue
+        x = values.get(tensor)
+        probe = tapped.finite.get(tensor)
+        finite = (all_finite(x) if x is not None and x.is_floating_point()
+                  else probe not in values or bool(torch.isfinite(values[probe]).all()))
+        if not finite:
+            raise GraphcalError(
+                f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
+                f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations"
+            )
+        rows = _unpadded(x, keep, consumers, padding, tensor) if keep is not None else None
+        for c in consumers:
+            seen = x
+            if rows is not None and c.feed is not Feed.KV:
+                if rows.shape[0] == 0:
+                    continue  # all padding in this batch: nothing to observe
+                seen = rows
+            request = c.request(in_graph)
+            try:
+                if request.reduction is Reduction.GRAM:
+                    c.observer.add_gram(*gram([values[n] for n in tapped.outputs[request]], request.groups))
+                elif request.reduction is not Reduction.WHOLE:
+                    lo, hi = (values[name] for name in tapped.outputs[request])
+                    shape = _QPARAM_SHAPE[request.reduction](lo)
+                    c.observer.observe_extrema(lo.reshape(shape), hi.reshape(shape))
+                elif c.feed is Feed.IMPORTANCE:
+                    c.observer.accumulate_importance(seen)
+                elif c.feed is Feed.HESSIAN:
+                    c.observer.add_activations(seen)
+                elif c.feed is Feed.KV:
+                    c.observer(seen)
+                else:
+                    c.observer(_as_bsh(seen))
+            except ValueError as e:  # e.g. a group size that does not divide the hidden size
+                raise GraphcalError(f"tap {tensor!r} {tuple(x.shape) if x is not None else ''}: {e}") from e
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -150,6 +150,10 @@ PASS_OPTIONS = (
                       "writes it) out of the activation statistics; activations not shaped [batch, seq, ...] "
                       "(key/value states, 2-D inputs) are observed whole, with a warning. Needs an attention_mask "
                       "input; the taps then leave onnxruntime whole. run always prints the share of padding."),
+    click.option("--tap-limit-mb", type=click.FloatRange(min=1), default=None, metavar="MB",
+                 help="At most this many MB of activations tapped whole (mse and imatrix observers, "
+                      "--exclude-padding) fetched per onnxruntime run; a batch whose taps add up to more runs once "
+                      "per share, onnxruntime running the whole model each time (default 1024)."),
 )
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
@@ -176,7 +180,7 @@ def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothq
 @DEBUG_OPTION
 def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
         smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
-        as_json, quiet, debug, **algorithm):
+        tap_limit_mb, as_json, quiet, debug, **algorithm):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -191,7 +195,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
                                                         smoothquant, smoothing_strength, **algorithm),
             device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
-            exclude_padding=exclude_padding,
+            exclude_padding=exclude_padding, tap_limit_mb=tap_limit_mb,
         )
 
     result = _guarded(call, debug)
@@ -267,7 +271,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
 @DEBUG_OPTION
 def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
                     smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
-                    exclude_padding, as_json, debug, **algorithm):
+                    exclude_padding, tap_limit_mb, as_json, debug, **algorithm):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight

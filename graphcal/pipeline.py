@@ -98,6 +98,7 @@ def calibrate(
     algorithm: str | None = None,
     group_size: int | None = None,
     gptq_order: str | None = None,
+    tap_limit_mb: float | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` and write the QDQ model and metadata to ``output_dir``.
 
@@ -122,7 +123,9 @@ def calibrate(
     ``algorithm`` ("gptq", "awq" or "awq+gptq"; or a recipe's GPTQModifier / AWQModifier) rounds
     the weights with llm-compressor's algorithms instead of to nearest, GPTQ in ``gptq_order``
     ("sequential", the default, or "one-pass"); ``group_size`` sets the scheme's weight group size
-    (their other knobs: ``config=resolve(Options(...))``).
+    (their other knobs: ``config=resolve(Options(...))``). ``tap_limit_mb`` (default 1024) bounds
+    the activations tapped whole that one onnxruntime run fetches: a batch whose taps add up to more
+    runs more than once (graphcal.activations.TapRuns).
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -144,7 +147,8 @@ def calibrate(
     main = dist is None or dist.is_main
     smoothed = None
     pass_options = dict(device=device, device_id=device_id, dist=dist, progress=progress and main,
-                        reduce_in_graph=reduce_in_graph, exclude_padding=exclude_padding, inputs=input_names)
+                        reduce_in_graph=reduce_in_graph, exclude_padding=exclude_padding, inputs=input_names,
+                        tap_limit_mb=tap_limit_mb)
     gptq = run.config.gptq
     if hasattr(data, "get_next") and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
         from graphcal.errors import UsageError
@@ -170,7 +174,7 @@ def calibrate(
     else:
         observers = ObserverSet(run)
         activations = run_activation_pass(run, observers, calib, **pass_options)
-    warnings = list(run.warnings)
+    warnings = list(run.warnings) + activations.warnings()
     padding = activations.padding
     if padding is not None and padding.unmasked:
         warnings.append("--exclude-padding: observed with their padding (not shaped [batch, seq, ...] like the "

@@ -43,20 +43,23 @@ class Runtime:
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     _weights: list = field(default_factory=list, repr=False)  # buffers the session reads (see open_runtime)
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
-        onnxruntime's memory (it lives as long as the tensor does)."""
+    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Run one batch; every output (or those of ``outputs``, any of the graph's) comes back as a
+        torch tensor on ``self.device``, sharing onnxruntime's memory (it lives as long as the tensor
+        does). onnxruntime runs the whole graph whatever is fetched; what is fetched stays alive
+        until the run ends, the rest is freed as it goes."""
+        outputs = self.outputs if outputs is None else list(outputs)
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
-        for name in self.outputs:
+        for name in outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         try:
             self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
         except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel
             detail = first_line(e).removeprefix("Error in execution: ")
             raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
-        return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
+        return {name: torch.from_dlpack(value) for name, value in zip(outputs, binding.get_outputs())}
 
     def run_numpy(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch through ``session.run``: every output as a numpy array on the host, of

@@ -267,7 +267,7 @@ class Smoothed:
 
 def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_id: int = 0, dist=None,
                          progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
-                         inputs: tuple[str, ...] = ()):
+                         inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
     an ObserverSet built with :func:`taps_of` the mappings): (Smoothed, the pass's PassResult)."""
     from graphcal.activations import run_activation_pass
@@ -275,7 +275,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_
     mappings = list(run.smoothing.mappings)
     search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
-                  inputs=inputs)
+                  inputs=inputs, tap_limit_mb=tap_limit_mb)
     smoothed_of = {m.tapped: m for m in mappings}
     deferred = [c for c in observers.consumers if c.tensor in smoothed_of]
     if dist is None and not exclude_padding and reduce_in_graph and all(_replayable(c) for c in deferred):
@@ -319,14 +319,14 @@ def _per_group(lo: torch.Tensor, hi: torch.Tensor, group_size: int | None) -> tu
 
 
 def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
-            exclude_padding: bool = False, inputs: tuple[str, ...] = ()) -> Smoothed:
+            exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None) -> Smoothed:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
     from graphcal.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches)
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
-                        exclude_padding=exclude_padding, inputs=inputs, label="smoothing")
+                        exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
     smoothed = None
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
         smoothed = scales_from(run, mappings, ranges.extrema(), ranges.rows())

@@ -10,7 +10,8 @@ For each model and sample count it runs, each in a fresh child process (so each 
 - ``onnxruntime`` inference over the same batches: the floor (ORT_ENABLE_BASIC, as graphcal's pass);
 - ``graphcal run`` with W8A8_STATIC and static_minmax (in-graph min/max reductions), the same with
   whole tensors fetched (``reduce_in_graph=False``), with SmoothQuant (``--smoothquant``, ``--smoothquant
-  all``, and the latter with ``--smoothing-strength auto``; in the same pass), with ``mse`` observers and
+  all``, and the latter with ``--smoothing-strength auto``; in the same pass), with ``mse`` observers (at the
+  default ``--tap-limit-mb`` and with every whole tap fetched in one run a batch) and
   graphcal's histogram observers (``histogram_mse``, ``percentile``, ``entropy``), with ``imatrix_mse``
   weights (W4A16), and W4A16 rounded to nearest, by GPTQ (sequential and one-pass) and by AWQ, and W8A8 by
   SmoothQuant + GPTQ;
@@ -58,6 +59,8 @@ CONFIGS = {
     "graphcal minmax + SmoothQuant all, strength auto": {"kind": "graphcal", "scheme": "W8A8_STATIC",
                                                           "smoothquant": "all", "smoothing_strength": "auto"},
     "graphcal mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "mse"},
+    "graphcal mse, one run a batch": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "mse",
+                                      "tap_limit_mb": 1e9},  # every whole tap fetched at once, however large
     "graphcal histogram_mse": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "histogram_mse"},
     "graphcal percentile": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "percentile"},
     "graphcal entropy": {"kind": "graphcal", "scheme": "W8A8_STATIC", "observer": "entropy"},
@@ -144,7 +147,8 @@ def child(spec: dict) -> dict:
                                  smoothing_strength=spec.get("smoothing_strength"), algorithm=spec.get("algorithm"),
                                  gptq_order=spec.get("gptq_order"), group_size=spec.get("group_size")))
         calibrate(spec["model"], spec["data"], out, config=config, device=spec["device"], batch_size=BATCH,
-                  reduce_in_graph=spec.get("reduce_in_graph", True), target=spec.get("target", "onnxruntime"))
+                  reduce_in_graph=spec.get("reduce_in_graph", True), target=spec.get("target", "onnxruntime"),
+                  tap_limit_mb=spec.get("tap_limit_mb"))
     elif kind == "ort":
         from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
 

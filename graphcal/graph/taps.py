@@ -13,7 +13,7 @@ itself (:func:`graphcal.runtime.open_runtime`'s ``weights``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 
@@ -54,23 +54,27 @@ class TappedGraph:
 
     ``outputs[request]`` is ``(tensor,)`` for WHOLE, ``(*gram blocks, shape)`` for GRAM (:func:`gram`
     puts them together) and ``(min, max)`` otherwise; ``finite[tensor]``
-    is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite).
+    is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite);
+    ``shapes[tensor]`` (with ``shapes=True``) is the shape of a tensor tapped whole, an output that
+    ``fetch`` leaves out: a run can fetch it to learn a tap's size without fetching the tap.
     """
 
     model: onnx.ModelProto
     fetch: list[str]
     outputs: dict[TapRequest, tuple[str, ...]]
     finite: dict[str, str]
+    shapes: dict[str, str] = field(default_factory=dict)
 
 
 def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict | None = None,
-                 prelude: tuple[list, list] = ((), ())) -> TappedGraph:
+                 prelude: tuple[list, list] = ((), ()), shapes: bool = False) -> TappedGraph:
     """The tapped graph for ``requests`` on a weightless copy of ``model`` (``model`` is untouched).
 
     The copy keeps only the constants the reductions add; every name in ``model`` stays reserved,
     so its initializers can be handed to the session beside the copy. ``prelude`` (nodes, their
     constants) adds tensors that are not in ``model`` to tap, each node right after the producer of
-    its first input and typed like it (SmoothQuant's smoothed activations ``x * (1/s)``).
+    its first input and typed like it (SmoothQuant's smoothed activations ``x * (1/s)``). ``shapes``:
+    a Shape node after each tensor tapped whole (``TappedGraph.shapes``).
     """
     from graphcal.graph.io import hollow_copy, value_types
 
@@ -93,7 +97,28 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
     outputs.update({r: found[r] for r in reduced})
     finite = {key[0]: probe for key, probe in found.items() if isinstance(key, tuple)}
     fetch += [name for r in reduced for name in found[r]] + list(finite.values())
-    return TappedGraph(hollow, list(dict.fromkeys(fetch)), outputs, finite)
+    probes = _shape_probes(hollow, whole, reserved) if shapes else {}
+    return TappedGraph(hollow, list(dict.fromkeys(fetch)), outputs, finite, probes)
+
+
+def _shape_probes(model: onnx.ModelProto, tensors: list[str], reserved: set[str]) -> dict[str, str]:
+    """A Shape output for each of ``tensors`` (in place: the weightless tapped copy), placed right
+    after the tensor's producer so that it keeps no activation alive longer; {tensor: shape output}."""
+    graph = model.graph
+    names = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
+        i.name for i in graph.input} | {t.name for t in graph.initializer} | reserved
+    probes, added = {}, {}
+    for tensor in dict.fromkeys(tensors):
+        base, i = f"{TAP_PREFIX}{tensor}/shape", 1
+        name = base
+        while name in names:
+            name, i = f"{base}_{i}", i + 1
+        names.add(name)
+        added[tensor] = [onnx.helper.make_node("Shape", [tensor], [name], name=name)]
+        graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, None))
+        probes[tensor] = name
+    _place_after_producers(graph, added)
+    return probes
 
 
 def add_taps(model: onnx.ModelProto, tensors: list[str], types: dict | None = None) -> tuple[onnx.ModelProto, list[str]]:

@@ -244,6 +244,10 @@ class _HistogramObserver(Observer):
     def _width(self) -> float:
         return 0.0 if self.hist_width is None else float(self.hist_width)
 
+    def state_bytes(self) -> int:
+        """What the statistics hold from the first batch on: ``2 * bins`` float64 counts."""
+        return 16 * self.kwargs["bins"]
+
     def merge(self, *others: Observer) -> Observer:
         self._check_peers(others)
         present = [o for o in (self, *others) if o.has_statistics]
