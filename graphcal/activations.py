@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx
@@ -20,7 +19,8 @@ import torch
 from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
-from graphcal.graph.taps import Reduction, build_tapped, gram
+from graphcal.graph.blocks import needed_initializers
+from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, tap_bytes
 from graphcal.limits import format_size
 from graphcal.observe import Consumers, Feed
 from graphcal.observers.helpers import memory_order
@@ -48,14 +48,16 @@ class Padding:
     def share(self) -> float | None:
         return self.padded / self.positions if self.positions else None
 
-    def count(self, batch: dict) -> torch.Tensor | None:
-        """Count ``batch``'s padding; returns its keep mask [batch, seq] (bool) when padding is excluded."""
+    def count(self, batch: dict, count: bool = True) -> torch.Tensor | None:
+        """Count ``batch``'s padding (unless ``count`` is false: a later pass over the same data);
+        returns its keep mask [batch, seq] (bool) when padding is excluded."""
         mask = batch.get(MASK_INPUT)
         if mask is None or mask.ndim != 2:
             return None
         keep = torch.from_numpy(mask != 0)
-        self.padded += int(keep.numel() - keep.sum())
-        self.positions += keep.numel()
+        if count:
+            self.padded += int(keep.numel() - keep.sum())
+            self.positions += keep.numel()
         return keep if self.exclude else None
 
 
@@ -67,71 +69,68 @@ class PassResult:
     provider: str | None
     batches: int
     padding: Padding | None = None
-    runs_per_batch: int = 1  # the most onnxruntime runs one batch took (TapRuns)
-    whole_bytes: int = 0  # the whole taps of the largest batch, in bytes
-    tap_limit: int = 0  # the bytes of whole taps one run may fetch
+    passes: int = 1  # passes over the data, each fetching a share of the whole taps (tap_shares)
+    whole_bytes: int = 0  # the whole taps of the first batch, in bytes
+    tap_limit: int = 0  # the bytes of whole taps one pass may fetch per batch
 
     def warnings(self) -> list[str]:
-        """A line for the run's summary when batches ran more than once to bound the taps' memory."""
-        if self.runs_per_batch <= 1:
+        """A line for the run's summary when the data ran more than once to bound the taps' memory."""
+        if self.passes <= 1:
             return []
         return [f"the {format_size(self.whole_bytes)} of whole activations tapped per batch exceed --tap-limit-mb "
-                f"{self.tap_limit / 1e6:g}: each batch ran {self.runs_per_batch} times, each run fetching a share "
+                f"{self.tap_limit / 1e6:g}: the data ran {self.passes} times, each pass fetching a share "
                 "(a higher limit, or a smaller --batch-size where the observers allow it, runs fewer)"]
 
 
-#: the whole taps one onnxruntime run may fetch, in MB (``--tap-limit-mb``)
+#: the whole taps one onnxruntime pass may fetch per batch, in MB (``--tap-limit-mb``)
 TAP_LIMIT_MB = 1024
 
 
-class TapRuns:
-    """Which outputs each onnxruntime run of a batch fetches, so that the whole taps a run holds stay
-    under ``limit`` bytes.
+def tap_shares(plan: RunPlan, requests: list[TapRequest], calib, prelude: tuple[list, list], limit: int, *,
+               device: str, device_id: int = 0) -> tuple[list[list[TapRequest]], int]:
+    """The requests each pass over the data fetches, and the bytes of a batch's whole taps.
 
-    onnxruntime runs the whole graph on every run (whatever is fetched; ``only_execute_path_to_fetches``
-    changes nothing on its CPU provider) and keeps each fetched output alive until the run ends. A
-    batch whose whole taps (every observed activation of every layer, for ``mse`` or
-    ``--exclude-padding``) add up past the limit therefore runs more than once, each run fetching a
-    slice of them in graph order, and each slice dropped before the next run. Sizes come from a first
-    run per batch shape that fetches the in-graph reductions and only the whole taps' shapes. Under
-    the limit every later batch of that shape runs once, fetching everything.
-    """
-
-    def __init__(self, tapped, limit: int, types: dict):
-        self.tapped, self.limit = tapped, limit
-        position = {o: i for i, n in enumerate(tapped.model.graph.node) for o in n.output}
-        self.whole = sorted(tapped.shapes, key=lambda n: position.get(n, -1))  # in graph order
-        self.reduced = [n for n in tapped.fetch if n not in tapped.shapes]
-        self.itemsize = {n: _itemsize(types.get(n)) for n in self.whole}
-        self.plans: dict[tuple, list[list[str]]] = {}  # batch shape -> the outputs of each run
-        self.most = 1  # the most runs one batch took
-        self.largest = 0  # the whole taps of one batch, the most seen, in bytes
-
-    def values(self, runtime, batch: dict) -> Iterator[dict[str, torch.Tensor]]:
-        """The outputs of each run of ``batch``: every output, in one run or more."""
-        if not self.whole:
-            yield runtime.run(batch)
-            return
-        key = tuple(sorted((name, tuple(getattr(a, "shape", ()))) for name, a in batch.items()))
-        plan = self.plans.get(key)
-        if plan is None:  # the first batch of this shape: the reductions, and the sizes of the rest
-            probe = runtime.run(batch, self.reduced + [self.tapped.shapes[n] for n in self.whole])
-            sizes = {n: self.itemsize[n] * math.prod(int(d) for d in probe[self.tapped.shapes[n]].tolist())
-                     for n in self.whole}
-            slices = _slices(self.whole, sizes, self.limit)
-            plan = self.plans[key] = [self.reduced + slices[0], *slices[1:]]
-            self.most, self.largest = max(self.most, len(plan)), max(self.largest, sum(sizes.values()))
-            if len(plan) > 1:
-                log.warning("the %d whole taps of a batch shaped %s take %s, over --tap-limit-mb %g: each "
-                            "batch runs %d times", len(self.whole), ", ".join(f"{n} {list(s)}" for n, s in key),
-                            format_size(sum(sizes.values())), self.limit / 1e6, len(plan))
-            yield {n: probe[n] for n in self.reduced}
-            del probe
-            for outputs in slices:
-                yield runtime.run(batch, outputs)
-            return
-        for outputs in plan:
-            yield runtime.run(batch, outputs)
+    onnxruntime keeps every output of a graph alive until a run ends, so a batch's whole taps (every
+    observed activation of every layer, for ``mse``, ``imatrix_mse`` or ``--exclude-padding``) are
+    held at once. Where they add up past ``limit`` bytes the data is run once per share of them, in
+    graph order, each pass on a graph whose outputs are that share (the reductions come with the
+    last), pruned to the nodes it needs. Sizes are those of the first batch: from shape inference
+    with its dims, else measured by a run that fetches the taps' shapes only. A
+    CalibrationDataReader is read once: one pass, whatever the size."""
+    whole = [r for r in requests if r.reduction is Reduction.WHOLE]
+    if not whole or not isinstance(calib, CalibrationData):
+        return [requests], 0
+    first = next(iter(calib.batches()), None)
+    if first is None:
+        return [requests], 0
+    tensors = list(dict.fromkeys(r.tensor for r in whole))
+    sizes = tap_bytes(plan.model, tensors, {k: v.shape for k, v in first.items()}, prelude[0])
+    unknown = [t for t, n in sizes.items() if n is None]
+    if unknown:  # measured: a run that fetches their shapes (the tensors themselves are not kept)
+        probe = build_tapped(plan.model, [], dict(plan.types), prelude, shapes=unknown, keep_outputs=False)
+        runtime = open_runtime(probe.model, list(probe.shapes.values()), device, device_id=device_id,
+                               external_folder=plan.base_dir, weights=needed_initializers(probe.model, plan.model),
+                               priority_order=True)
+        try:
+            values = runtime.run({k: v for k, v in first.items() if k in runtime.inputs})
+        finally:
+            runtime.close()
+        elem = {t: plan.types[t].elem_type if t in plan.types else onnx.TensorProto.FLOAT for t in unknown}
+        for t in unknown:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(elem[t] or onnx.TensorProto.FLOAT).itemsize
+            sizes[t] = itemsize * math.prod(int(d) for d in values[probe.shapes[t]].tolist())
+    total = sum(sizes.values())
+    position = {o: i for i, n in enumerate(plan.model.graph.node) for o in n.output}
+    for n in prelude[0]:  # x * (1/s) comes right after x
+        position[n.output[0]] = position.get(n.input[0], -1)
+    slices = _slices(sorted(tensors, key=lambda t: position.get(t, -1)), sizes, limit)
+    if len(slices) == 1:
+        return [requests], total
+    shares = [[r for r in whole if r.tensor in set(names)] for names in slices]
+    shares[-1] += [r for r in requests if r.reduction is not Reduction.WHOLE]
+    log.info("the whole taps of a batch (%d tensors, %s) pass --tap-limit-mb %g: the data runs %d times, "
+             "each fetching a share", len(tensors), format_size(total), limit / 1e6, len(shares))
+    return shares, total
 
 
 def _slices(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -146,15 +145,6 @@ def _slices(names: list[str], sizes: dict[str, int], limit: int) -> list[list[st
         out[-1].append(n)
         total += sizes[n]
     return out
-
-
-def _itemsize(t) -> int:
-    """Bytes per element of a value typed ``t`` (onnx TypeProto.Tensor; fp32's 4 where unknown)."""
-    elem = getattr(t, "elem_type", 0)
-    try:
-        return onnx.helper.tensor_dtype_to_np_dtype(elem).itemsize if elem else 4
-    except (KeyError, TypeError, ValueError):
-        return 4
 
 
 def check_state(observers: Consumers, world: int = 1) -> None:
@@ -201,28 +191,30 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
     check_state(observers, dist.world if dist is not None else 1)
     requests = observers.requests(reduce_in_graph)
-    tapped = build_tapped(plan.model, requests, dict(plan.types), prelude,
-                          shapes=any(r.reduction is Reduction.WHOLE for r in requests))
-    limit = TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb
-    runs = TapRuns(tapped, int(limit * 1e6), plan.types)
-    provider, batches, error = None, 0, None
+    limit = int((TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb) * 1e6)
+    provider, batches, error, shares, whole_bytes = None, 0, None, [requests], 0
     try:
-        # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
-        # output of its own) would run after the whole model, every tapped activation alive until
-        # then: +2.9 GB a batch on a 1.5B decoder. Priority order (Kahn's, ties by node order) runs
-        # each reduction where graph.taps placed it, right after its producer; 15% faster there.
-        runtime = open_runtime(tapped.model, tapped.fetch, device, device_id=device_id,
-                               external_folder=plan.base_dir, weights=plan.model.graph.initializer,
-                               priority_order=True)
-        provider = runtime.provider
-        whole = sum(r.reduction is Reduction.WHOLE for r in tapped.outputs)
-        log.info("%s pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
-                 "reductions fetched per batch", label, provider, runtime.device, whole, len(tapped.outputs) - whole)
-        try:
-            batches = _feed_batches(runtime, calib, observers, runs, reduce_in_graph,
-                                    progress and (dist is None or dist.is_main), dist, padding, label)
-        finally:
-            runtime.close()
+        shares, whole_bytes = tap_shares(plan, requests, calib, prelude, limit, device=device, device_id=device_id)
+        for k, share in enumerate(shares):
+            tapped = build_tapped(plan.model, share, dict(plan.types), prelude, keep_outputs=False)
+            # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
+            # output of its own) would run after the whole model, every tapped activation alive until
+            # then: +2.9 GB a batch on a 1.5B decoder. Priority order (Kahn's, ties by node order) runs
+            # each reduction where graph.taps placed it, right after its producer; 15% faster there.
+            runtime = open_runtime(tapped.model, tapped.fetch, device, device_id=device_id,
+                                   external_folder=plan.base_dir,
+                                   weights=needed_initializers(tapped.model, plan.model), priority_order=True)
+            provider = runtime.provider
+            whole = sum(r.reduction is Reduction.WHOLE for r in tapped.outputs)
+            name = label if len(shares) == 1 else f"{label} ({k + 1}/{len(shares)})"
+            log.info("%s pass on onnxruntime %s (taps to torch on %s): %d whole tensors and %d "
+                     "reductions fetched per batch", name, provider, runtime.device, whole, len(tapped.outputs) - whole)
+            try:
+                done = _feed_batches(runtime, calib, observers, tapped, reduce_in_graph,
+                                     progress and (dist is None or dist.is_main), dist, padding, name, count=k == 0)
+                batches = batches if k else done
+            finally:
+                runtime.close()
     except Exception as e:  # noqa: BLE001 -- under torchrun every rank must hear of it
         if dist is None:
             raise
@@ -232,7 +224,7 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         counts = gather_statistics(dist, observers.activation_observers(), error, counts)
         if padding is not None:
             padding.padded, padding.positions = counts
-    return PassResult(provider, batches, padding, runs.most, runs.largest, runs.limit)
+    return PassResult(provider, batches, padding, len(shares), whole_bytes, limit)
 
 
 def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:
@@ -244,14 +236,16 @@ def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, 
     return x[keep.to(x.device)]
 
 
-def _feed_batches(runtime, calib, observers: Consumers, runs: TapRuns, in_graph: bool, progress: bool, dist=None,
-                  padding: Padding | None = None, label: str = "calibrating") -> int:
-    """Run every batch (under torchrun: every world-th, from this rank) and feed the observers."""
+def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
+                  padding: Padding | None = None, label: str = "calibrating", count: bool = True) -> int:
+    """Run every batch (under torchrun: every world-th, from this rank) and feed the consumers of
+    ``tapped``'s taps; ``count``: count the padding (the first of several passes does)."""
     from graphcal.progress import Progress
 
-    routes = observers.by_tensor()
-    tapped = runs.tapped
-    count = 0
+    routes = {t: cs for t, cs in observers.by_tensor().items()
+              if any(c.request(in_graph) in tapped.outputs for c in cs)}
+    takes = runtime.inputs
+    done = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     if dist is None:  # samples/s and the time left over the whole data
         bar = Progress(label, getattr(calib, "num_samples", None) or None, "sample", bar=progress)
@@ -262,13 +256,13 @@ def _feed_batches(runtime, calib, observers: Consumers, runs: TapRuns, in_graph:
         for index, batch in enumerate(calib.batches()):
             if dist is not None and index % dist.world != dist.rank:
                 continue
-            keep = padding.count(batch) if padding is not None else None
-            for values in runs.values(runtime, batch):
-                _feed(values, routes, tapped, in_graph, keep, padding, index)
-                del values  # this run's taps go before the next run fetches its own
-            count += 1
+            keep = padding.count(batch, count) if padding is not None else None
+            values = runtime.run({k: v for k, v in batch.items() if k in takes})
+            _feed(values, routes, tapped, in_graph, keep, padding, index)
+            del values
+            done += 1
             bar.update(batch_samples(batch) if dist is None else 1)
-    return count
+    return done
 
 
 def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int) -> None:

@@ -43,23 +43,25 @@ class Runtime:
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     _weights: list = field(default_factory=list, repr=False)  # buffers the session reads (see open_runtime)
 
-    def run(self, feeds: dict[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """Run one batch; every output (or those of ``outputs``, any of the graph's) comes back as a
-        torch tensor on ``self.device``, sharing onnxruntime's memory (it lives as long as the tensor
-        does). onnxruntime runs the whole graph whatever is fetched; what is fetched stays alive
-        until the run ends, the rest is freed as it goes."""
-        outputs = self.outputs if outputs is None else list(outputs)
+    @property
+    def inputs(self) -> set[str]:
+        """The graph inputs the session takes (a pruned graph may take fewer than the model)."""
+        return {i.name for i in self.session.get_inputs()}
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
+        onnxruntime's memory (it lives as long as the tensor does)."""
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
-        for name in outputs:
+        for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         try:
             self.session.run_with_iobinding(binding)  # returns once the device has finished the batch
         except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel
             detail = first_line(e).removeprefix("Error in execution: ")
             raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
-        return {name: torch.from_dlpack(value) for name, value in zip(outputs, binding.get_outputs())}
+        return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
 
     def run_numpy(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch through ``session.run``: every output as a numpy array on the host, of
@@ -335,8 +337,8 @@ def cuda_usable() -> bool:
 
 INT8_SATURATION_NOTE = (
     "onnxruntime's u8 x s8 integer kernels on this CPU (x86 without AVX-VNNI) add products in pairs in 16 bits "
-    "and saturate: int8 layers written for them (MatMulIntegerToFloat, DynamicQuantizeMatMul, QGemm) lose "
-    "accuracy here, not on CPUs with VNNI; check with graphcal eval --level all (docs/speed.md)")
+    "and saturate: int8-activation layers written for them (MatMulIntegerToFloat, DynamicQuantizeMatMul, QGemm) "
+    "lose accuracy on such CPUs; --matmulnbits keeps the numbers there (docs/usage.md#cpus-without-avx-vnni)")
 
 
 def int8_gemm_saturates() -> bool:

@@ -1,20 +1,25 @@
-"""Whole-tensor taps in bounded runs (graphcal.activations.TapRuns, --tap-limit-mb).
+"""Whole-tensor taps in bounded passes (graphcal.activations.tap_shares, --tap-limit-mb).
 
-onnxruntime keeps every fetched output of a run alive until the run ends, so a batch whose whole
-taps add up past the limit runs once per share of them. The shares must not change a single
-written byte, and no run may fetch more than the limit (beyond a single tap larger than it).
+onnxruntime keeps every output of a graph alive until a run ends, fetched or not, so a batch's whole
+taps are held at once. Past the limit the data runs once per share of them, each pass on a graph
+whose outputs are that share alone. The shares must not change a single written byte, and no
+pass's graph may hold more than the limit of whole taps (beyond a single tap larger than it).
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 
+import graphcal.activations
 import graphcal.limits
 from graphcal.activations import TAP_LIMIT_MB, _slices
 from graphcal.cli import cli
+from graphcal.graph.taps import TapRequest, build_tapped, tap_bytes
 from graphcal.pipeline import calibrate
 from graphcal.runtime import Runtime
 
@@ -23,18 +28,24 @@ def _files(out):
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".graphcal")}
 
 
-def _recorded(monkeypatch):
-    """Every Runtime.run: (the outputs asked for, the bytes of the float tensors fetched)."""
-    calls = []
-    real = Runtime.run
+def _passes(monkeypatch):
+    """Every session the activation pass opens: [its graph's outputs, the float bytes of each batch's run]."""
+    passes = []
+    real_open, real_run = graphcal.activations.open_runtime, Runtime.run
 
-    def run(self, feeds, outputs=None):
-        values = real(self, feeds, outputs)
-        calls.append((outputs, {n: v.nbytes for n, v in values.items() if v.is_floating_point() and v.ndim >= 2}))
+    def open_runtime(model, outputs, *args, **kwargs):
+        assert {o.name for o in model.graph.output} == set(outputs)  # nothing else held until a run ends
+        passes.append([list(outputs), []])
+        return real_open(model, outputs, *args, **kwargs)
+
+    def run(self, feeds):
+        values = real_run(self, feeds)
+        passes[-1][1].append(sum(v.nbytes for v in values.values() if v.is_floating_point() and v.ndim >= 2))
         return values
 
+    monkeypatch.setattr(graphcal.activations, "open_runtime", open_runtime)
     monkeypatch.setattr(Runtime, "run", run)
-    return calls
+    return passes
 
 
 def test_slices_keep_order_and_stay_under_the_limit():
@@ -44,43 +55,52 @@ def test_slices_keep_order_and_stay_under_the_limit():
     assert _slices(["x"], {"x": 5}, 1) == [["x"]]
 
 
+def test_tap_sizes_from_shape_inference_are_the_tensors_onnxruntime_makes(llama_dir):
+    """The first batch's dims fixed, onnx shape inference (with data propagation through the
+    exporter's Shape -> Reshape chains) gives every tapped activation's size; checked against the
+    tensors onnxruntime returns."""
+    from graphcal.runtime import run_model
+
+    model = onnx.load(llama_dir / "model.onnx")
+    tensors = list(dict.fromkeys(n.input[0] for n in model.graph.node if n.op_type == "MatMul"))
+    feeds = {k: v[:8] for k, v in np.load(llama_dir / "calib.npz").items()}
+    sizes = tap_bytes(model, tensors, {k: v.shape for k, v in feeds.items()})
+    tapped = build_tapped(model, [TapRequest(t) for t in tensors]).model
+    tapped.graph.initializer.extend(model.graph.initializer)  # the tapped copy is weightless
+    got = run_model(tapped, feeds, tensors)
+    assert sizes == {t: got[t].nbytes for t in tensors}
+
+
 @pytest.mark.parametrize("scheme, options", [
     ("W8A8_STATIC", {"observer": "mse"}),  # whole activations for llm-compressor's MSE search
     ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32, "observer": "imatrix_mse"}}', {}),
     ("W8A8_STATIC", {"exclude_padding": True}),  # every tap whole, rows picked in torch
+    ("W8A8_STATIC", {"observer": "mse", "smoothquant": "norms"}),  # taps of x * (1/s) the model lacks
 ])
-def test_runs_in_shares_write_the_same_bytes(llama_dir, tmp_path, monkeypatch, scheme, options):
+def test_passes_in_shares_write_the_same_bytes(llama_dir, tmp_path, monkeypatch, scheme, options):
     whole = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "whole", scheme=scheme,
                       **options)
-    calls = _recorded(monkeypatch)
+    passes = _passes(monkeypatch)
     limit_mb = 0.3  # tiny-llama's whole taps: about 1.3 MB a batch of 8 x 32 tokens
     shared = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "shared", scheme=scheme,
                        tap_limit_mb=limit_mb, **options)
     assert _files(tmp_path / "whole") == _files(tmp_path / "shared")
     assert not any("tap-limit-mb" in w for w in whole.warnings)
     assert [w for w in shared.warnings if "tap-limit-mb" in w], shared.warnings
-    # the first batch: one run for the reductions and the taps' shapes, then the shares; later batches
-    # the shares alone; each run holds at most the limit of whole taps, or one tap
-    batches = whole.num_batches
-    assert len(calls) > 2 * batches
-    for outputs, fetched in calls:
-        assert outputs is not None
-        assert sum(fetched.values()) <= limit_mb * 1e6 or len(fetched) == 1, fetched
+    calibration = [p for p in passes if p[1]]
+    assert len(calibration) > 2
+    for outputs, runs in calibration:
+        assert len(runs) == whole.num_batches  # every pass reads all the data
+        assert max(runs) <= limit_mb * 1e6 or len(outputs) <= 3, (outputs, runs)  # one tap (+ its min, max)
+    assert shared.padding_share == whole.padding_share
 
 
-def test_under_the_limit_a_batch_runs_once_after_the_first(llama_dir, tmp_path, monkeypatch):
-    calls = _recorded(monkeypatch)
+def test_under_the_limit_one_pass(llama_dir, tmp_path, monkeypatch):
+    passes = _passes(monkeypatch)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
                        observer="mse")
-    # the first batch of each shape: the probe, then one run of every whole tap; then one run a batch
-    assert len(calls) == result.num_batches + 1
+    assert [len(runs) for _, runs in passes] == [result.num_batches]
     assert TAP_LIMIT_MB == 1024
-
-
-def test_min_max_observers_need_no_probe(llama_dir, tmp_path, monkeypatch):
-    calls = _recorded(monkeypatch)
-    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC")
-    assert len(calls) == result.num_batches and all(outputs is None for outputs, _ in calls)
 
 
 def test_the_flag_reaches_the_pass(llama_dir, tmp_path):
@@ -89,7 +109,7 @@ def test_the_flag_reaches_the_pass(llama_dir, tmp_path):
                                       "--scheme", "W8A8_STATIC", "--observer", "mse", "--tap-limit-mb", "1",
                                       "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    assert any("each batch ran 2 times" in w for w in json.loads(result.stdout)["warnings"])
+    assert any("the data ran 2 times" in w for w in json.loads(result.stdout)["warnings"])
     bad = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
                                    "--tap-limit-mb", "0", "-o", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--tap-limit-mb" in bad.output

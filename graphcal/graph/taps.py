@@ -13,6 +13,7 @@ itself (:func:`graphcal.runtime.open_runtime`'s ``weights``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -67,19 +68,26 @@ class TappedGraph:
 
 
 def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict | None = None,
-                 prelude: tuple[list, list] = ((), ()), shapes: bool = False) -> TappedGraph:
+                 prelude: tuple[list, list] = ((), ()), shapes: Sequence[str] = (),
+                 keep_outputs: bool = True) -> TappedGraph:
     """The tapped graph for ``requests`` on a weightless copy of ``model`` (``model`` is untouched).
 
     The copy keeps only the constants the reductions add; every name in ``model`` stays reserved,
     so its initializers can be handed to the session beside the copy. ``prelude`` (nodes, their
     constants) adds tensors that are not in ``model`` to tap, each node right after the producer of
     its first input and typed like it (SmoothQuant's smoothed activations ``x * (1/s)``). ``shapes``:
-    a Shape node after each tensor tapped whole (``TappedGraph.shapes``).
+    tensors whose shape alone comes out (``TappedGraph.shapes``), the tensors themselves not.
+
+    Without ``keep_outputs`` the copy's outputs are the taps alone. Either way it keeps only the
+    nodes its outputs need: onnxruntime runs every node of a graph whatever a run fetches, and
+    keeps every graph output alive until the run ends, fetched or not (the model's logits, say).
     """
     from graphcal.graph.io import hollow_copy, value_types
 
     types = value_types(model) if types is None else types
     hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied
+    if not keep_outputs:
+        del hollow.graph.output[:]  # the taps are the outputs
     reserved = {t.name for t in model.graph.initializer}
     nodes, inits = prelude
     if nodes:
@@ -97,8 +105,26 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
     outputs.update({r: found[r] for r in reduced})
     finite = {key[0]: probe for key, probe in found.items() if isinstance(key, tuple)}
     fetch += [name for r in reduced for name in found[r]] + list(finite.values())
-    probes = _shape_probes(hollow, whole, reserved) if shapes else {}
+    probes = _shape_probes(hollow, list(shapes), reserved)
+    _prune(hollow.graph)
     return TappedGraph(hollow, list(dict.fromkeys(fetch)), outputs, finite, probes)
+
+
+def _prune(graph: onnx.GraphProto) -> None:
+    """Drop (in place) the nodes no graph output needs, walking back from the outputs."""
+    from graphcal.graph.check import _free_names, _subgraphs
+
+    needed = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+            for body in _subgraphs(node):
+                needed |= _free_names(body)
+    if len(kept) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(reversed(kept))
 
 
 def _shape_probes(model: onnx.ModelProto, tensors: list[str], reserved: set[str]) -> dict[str, str]:
@@ -312,3 +338,44 @@ def _place_after_producers(graph: onnx.GraphProto, added: dict[str, list]) -> No
         order[:0] = nodes
     del graph.node[:]
     graph.node.extend(order)
+
+
+def tap_bytes(model: onnx.ModelProto, tensors: Sequence[str], input_shapes: dict[str, tuple[int, ...]],
+              prelude_nodes: Sequence[onnx.NodeProto] = ()) -> dict[str, int | None]:
+    """The bytes of each of ``tensors`` in a batch whose graph inputs have ``input_shapes``: onnx
+    shape inference on a weightless copy with those dims fixed, propagating values through the
+    Shape -> Gather -> Concat -> Reshape chains exporters write. None where it cannot tell. A
+    ``prelude_nodes`` output (``x * (1/s)``) has its input's shape."""
+    import math
+
+    from graphcal.graph.io import hollow_copy
+
+    hollow = hollow_copy(model)
+    del hollow.graph.value_info[:]  # inferred again from the fixed dims, not merged with symbolic ones
+    for t in model.graph.initializer:
+        hollow.graph.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
+    for value in hollow.graph.input:
+        shape, dims = input_shapes.get(value.name), value.type.tensor_type.shape.dim
+        if shape is not None and len(dims) == len(shape):
+            for d, n in zip(dims, shape):
+                d.ClearField("dim_param")
+                d.dim_value = int(n)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(hollow, data_prop=True).graph
+        known = {v.name: v.type.tensor_type for v in (*inferred.value_info, *inferred.input, *inferred.output)}
+    except Exception:  # noqa: BLE001 -- best effort: the caller measures what this cannot tell
+        known = {}
+    source = {n.output[0]: n.input[0] for n in prelude_nodes}
+    out: dict[str, int | None] = {}
+    for name in tensors:
+        t = known.get(source.get(name, name))
+        dims = list(t.shape.dim) if t is not None and t.HasField("shape") else None
+        if dims is None or not t.elem_type or any(not d.HasField("dim_value") for d in dims):
+            out[name] = None
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            itemsize = 4
+        out[name] = math.prod(d.dim_value for d in dims) * itemsize
+    return out
