@@ -307,3 +307,22 @@ def test_bench_on_cuda_reports_the_provider_kernels_and_gpu_memory(tmp_path, lla
         assert memory["peak_rss_bytes"] > 0 and memory["provider"] == "CUDAExecutionProvider"
         assert memory["device"] == "nvidia-smi" and memory["device_bytes"] > 0, memory
     assert report["shapes"]["prefill"]["quantized"]["median_s"] > 0
+
+
+@pytest.mark.parametrize("saturates", [True, False])
+def test_int8_kernels_that_saturate_are_noted(tmp_path, data, monkeypatch, saturates):
+    """bench runs the model on this CPU: where onnxruntime's u8 x s8 kernels saturate
+    (tests/test_saturation.py) and the quantized model runs one, the report says so."""
+    import graphcal.runtime
+    from graphcal.runtime import INT8_SATURATION_NOTE
+
+    monkeypatch.setattr(graphcal.runtime, "_SATURATES", saturates)
+    ref = _save(fp32_model(), tmp_path / "ref.onnx")
+    quant = _save(int8_static_model(), tmp_path / "q.onnx")
+    report = _bench_json(ref, quant, "--data", data, "--device", "cpu", "--no-decode", "--no-memory", *FAST)
+    assert report["notes"] == ([INT8_SATURATION_NOTE] if saturates else [])
+    text = _bench(ref, quant, "--data", data, "--device", "cpu", "--no-decode", "--no-memory", *FAST)
+    assert text.exit_code == 0 and (INT8_SATURATION_NOTE in text.output) is saturates
+    # a float model runs no integer kernel: nothing to note
+    report = _bench_json(ref, ref, "--data", data, "--device", "cpu", "--no-decode", "--no-memory", *FAST)
+    assert report["notes"] == []

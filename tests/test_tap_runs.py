@@ -145,3 +145,27 @@ quant_stage:
     ok = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
                                   "--recipe", str(recipe), "-o", str(out), "-q"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_sizes_shape_inference_cannot_tell_are_measured(llama_dir, tmp_path, monkeypatch):
+    """Where shape inference leaves a tap's size open, a run that fetches only the taps' shapes
+    measures it: the same shares, the same bytes."""
+    from graphcal.activations import tap_shares
+
+    seen = {}
+    real = tap_shares
+
+    def shares(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.setdefault("shares", []).append([[r.tensor for r in share] for share in out[0]] + [out[1]])
+        return out
+
+    monkeypatch.setattr(graphcal.activations, "tap_shares", shares)
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "inferred", scheme="W8A8_STATIC",
+              observer="mse", tap_limit_mb=0.3)
+    monkeypatch.setattr(graphcal.activations, "tap_bytes", lambda model, tensors, *a: {t: None for t in tensors})
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "measured", scheme="W8A8_STATIC",
+              observer="mse", tap_limit_mb=0.3)
+    inferred, measured = seen["shares"]
+    assert inferred == measured and len(inferred) > 2
+    assert _files(tmp_path / "inferred") == _files(tmp_path / "measured")
