@@ -1,10 +1,12 @@
 """The activation pass: the tapped graph runs once per batch and feeds the observers.
 
 The tapped graph (:func:`graphcal.graph.taps.build_tapped`) is a weightless copy of the model
-plus the taps; the session reads the model's own initializers beside it. Each batch's taps
-reach torch by DLPack (on the GPU under CUDA), each goes to its consumers
-(:class:`graphcal.observe.Consumer`), and the batch is dropped. Under torchrun each rank runs
-its share of the batches and the ranks then exchange their statistics once.
+whose outputs are the taps, pruned to the nodes they need; the session reads the model's own
+initializers beside it. Each batch's taps reach torch by DLPack (on the GPU under CUDA), each
+goes to its consumers (:class:`graphcal.observe.Consumer`), and the batch is dropped. Where a
+batch's whole taps would pass ``--tap-limit-mb``, the data runs once per share of them
+(:func:`tap_shares`). Under torchrun each rank runs its share of the batches and the ranks then
+exchange their statistics once.
 """
 
 from __future__ import annotations
@@ -177,7 +179,8 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
     names; with an attention_mask among them the pass counts the padding it sees. ``prelude``:
     nodes that make tensors to tap which the model lacks (see :func:`graphcal.graph.taps.build_tapped`);
     ``label`` names the pass on the progress bar and in the log. ``tap_limit_mb`` (default
-    :data:`TAP_LIMIT_MB`) bounds the whole taps one onnxruntime run fetches (:class:`TapRuns`).
+    :data:`TAP_LIMIT_MB`) bounds the whole taps a batch holds (:func:`tap_shares`: past it, one
+    pass over the data per share of them). Each pass's tapped graph outputs its taps alone.
     """
     padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if not observers.consumers:

@@ -152,8 +152,8 @@ PASS_OPTIONS = (
                       "input; the taps then leave onnxruntime whole. run always prints the share of padding."),
     click.option("--tap-limit-mb", type=click.FloatRange(min=1), default=None, metavar="MB",
                  help="At most this many MB of activations tapped whole (mse and imatrix observers, "
-                      "--exclude-padding) fetched per onnxruntime run; a batch whose taps add up to more runs once "
-                      "per share, onnxruntime running the whole model each time (default 1024)."),
+                      "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
+                      "computing only what its share needs (default 1024)."),
 )
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 

@@ -124,8 +124,8 @@ def calibrate(
     the weights with llm-compressor's algorithms instead of to nearest, GPTQ in ``gptq_order``
     ("sequential", the default, or "one-pass"); ``group_size`` sets the scheme's weight group size
     (their other knobs: ``config=resolve(Options(...))``). ``tap_limit_mb`` (default 1024) bounds
-    the activations tapped whole that one onnxruntime run fetches: a batch whose taps add up to more
-    runs more than once (graphcal.activations.TapRuns).
+    the activations tapped whole that a batch holds: past it the data runs once per share of them
+    (graphcal.activations.tap_shares).
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
