@@ -269,9 +269,10 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
 
 
 def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int) -> None:
-    """Feed the consumers whose taps are all in ``values`` (one run's outputs) for batch ``index``."""
+    """Feed the consumers whose taps ``tapped`` (this pass's graph) makes, from ``values`` (its
+    outputs for batch ``index``); a tensor's other consumers are fed in another pass."""
     for tensor, consumers in routes.items():
-        consumers = [c for c in consumers if all(n in values for n in tapped.outputs[c.request(in_graph)])]
+        consumers = [c for c in consumers if c.request(in_graph) in tapped.outputs]
         if not consumers:
             continue
         x = values.get(tensor)

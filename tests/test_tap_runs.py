@@ -76,6 +76,9 @@ def test_tap_sizes_from_shape_inference_are_the_tensors_onnxruntime_makes(llama_
     ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32, "observer": "imatrix_mse"}}', {}),
     ("W8A8_STATIC", {"exclude_padding": True}),  # every tap whole, rows picked in torch
     ("W8A8_STATIC", {"observer": "mse", "smoothquant": "norms"}),  # taps of x * (1/s) the model lacks
+    # one tensor, two consumers in two passes: imatrix's whole tap in a share, the input's min/max in the last
+    ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32, "observer": "imatrix_mse"}, '
+     '"input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": false}}', {}),
 ])
 def test_passes_in_shares_write_the_same_bytes(llama_dir, tmp_path, monkeypatch, scheme, options):
     whole = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "whole", scheme=scheme,
