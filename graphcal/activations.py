@@ -117,9 +117,13 @@ def tap_shares(plan: RunPlan, requests: list[TapRequest], calib, prelude: tuple[
             values = runtime.run({k: v for k, v in first.items() if k in runtime.inputs})
         finally:
             runtime.close()
-        elem = {t: plan.types[t].elem_type if t in plan.types else onnx.TensorProto.FLOAT for t in unknown}
+        source = {n.output[0]: n.input[0] for n in prelude[0]}  # x * (1/s) is typed like x
         for t in unknown:
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(elem[t] or onnx.TensorProto.FLOAT).itemsize
+            known = plan.types.get(source.get(t, t))
+            try:
+                itemsize = onnx.helper.tensor_dtype_to_np_dtype(known.elem_type).itemsize if known else 4
+            except (KeyError, TypeError, ValueError):
+                itemsize = 4
             sizes[t] = itemsize * math.prod(int(d) for d in values[probe.shapes[t]].tolist())
     total = sum(sizes.values())
     position = {o: i for i, n in enumerate(plan.model.graph.node) for o in n.output}
@@ -192,11 +196,11 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
         return PassResult(None, 0, padding if padding is not None and padding.positions else None)
     if exclude_padding:
         reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
-    check_state(observers, dist.world if dist is not None else 1)
     requests = observers.requests(reduce_in_graph)
     limit = int((TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb) * 1e6)
     provider, batches, error, shares, whole_bytes = None, 0, None, [requests], 0
     try:
+        check_state(observers, dist.world if dist is not None else 1)
         shares, whole_bytes = tap_shares(plan, requests, calib, prelude, limit, device=device, device_id=device_id)
         for k, share in enumerate(shares):
             tapped = build_tapped(plan.model, share, dict(plan.types), prelude, keep_outputs=False)

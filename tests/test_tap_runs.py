@@ -172,3 +172,36 @@ def test_sizes_shape_inference_cannot_tell_are_measured(llama_dir, tmp_path, mon
     inferred, measured = seen["shares"]
     assert inferred == measured and len(inferred) > 2
     assert _files(tmp_path / "inferred") == _files(tmp_path / "measured")
+
+
+@pytest.mark.parametrize("observer", [None, "mse"])
+def test_weights_also_listed_as_graph_inputs_are_handed_over(tmp_path, observer):
+    """Exporters with keep_initializers_as_inputs list every weight as a graph input too: the tapped
+    graph (which keeps the model's inputs) still gets them as weights, not as inputs to feed. The
+    second layer's input is computed with the first layer's weight."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), f"model.{n}.weight")
+               for n in ("up", "down")]
+
+    def model(weights_as_inputs: bool):
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])]
+        if weights_as_inputs:
+            inputs += [helper.make_tensor_value_info(w.name, TensorProto.FLOAT, [16, 16]) for w in weights]
+        nodes = [helper.make_node("MatMul", ["x", weights[0].name], ["h"], name="/model/up/MatMul"),
+                 helper.make_node("MatMul", ["h", weights[1].name], ["y"], name="/model/down/MatMul")]
+        graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])],
+                                  weights)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((16, 16)).astype(np.float32))
+    written = {}
+    for as_inputs in (False, True):
+        folder = tmp_path / f"m{as_inputs}"
+        folder.mkdir()
+        onnx.save(model(as_inputs), folder / "model.onnx")
+        calibrate(folder / "model.onnx", tmp_path / "calib.npz", tmp_path / f"out{as_inputs}", scheme="W8A8_STATIC",
+                  observer=observer)
+        written[as_inputs] = (tmp_path / f"out{as_inputs}" / "qparams.safetensors").read_bytes()
+    assert written[True] == written[False]
