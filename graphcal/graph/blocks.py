@@ -244,9 +244,7 @@ def needed_initializers(sub: onnx.ModelProto, model: onnx.ModelProto) -> list[on
     themselves, not copies; external ones stay external (pass the model's folder as
     ``external_folder``)."""
     g = sub.graph
-    inits = {t.name for t in model.graph.initializer}
-    # a weight some exporters also list as a graph input (keep_initializers_as_inputs) is still the model's
-    own = ({v.name for v in g.input} - inits) | {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
+    own = {v.name for v in g.input} | {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
     read: set[str] = set()
     for node in g.node:
         read.update(n for n in node.input if n)

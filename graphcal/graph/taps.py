@@ -86,9 +86,14 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
 
     types = value_types(model) if types is None else types
     hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied
+    reserved = {t.name for t in model.graph.initializer}
     if not keep_outputs:
         del hollow.graph.output[:]  # the taps are the outputs
-    reserved = {t.name for t in model.graph.initializer}
+        # weights some exporters also list as graph inputs (keep_initializers_as_inputs) are handed
+        # over with the model's other weights, not fed
+        inputs = [i for i in hollow.graph.input if i.name not in reserved]
+        del hollow.graph.input[:]
+        hollow.graph.input.extend(inputs)
     nodes, inits = prelude
     if nodes:
         hollow.graph.initializer.extend(inits)
