@@ -15,14 +15,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import onnx
 import torch
 
 from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
 from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
-from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, tap_bytes
+from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
 from graphcal.limits import format_size
 from graphcal.observe import Consumers, Feed
 from graphcal.observers.helpers import memory_order
@@ -120,11 +119,8 @@ def tap_shares(plan: RunPlan, requests: list[TapRequest], calib, prelude: tuple[
         source = {n.output[0]: n.input[0] for n in prelude[0]}  # x * (1/s) is typed like x
         for t in unknown:
             known = plan.types.get(source.get(t, t))
-            try:
-                itemsize = onnx.helper.tensor_dtype_to_np_dtype(known.elem_type).itemsize if known else 4
-            except (KeyError, TypeError, ValueError):
-                itemsize = 4
-            sizes[t] = itemsize * math.prod(int(d) for d in values[probe.shapes[t]].tolist())
+            sizes[t] = itemsize(known.elem_type if known else 0) * math.prod(
+                int(d) for d in values[probe.shapes[t]].tolist())
     total = sum(sizes.values())
     position = {o: i for i, n in enumerate(plan.model.graph.node) for o in n.output}
     for n in prelude[0]:  # x * (1/s) comes right after x
@@ -249,8 +245,9 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
     ``tapped``'s taps; ``count``: count the padding (the first of several passes does)."""
     from graphcal.progress import Progress
 
-    routes = {t: cs for t, cs in observers.by_tensor().items()
-              if any(c.request(in_graph) in tapped.outputs for c in cs)}
+    # this pass's consumers: those whose taps its graph makes (a tensor's others are fed in another pass)
+    routes = {t: mine for t, cs in observers.by_tensor().items()
+              if (mine := [c for c in cs if c.request(in_graph) in tapped.outputs])}
     takes = runtime.inputs
     done = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
@@ -273,12 +270,9 @@ def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, 
 
 
 def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int) -> None:
-    """Feed the consumers whose taps ``tapped`` (this pass's graph) makes, from ``values`` (its
-    outputs for batch ``index``); a tensor's other consumers are fed in another pass."""
+    """Feed ``routes`` (tensor -> its consumers in this pass) from ``values``, the outputs of
+    ``tapped`` (this pass's graph) for batch ``index``."""
     for tensor, consumers in routes.items():
-        consumers = [c for c in consumers if c.request(in_graph) in tapped.outputs]
-        if not consumers:
-            continue
         x = values.get(tensor)
         probe = tapped.finite.get(tensor)
         finite = (all_finite(x) if x is not None and x.is_floating_point()

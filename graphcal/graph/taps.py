@@ -56,8 +56,8 @@ class TappedGraph:
     ``outputs[request]`` is ``(tensor,)`` for WHOLE, ``(*gram blocks, shape)`` for GRAM (:func:`gram`
     puts them together) and ``(min, max)`` otherwise; ``finite[tensor]``
     is the finiteness probe of a reduced tensor (0, or NaN if any element is NaN or infinite);
-    ``shapes[tensor]`` (with ``shapes=True``) is the shape of a tensor tapped whole, an output that
-    ``fetch`` leaves out: a run can fetch it to learn a tap's size without fetching the tap.
+    ``shapes[tensor]`` is the shape output of a tensor ``build_tapped``'s ``shapes`` names, an
+    output that ``fetch`` leaves out: a run fetches it to learn a tap's size without the tap.
     """
 
     model: onnx.ModelProto
@@ -378,9 +378,13 @@ def tap_bytes(model: onnx.ModelProto, tensors: Sequence[str], input_shapes: dict
         if dims is None or not t.elem_type or any(not d.HasField("dim_value") for d in dims):
             out[name] = None
             continue
-        try:
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
-        except (KeyError, TypeError, ValueError):
-            itemsize = 4
-        out[name] = math.prod(d.dim_value for d in dims) * itemsize
+        out[name] = math.prod(d.dim_value for d in dims) * itemsize(t.elem_type)
     return out
+
+
+def itemsize(elem_type: int) -> int:
+    """Bytes per element of an onnx element type as numpy holds it (fp32's 4 where it is unknown)."""
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize if elem_type else 4
+    except (KeyError, TypeError, ValueError):
+        return 4
