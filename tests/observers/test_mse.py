@@ -387,6 +387,55 @@ def test_fast_search_picks_the_eager_search_ranges(seed, symmetric, base_name, s
     assert torch.equal(obs.min_vals, ref_min) and torch.equal(obs.max_vals, ref_max)
 
 
+@pytest.mark.parametrize("args", [
+    QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"),
+    QuantizationArgs(num_bits=4, symmetric=False, strategy="channel"),
+    QuantizationArgs(num_bits=8, type="float", strategy="channel"),
+], ids=["int8-sym", "int4-asym", "fp8"])
+@pytest.mark.parametrize("importance", [False, True])
+@pytest.mark.parametrize("piece", [5000, 300])
+def test_transposed_weights_are_scored_as_they_lie(args, importance, piece):
+    """A MatMul weight is stored [in, out] and observed through a transpose as [out, in]: Scores reads
+    it as it lies, (N, G, Q) with the qparams last, in chunks of whole rows (5000 elements: 13 rows of
+    384) or of part of a row (300: every row in two pieces). Every candidate's error is still llm-compressor's eager one, weighted by
+    an importance where there is one, and the search keeps the eager search's candidates."""
+    import graphcal.observers.mse as mse
+    from graphcal.observers.helpers import flatten_for_calibration
+
+    g = torch.Generator().manual_seed(7)
+    stored = torch.randn(640, 384, generator=g) * torch.rand(384, generator=g).pow(2) * 3  # [in, out]
+    stored.view(-1)[torch.randint(0, stored.numel(), (30,), generator=g)] *= 10
+    observed = flatten_for_calibration(stored.T, "weight", args)  # (1, out, 1, in), strided
+    imp = torch.rand(1, 1, 1, 640, generator=g) + 0.1 if importance else None
+    factors = [1 - i / 100 for i in range(0, 20, 2)]
+    cargs = mse.search_args(args)
+    min0, max0 = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    scale, zp = calculate_qparams(torch.stack([min0 * p for p in factors]),
+                                  torch.stack([max0 * p for p in factors]), cargs)
+    expected = []
+    for i in range(len(factors)):
+        q = fake_quantize(observed, scale[i].unsqueeze(-1), zp[i].unsqueeze(-1), cargs)
+        err = (q - observed).abs().pow(2.4)
+        expected.append((err if imp is None else imp * err).sum(dim=(0, -1)))
+    chunk = mse.CHUNK_ELEMENTS["cpu"]
+    try:
+        mse.CHUNK_ELEMENTS["cpu"] = mse.MAX_CANDIDATES * piece
+        scores = mse.Scores(observed, 2.4, imp, torch.float32)
+    finally:
+        mse.CHUNK_ELEMENTS["cpu"] = chunk
+    assert scores._qlast and len(scores._chunks) > 10  # the path under test, in many pieces
+    got = scores(scale, zp, cargs)
+    torch.testing.assert_close(got, torch.stack(expected), rtol=5e-6, atol=0)
+    best = mse.shrink_search(observed, args, [1 - i / 100 for i in range(20)], norm=2.4, patience=5,
+                             importance=imp)
+    dense = mse.shrink_search(observed.contiguous(), args, [1 - i / 100 for i in range(20)], norm=2.4,
+                              patience=5, importance=imp)
+    assert torch.equal(best[0], dense[0]) and torch.equal(best[1], dense[1])
+    if imp is None:
+        ref = _eager_search(observed, args, patience=5)
+        assert torch.equal(best[0], ref[0]) and torch.equal(best[1], ref[1])
+
+
 def _eager_search(observed, args, *, patience, maxshrink=0.2, grid=100.0, norm=2.4):
     """llm-compressor's eager loop on a flattened tensor: one candidate at a time."""
     factors = [1 - i / grid for i in range(int(maxshrink * grid))]
