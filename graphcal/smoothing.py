@@ -105,7 +105,7 @@ class RowSample:
         self.kept: list[torch.Tensor] = []
         self.count = 0
 
-    def __call__(self, x: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, extrema=None) -> None:  # extrema: as observers take them, unused
         if self.count >= self.rows:
             return
         flat = x.reshape(-1, x.shape[-1])

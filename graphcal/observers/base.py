@@ -240,8 +240,12 @@ class Observer(RegistryMixin):
 
     # ------------------------------------------------------------------ observing
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> None:
-        """Observe ``x``: weight ``[out, in]``, activation ``(B, S, H)``, q/k/v ``(B, h, S, D)``."""
+    def __call__(self, x: torch.Tensor, extrema: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Observe ``x``: weight ``[out, in]``, activation ``(B, S, H)``, q/k/v ``(B, h, S, D)``.
+
+        ``extrema``: ``x``'s min and max where the caller has them already (the activation pass reads
+        them to refuse NaN/Inf); observers that need a tensor's extrema take them instead of reading
+        ``x`` again, the others ignore them."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"observers take torch tensors, got {type(x).__name__}")
         if x.numel() == 0:
@@ -250,7 +254,11 @@ class Observer(RegistryMixin):
             return  # weights are observed once
         if not x.is_floating_point():
             raise TypeError(f"observers take floating-point tensors, got {x.dtype}")
-        self._update(flatten_for_calibration(x, self.base_name, self.args))
+        observed = flatten_for_calibration(x, self.base_name, self.args)
+        if extrema is None:
+            self._update(observed)
+        else:
+            self._update_spanned(observed, *extrema)
 
     forward = __call__
 
@@ -272,6 +280,10 @@ class Observer(RegistryMixin):
 
     def _update(self, observed: torch.Tensor) -> None:
         self._combine(*self._batch_min_max(observed))
+
+    def _update_spanned(self, observed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """:meth:`_update` given the tensor's min and max; by default they are not used."""
+        self._update(observed)
 
     def _batch_min_max(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return reduce_min_max(observed)

@@ -173,6 +173,45 @@ def test_coarsening_is_exact():
 
 
 @pytest.mark.parametrize("name", ["percentile", "entropy", "histogram_mse"])
+def test_extrema_handed_in_are_taken_not_read_again(name, monkeypatch):
+    """The activation pass reads each tap's min and max to refuse NaN/Inf and hands them over: a
+    histogram observer then bins the tap without reading its extrema again, to the same state."""
+    xs = batches(2)
+    own, handed = load(name), load(name)
+    for x in xs:
+        own(x)
+    real = torch.aminmax
+    spans = [real(x) for x in xs]
+    reads = []
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: reads.append(1) or real(*a, **k))
+    for x, span in zip(xs, spans):
+        handed(x, extrema=span)
+    assert not reads
+    assert torch.equal(own.hist, handed.hist) and torch.equal(own.lo, handed.lo) and torch.equal(own.hi, handed.hi)
+    monkeypatch.setattr(torch, "aminmax", real)
+    assert torch.equal(own.get_qparams()["scale"], handed.get_qparams()["scale"])
+
+
+@pytest.mark.parametrize("chunk, count", [(1 << 18, 1 << 22), (1000, 3500), (1000, 1000), (700, 100000)])
+def test_counts_are_each_values_bin_however_the_tap_is_cut(chunk, count, monkeypatch):
+    """Binned in steps of ``chunk`` values and counted ``count`` at a time (ragged ends, a count per step,
+    one count for all), every value lands in its bin ``floor(x / width) + bins``, worked out here in
+    float64 by numpy, and no value is counted twice or lost."""
+    import graphcal.observers.histogram as histogram
+
+    monkeypatch.setattr(histogram, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(histogram, "COUNT_ELEMENTS", count)
+    monkeypatch.setattr(histogram, "_SCRATCH", {})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1111, 7, generator=g) * 3
+    absmax = float(x.abs().max())
+    counts, width = add_to_histogram(None, 0.0, x, absmax, 256)
+    index = np.clip(np.floor(x.numpy().astype(np.float64).ravel() / width) + 256, 0, 511).astype(np.int64)
+    assert counts.dtype == torch.float64 and counts.sum() == x.numel()
+    assert np.array_equal(counts.numpy(), np.bincount(index, minlength=512).astype(np.float64))
+
+
+@pytest.mark.parametrize("name", ["percentile", "entropy", "histogram_mse"])
 def test_ranks_merge_to_the_single_process_result(name):
     """What torchrun does: each rank observes its batches, rank 0 merges: the same histogram, counts
     and range as one observer fed every batch."""
