@@ -115,7 +115,8 @@ def shrink_search(
 
 #: candidates scored together (one read of each chunk of the tensor serves them all)
 MAX_CANDIDATES = 8
-#: elements of one chunk of (candidates x tensor): its scratch stays in the core's cache
+#: elements of one chunk of (candidates x tensor): its scratch (4 MB on the CPU) stays in the last-level
+#: cache; smaller chunks, in a core's own cache, lost more to the per-step overhead than they gained
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
 #: exponents torch's pow computes by multiplication (exactly and fast); others go through exp/log
 _EXACT_POWERS = (1.0, 2.0, 3.0)
@@ -133,10 +134,10 @@ class Scores:
     llm-compressor's eager code, in the last bits only: the sum is taken chunk by chunk; ``|e|^norm``
     for a norm torch does not compute by multiplication (2.4) is ``exp2(norm / ln 2 * log|e|)``
     (within 2e-6 of ``pow``, 3x cheaper; exp2 costs less than exp); and int candidates multiply by
-    ``1/scale`` instead of dividing (half the cost), which rounds a value the other way only when it lies within an ulp of a half step (a few
-    in ten million), where both ways leave an error of half a step. None of them moves a search off
-    its candidate unless two candidates' errors agree to about a millionth (the tests check the
-    searches against llm-compressor's eager ones). Other dtypes (fp16, bf16 weights) are scored
+    ``1/scale`` instead of dividing (half the cost), which rounds a value the other way only when it
+    lies within an ulp of a half step (a few in ten million), where both ways leave an error of half
+    a step. None of them moves a search off its candidate unless two candidates' errors agree to
+    about a millionth (the tests check the searches against llm-compressor's eager ones). Other dtypes (fp16, bf16 weights) are scored
     one candidate at a time over the whole tensor in the observed dtype, llm-compressor's own way.
     """
 
