@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import onnx
 
 from graphcal.errors import GraphcalError
-from graphcal.graph.check import _free_names, _subgraphs
+from graphcal.graph.check import node_reads
 from graphcal.graph.targets import scoped_module
 from graphcal.types import Target
 
@@ -247,9 +247,7 @@ def needed_initializers(sub: onnx.ModelProto, model: onnx.ModelProto) -> list[on
     own = {v.name for v in g.input} | {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
     read: set[str] = set()
     for node in g.node:
-        read.update(n for n in node.input if n)
-        for body in _subgraphs(node):
-            read |= _free_names(body)
+        read.update(node_reads(node))
     read.update(o.name for o in g.output)  # an initializer fetched as it is
     return [t for t in model.graph.initializer if t.name in read and t.name not in own]
 
@@ -339,10 +337,8 @@ class _Index:
         self.consumers: dict[str, list[int]] = {}
         self.reads: list[list[str]] = []
         for i, node in enumerate(self.nodes):
-            names = dict.fromkeys(n for n in node.input if n)
-            for body in _subgraphs(node):
-                names.update(dict.fromkeys(sorted(_free_names(body))))
-            self.reads.append(list(names))
+            names = node_reads(node)
+            self.reads.append(names)
             for name in names:
                 self.consumers.setdefault(name, []).append(i)
             for out in node.output:

@@ -44,10 +44,9 @@ def _check(graph: onnx.GraphProto, outer: frozenset[str], scope: str) -> None:
     visible = outer | defined | producer.keys()
     waits_on: list[set[int]] = []
     for index, node in enumerate(graph.node):
-        needs = {name for name in node.input if name}
         for sub in _subgraphs(node):
             _check(sub, frozenset(visible), f"{scope} > {node.op_type} {_label(node, index)}")
-            needs |= _free_names(sub)
+        needs = set(node_reads(node))
         deps = set()
         for name in needs:
             if name in producer:
@@ -100,6 +99,15 @@ def _subgraphs(node: onnx.NodeProto):
         yield from attr.graphs
 
 
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """The names ``node`` reads, once each: its inputs in order, then (sorted) what each of its
+    subgraphs (If/Loop/Scan bodies) reads from outside itself."""
+    names = dict.fromkeys(n for n in node.input if n)
+    for body in _subgraphs(node):
+        names.update(dict.fromkeys(sorted(_free_names(body))))
+    return list(names)
+
+
 def _free_names(graph: onnx.GraphProto) -> set[str]:
     """Names a subgraph reads from its enclosing scopes."""
     defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
@@ -108,8 +116,6 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
         defined.update(o for o in node.output if o)
     free = set()
     for node in graph.node:
-        free.update(name for name in node.input if name and name not in defined)
-        for sub in _subgraphs(node):
-            free.update(name for name in _free_names(sub) if name not in defined)
+        free.update(name for name in node_reads(node) if name not in defined)
     free.update(o.name for o in graph.output if o.name not in defined)
     return free

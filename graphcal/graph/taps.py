@@ -117,16 +117,14 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
 
 def _prune(graph: onnx.GraphProto) -> None:
     """Drop (in place) the nodes no graph output needs, walking back from the outputs."""
-    from graphcal.graph.check import _free_names, _subgraphs
+    from graphcal.graph.check import node_reads
 
     needed = {o.name for o in graph.output}
     kept = []
     for node in reversed(graph.node):
         if any(o in needed for o in node.output):
             kept.append(node)
-            needed.update(i for i in node.input if i)
-            for body in _subgraphs(node):
-                needed |= _free_names(body)
+            needed.update(node_reads(node))
     if len(kept) != len(graph.node):
         del graph.node[:]
         graph.node.extend(reversed(kept))

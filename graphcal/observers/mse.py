@@ -137,8 +137,9 @@ class Scores:
     ``1/scale`` instead of dividing (half the cost), which rounds a value the other way only when it
     lies within an ulp of a half step (a few in ten million), where both ways leave an error of half
     a step. None of them moves a search off its candidate unless two candidates' errors agree to
-    about a millionth (the tests check the searches against llm-compressor's eager ones). Other dtypes (fp16, bf16 weights) are scored
-    one candidate at a time over the whole tensor in the observed dtype, llm-compressor's own way.
+    about a millionth (the tests check the searches against llm-compressor's eager ones). Other
+    dtypes (fp16, bf16 weights) are scored one candidate at a time over the whole tensor in the
+    observed dtype, llm-compressor's own way.
     """
 
     def __init__(self, observed: torch.Tensor, norm: float, importance: torch.Tensor | None,
