@@ -13,7 +13,7 @@ __all__ = ["calibrate", "load_data", "GraphcalError", "UsageError", "__version__
 
 def __getattr__(name):  # keep `import graphcal` light: torch/onnx load on first use
     if name == "calibrate":
-        from graphcal.pipeline import calibrate
+        from graphcal.calibration.pipeline import calibrate
 
         return calibrate
     if name == "load_data":

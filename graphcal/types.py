@@ -45,7 +45,7 @@ class Target:
 class FusedGroup:
     """Modules that share one global scale (q/k/v, gate/up, ...), found by name.
 
-    The one fused-group type: :func:`graphcal.fusion.find_fused_groups` makes them, and the
+    The one fused-group type: :func:`graphcal.graph.fusion.find_fused_groups` makes them, and the
     pipeline hands the members' weight observers to
     :func:`graphcal.observers.share_global_scale`.
     """

@@ -135,7 +135,7 @@ def ct_layer_reference(x: torch.Tensor, w: torch.Tensor, scheme, params: dict, n
 
 def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime", matmulnbits: int | None = None
               ) -> onnx.ModelProto:
-    """The Q/DQ model for ``items``, written as graphcal.pipeline writes it: a QDQWriter at the opset
+    """The Q/DQ model for ``items``, written as graphcal.calibration.pipeline writes it: a QDQWriter at the opset
     ``items_opset`` gives, each weight read and quantized, then each input, then ``finish()``. It
     writes into a copy (the pipeline writes into a model it loaded itself), so ``model`` stays
     usable for references."""
@@ -173,7 +173,7 @@ def pause():
 
 stage = os.environ["GC_PAUSE_AT"]
 if stage == "save_model":
-    import graphcal.pipeline as pipeline
+    import graphcal.calibration.pipeline as pipeline
     real = pipeline.save_model
     def save_model(*args, **kwargs):
         files = real(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""graphcal.awq against llm-compressor 0.14's AWQ test vectors (shared/reference/algorithm_vectors.pt, ``awq``).
+"""graphcal.algorithms.awq.math against llm-compressor 0.14's AWQ test vectors (shared/reference/algorithm_vectors.pt, ``awq``).
 
 Each case is a block ``x + mlp(post_attention_layernorm(x))``, ``mlp(h) = down(silu(gate(h)) * up(h))``
 (RMSNorm eps 1e-6, no biases) and two mappings, searched in order: norm -> [gate, up] with the parent
@@ -18,7 +18,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-from graphcal import awq
+from graphcal.algorithms.awq import math as awq
 from tests.helpers import ALGORITHM_VECTORS, ulps_apart
 
 VECTORS = ALGORITHM_VECTORS
@@ -66,7 +66,7 @@ def weights_of(params: dict) -> dict[str, torch.Tensor]:
 
 
 def run_case(case: dict, **search_kwargs) -> dict:
-    """Both mappings of a case through graphcal.awq, as llm-compressor runs them: statistics and cached
+    """Both mappings of a case through graphcal.algorithms.awq.math, as llm-compressor runs them: statistics and cached
     parent inputs from one calibration pass with the original weights, then search + apply in order."""
     a = case["args"]
     qargs = QuantizationArgs(**a["quant_args"])

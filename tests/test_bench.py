@@ -268,7 +268,7 @@ def test_bad_input_is_one_error_line(tmp_path, data, case, expected):
 
 
 def test_tiny_llama_w4a16_every_target_is_matmulnbits(tmp_path, llama_dir):
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "w4", scheme="W4A16", device="cpu")
     quant = tmp_path / "w4" / "model.onnx"
@@ -292,7 +292,7 @@ def test_tiny_llama_w4a16_every_target_is_matmulnbits(tmp_path, llama_dir):
 def test_bench_on_cuda_reports_the_provider_kernels_and_gpu_memory(tmp_path, llama_dir):
     """On CUDA: both models time on the CUDA provider, every quantized layer is a MatMulNBits that
     ran there (read from onnxruntime's profile), and the GPU memory of each model's process is measured."""
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "w4", scheme="W4A16", device="cpu")
     quant = tmp_path / "w4" / "model.onnx"

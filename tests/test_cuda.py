@@ -55,9 +55,9 @@ def test_observers_see_gpu_tensors_and_scales_follow_compressed_tensors(llama_di
     """W8A8_STATIC in one batch: each input scale is calculate_qparams of the CUDA activations' range."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.config import build_config
     from graphcal.observers import Observer
-    from graphcal.pipeline import calibrate
 
     seen = []
     real_call, real_extrema = Observer.__call__, Observer.observe_extrema
@@ -108,7 +108,7 @@ def test_observers_see_gpu_tensors_and_scales_follow_compressed_tensors(llama_di
 @pytest.mark.parametrize("scheme, observer", [("W4A16", "mse"), ("W4A16", "imatrix_mse"), ("NVFP4", None)])
 def test_weight_searches_on_the_gpu_match_the_cpu(llama_dir, tmp_path, scheme, observer):
     """Weight-side searches run where the activations were; the chosen scales match the CPU's."""
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     runs = {}
     for device in ("cuda", "cpu"):
@@ -130,7 +130,7 @@ def test_smoothquant_on_the_gpu_matches_the_cpu(llama_dir, tmp_path, scope, stre
 
     import onnx
 
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     runs, records = {}, {}
     for device in ("cuda", "cpu"):

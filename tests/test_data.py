@@ -154,7 +154,7 @@ def _llama_batches(llama_dir, size):
 
 
 def test_reader_gives_the_same_files_as_the_npz(llama_dir, tmp_path):
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     via_reader = calibrate(llama_dir / "model.onnx", _Reader(_llama_batches(llama_dir, 4)), tmp_path / "r",
                            scheme="W8A8_STATIC", device="cpu")

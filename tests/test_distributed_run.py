@@ -178,7 +178,7 @@ def _gather_worker(rank, world, init, results):
     import torch.distributed as dist
     from compressed_tensors.quantization import QuantizationArgs
 
-    from graphcal.distributed import Dist, gather_statistics, settle
+    from graphcal.calibration.distributed import Dist, gather_statistics, settle
     from graphcal.observers import Observer
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -205,7 +205,7 @@ def test_gather_statistics_reports_the_failing_rank_everywhere(tmp_path):
 
 
 def test_backend_comes_from_the_environment(monkeypatch):
-    from graphcal.distributed import BACKEND_ENV, backend
+    from graphcal.calibration.distributed import BACKEND_ENV, backend
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert backend() == "gloo"

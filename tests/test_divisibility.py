@@ -46,12 +46,12 @@ def _cli(*args):
 
 
 def test_inspect_and_run_list_every_layer_the_group_does_not_divide(wide, tmp_path, monkeypatch):
-    import graphcal.pipeline
+    import graphcal.calibration.pipeline
 
     def no_pass(*args, **kwargs):
         raise AssertionError("the calibration pass ran before the divisibility check")
 
-    monkeypatch.setattr(graphcal.pipeline, "run_activation_pass", no_pass)
+    monkeypatch.setattr(graphcal.calibration.pipeline, "run_activation_pass", no_pass)
     for command in (["inspect", wide / "model.onnx"],
                     ["run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o"]):
         result = _cli(*command, "--scheme", "W4A16")

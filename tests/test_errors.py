@@ -160,12 +160,12 @@ def test_debug_shows_the_traceback(tmp_path, llama):
 def test_full_disk_leaves_no_output(tmp_path, llama, monkeypatch):
     import errno
 
-    import graphcal.pipeline
+    import graphcal.calibration.pipeline
 
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(graphcal.pipeline, "save_model", full)
+    monkeypatch.setattr(graphcal.calibration.pipeline, "save_model", full)
     assert_one_line_error(*invoke(llama[0], llama[1], tmp_path / "o"), 1, "No space left on device")
     assert list(tmp_path.iterdir()) == []
 

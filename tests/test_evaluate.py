@@ -114,7 +114,7 @@ def test_level_all_compares_what_onnxruntime_runs_by_default(llama_dir, tmp_path
 
 
 def _agreement(name: str, sqnr: float):
-    from graphcal.evaluate import Agreement
+    from graphcal.evaluation import Agreement
 
     return Agreement(name, ref_sq=10 ** (sqnr / 10), err_sq=1.0)
 
@@ -123,7 +123,7 @@ def test_suggested_flags_keep_the_written_ignores_and_name_whole_kinds_by_patter
     """Flagged in every block: one re: pattern for the kind; flagged in one block: its name; the
     ignores the model was written with come first (--ignore replaces the default). Pasted into run,
     exactly those layers stay in float."""
-    from graphcal.evaluate import EvalReport
+    from graphcal.evaluation import EvalReport
 
     sqnr = {"self_attn.q_proj": 40, "self_attn.k_proj": 40, "self_attn.v_proj": 41, "self_attn.o_proj": 39,
             "mlp.gate_proj": 40, "mlp.up_proj": 40, "mlp.down_proj": 25}
@@ -146,7 +146,7 @@ def test_eval_reads_the_ignores_the_quantized_model_was_written_with(llama_dir, 
     assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
                                     "--scheme", "W8A8_STATIC", "--ignore", "lm_head", "--ignore",
                                     "model.layers.0.mlp.up_proj", "-o", str(out), "-q"]).exit_code == 0
-    from graphcal.evaluate import evaluate
+    from graphcal.evaluation import evaluate
 
     report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz", num_samples=2)
     assert report.ignored == ["lm_head", "model.layers.0.mlp.up_proj"]
@@ -156,8 +156,8 @@ def test_isolated_error_is_the_error_of_the_layer_quantized_alone(llama_dir, tmp
     """--isolated: each layer's own error equals, by brute force, the error at that layer of a
     model where only that layer is quantized (same qparams: activations are observed on the fp32
     model either way), for layers deep in the model where the cumulative error differs."""
-    from graphcal.evaluate import evaluate
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
+    from graphcal.evaluation import evaluate
 
     full = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "full", scheme="W8A8_STATIC",
                      device="cpu")
@@ -180,9 +180,9 @@ def test_isolated_error_is_the_error_of_the_layer_quantized_alone(llama_dir, tmp
 def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme, level, tmp_path):
     """eval compares the two models inside one onnxruntime graph (six float64 sums per tensor); the
     numbers equal those from fetching every tensor of both models and comparing them in numpy."""
-    from graphcal.evaluate import evaluate
+    from graphcal.calibration.pipeline import calibrate
+    from graphcal.evaluation import evaluate
     from graphcal.graph.compare import OUTPUT, SUMS, paired_model
-    from graphcal.pipeline import calibrate
 
     folder = Path(__file__).resolve().parent.parent / "models" / model
     calibrate(folder / "model.onnx", folder / "calib.npz", tmp_path / "q", scheme=scheme)
@@ -208,16 +208,16 @@ def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir
     """Two models whose weights lie in external data files of different folders (the fp32 one and
     graphcal's output beside it): onnxruntime reads both from their files (their common folder),
     the pairs run in order, and the numbers equal those of the same models inline and fetched."""
-    from graphcal.evaluate import evaluate
+    from graphcal.calibration.pipeline import calibrate
+    from graphcal.evaluation import evaluate
     from graphcal.graph.io import save_with_external_data
-    from graphcal.pipeline import calibrate
 
     (tmp_path / "fp32").mkdir()
     save_with_external_data(onnx.load(llama_dir / "model.onnx"), tmp_path / "fp32" / "model.onnx")
     calibrate(tmp_path / "fp32" / "model.onnx", llama_dir / "calib.npz", tmp_path / "deep" / "q", scheme="W8A8_STATIC")
     candidate = tmp_path / "deep" / "q" / "model.onnx"
     assert (candidate.parent / "model.onnx.data").exists()  # graphcal keeps the input's external form
-    import graphcal.evaluate as evaluate_module
+    import graphcal.evaluation as evaluate_module
     import graphcal.graph.io as graph_io
 
     monkeypatch.setattr(graph_io, "LAZY_MIN_BYTES", 1)  # tiny-llama's weights are all under 1 MB: keep them on disk
@@ -275,7 +275,7 @@ def test_a_large_constant_beside_a_layer_is_read_from_the_models_folder(tmp_path
     SmoothQuant advice looks at) stays in external data and is read from the model's own folder."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from graphcal.evaluate import evaluate
+    from graphcal.evaluation import evaluate
     from graphcal.graph.io import save_with_external_data
 
     n = c = 512

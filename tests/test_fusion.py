@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from graphcal.fusion import find_fused_groups
+from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.targets import find_targets
 from graphcal.types import Target
 

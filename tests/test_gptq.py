@@ -21,7 +21,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
-from graphcal.gptq import ACTORDERS, GPTQResult, Hessian, check_actorder, quantize_weight
+from graphcal.algorithms.gptq.math import ACTORDERS, GPTQResult, Hessian, check_actorder, quantize_weight
 from graphcal.observers import Observer
 from tests.helpers import ALGORITHM_VECTORS
 

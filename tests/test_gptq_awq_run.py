@@ -24,11 +24,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.plan import plan
 from graphcal.cli import cli
 from graphcal.data import graph_inputs, load_data
 from graphcal.graph.targets import torch_weight
-from graphcal.observe import ObserverSet
-from graphcal.plan import plan
 from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, sqnr_db
 
 VECTORS = ALGORITHM_VECTORS
@@ -113,8 +113,8 @@ def _grid(observers, run, t, w):
 @pytest.mark.parametrize("name, recipe", [("gptq_w4a16_asym_g32_none", GPTQ_W4_RECIPE),
                                           ("sq_gptq_w8a8", SQ_GPTQ_RECIPE)])
 def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recipe, tmp_path):
-    from graphcal.gptq_stage import sequential_gptq
-    from graphcal.smoothing import collect
+    from graphcal.algorithms.gptq.stage import sequential_gptq
+    from graphcal.algorithms.smoothquant.stage import collect
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
@@ -146,8 +146,8 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
 def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vectors, llama, tmp_path):
     """One pass takes every Hessian from the float model: layer 0 sees what the sequential order
     sees (the same codes as llm-compressor), layer 1 does not (no error propagated)."""
-    from graphcal.activations import run_activation_pass
-    from graphcal.gptq_stage import OnePass
+    from graphcal.algorithms.gptq.stage import OnePass
+    from graphcal.calibration.activations import run_activation_pass
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
@@ -173,7 +173,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
 
 @pytest.mark.slow
 def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
-    from graphcal.awq_stage import awq_smoothing
+    from graphcal.algorithms.awq.stage import awq_smoothing
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "awq_qm_w4a16_asym_g32")["outputs"]
@@ -314,9 +314,9 @@ def test_algorithm_flags(llama_dir, args, message):
 
 
 def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch):
-    import graphcal.gptq_stage
+    import graphcal.algorithms.gptq.stage
 
-    monkeypatch.setattr(graphcal.gptq_stage, "hessian_bytes", lambda targets: 1 << 60)
+    monkeypatch.setattr(graphcal.algorithms.gptq.stage, "hessian_bytes", lambda targets: 1 << 60)
     result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
                   "--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass")
     assert result.exit_code == 1, result.output
@@ -326,7 +326,7 @@ def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monk
 
 def test_gptq_on_the_shipped_llama_beats_round_to_nearest(llama_dir, tmp_path):
     """Both orders, on held-out data: GPTQ's logits are nearer fp32 than round-to-nearest's."""
-    from graphcal.evaluate import evaluate
+    from graphcal.evaluation import evaluate
 
     runs = {}
     for label, extra in (("rtn", []), ("gptq", ["--algorithm", "gptq"]),
@@ -345,9 +345,9 @@ def test_layers_stacked_on_one_hessian_round_as_each_alone():
     is the one it gets alone, codes and loss (GPTQ treats rows independently)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    from graphcal.algorithms.gptq.stage import GPTQLog, gptq_weights
+    from graphcal.calibration.observe import make_observer, to_qparams
     from graphcal.config import GPTQSettings
-    from graphcal.gptq_stage import GPTQLog, gptq_weights
-    from graphcal.observe import make_observer, to_qparams
     from graphcal.types import QuantizedTarget, Target
 
     torch.manual_seed(0)
@@ -399,9 +399,9 @@ def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, t
 
 @pytest.mark.parametrize("algorithm", ["gptq", "awq"])
 def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch, algorithm):
-    import graphcal.blockwise
+    import graphcal.calibration.blockwise
 
-    monkeypatch.setattr(graphcal.blockwise, "CACHE_SHARE", 1e-9)
+    monkeypatch.setattr(graphcal.calibration.blockwise, "CACHE_SHARE", 1e-9)
     result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
                   "--scheme", "W4A16", "--algorithm", algorithm)
     assert result.exit_code == 1, result.output
@@ -412,9 +412,9 @@ def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, mo
 
 def test_a_data_reader_is_refused_where_the_data_is_read_per_block(llama_dir, tmp_path):
     """A CalibrationDataReader is read once: sequential GPTQ and AWQ say so before any work; one-pass runs."""
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.config import Options, resolve
     from graphcal.errors import UsageError
-    from graphcal.pipeline import calibrate
 
     arrays = dict(np.load(llama_dir / "calib.npz"))
 
@@ -436,11 +436,11 @@ def test_a_data_reader_is_refused_where_the_data_is_read_per_block(llama_dir, tm
 
 def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_path, monkeypatch):
     """The last block's graph output (logits) is not rerun and cached: nothing after it reads it."""
-    import graphcal.blockwise
+    import graphcal.calibration.blockwise
 
     seen = []
-    original = graphcal.blockwise.Blockwise.check_cache
-    monkeypatch.setattr(graphcal.blockwise.Blockwise, "check_cache",
+    original = graphcal.calibration.blockwise.Blockwise.check_cache
+    monkeypatch.setattr(graphcal.calibration.blockwise.Blockwise, "check_cache",
                         lambda self, k, first, what="": (seen.append(sorted(first)), original(self, k, first, what))[1])
     result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
                   "--scheme", "W4A16", "--algorithm", "gptq", "--ignore", "none", "--json")

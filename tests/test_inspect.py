@@ -15,10 +15,10 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from graphcal.calibration.sizing import expected_model_size, size_parts
 from graphcal.cli import cli
 from graphcal.config import resolve_scheme
 from graphcal.graph.targets import find_targets
-from graphcal.sizing import expected_model_size, size_parts
 from graphcal.types import QuantizedTarget
 
 LLAMA_GROUPS = {

@@ -17,8 +17,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 from onnx import TensorProto, helper, numpy_helper
 
+from graphcal.calibration.pipeline import calibrate
 from graphcal.cli import cli
-from graphcal.pipeline import calibrate
 from tests.observers.test_mse import reference_search
 
 B, S, H, HID = 4, 6, 8, 16

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.plan import plan
 from graphcal.config import build_config
 from graphcal.graph.taps import Reduction
 from graphcal.graph.targets import torch_weight
-from graphcal.observe import ObserverSet
-from graphcal.plan import plan
 
 
 def _observers(llama_dir, scheme: str, target: str = "onnxruntime"):
@@ -56,7 +56,7 @@ def test_in_graph_reductions_give_the_same_files(llama_dir, tmp_path):
     for static per-tensor inputs no whole activation leaves onnxruntime."""
     import hashlib
 
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     def digests(folder):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()
@@ -85,17 +85,17 @@ def test_each_weight_is_read_once(llama_dir, tmp_path, monkeypatch):
     """The weight phase reads a weight, observes it, quantizes it into the output and drops it."""
     from collections import Counter
 
-    import graphcal.weights
-    from graphcal.pipeline import calibrate
+    import graphcal.calibration.weights
+    from graphcal.calibration.pipeline import calibrate
 
     reads = Counter()
-    real = graphcal.weights.weight_tensor
+    real = graphcal.calibration.weights.weight_tensor
 
     def counting(model, target, base_dir=None):
         reads[target.name] += 1
         return real(model, target, base_dir)
 
-    monkeypatch.setattr(graphcal.weights, "weight_tensor", counting)
+    monkeypatch.setattr(graphcal.calibration.weights, "weight_tensor", counting)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4", device="cpu",
                        target="qdq")
     assert set(reads) == {i.target.name for i in result.targets} and set(reads.values()) == {1}
@@ -121,8 +121,8 @@ def test_run_and_inspect_agree_by_construction(llama_dir, tmp_path):
 
     from click.testing import CliRunner
 
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.cli import cli
-    from graphcal.pipeline import calibrate
 
     args = ["--scheme", "NVFP4", "--kv-cache-scheme", "FP8", "--ignore", "lm_head", "--ignore", "re:.*down_proj",
             "--target", "qdq"]

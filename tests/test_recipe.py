@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcal.cli import cli
+from graphcal.config.recipe import parse_recipe, recipe_config
 from graphcal.errors import UsageError
-from graphcal.recipe import parse_recipe, recipe_config
 from tests.helpers import load_written
 
 STAGED = """
@@ -192,7 +192,7 @@ def test_any_text_parses_or_fails_with_a_usage_error(text):
 
 
 def test_python_api_takes_a_recipe(llama_dir, tmp_path):
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     recipe = _recipe(tmp_path, STAGED)
     calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "api", recipe=recipe, device="cpu")

@@ -80,7 +80,7 @@ def test_models_past_the_protobuf_limit_go_through_external_data(llama_dir, tmp_
     import numpy as np
 
     import graphcal.graph.io
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.runtime import run_model
 
     normal = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "normal", scheme="W8A8_STATIC",
@@ -103,7 +103,7 @@ def test_an_external_data_model_past_the_protobuf_limit_calibrates_as_usual(llam
     import onnx
 
     import graphcal.graph.io
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     src = tmp_path / "src"
     src.mkdir()

@@ -53,7 +53,7 @@ def test_where_they_saturate_the_fast_form_really_loses_accuracy(llama_dir, tmp_
     further from the Q/DQ spec than the spec is from fp32."""
     import onnxruntime as ort
 
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.runtime import run_model
     from tests.helpers import sqnr_db
 

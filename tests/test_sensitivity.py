@@ -1,7 +1,7 @@
 """eval --sensitivity: each kind of layer quantized alone, and advice that does what it predicts.
 
 The reference for "only this kind quantized" is graphcal itself run from scratch with --targets
-naming that kind (an independent path: the writer, not graphcal.sensitivity.float_except, decides
+naming that kind (an independent path: the writer, not graphcal.evaluation.sensitivity.float_except, decides
 what stays in float), compared with fp32 by eval. The advice is checked by pasting its flags into
 run: the model it gives must match the prediction.
 """

@@ -26,12 +26,12 @@ import torch
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from graphcal.algorithms.smoothquant.stage import collect, smoothing_scales
+from graphcal.calibration.plan import plan
 from graphcal.cli import cli
 from graphcal.config import Options, Smoothing, build_config, resolve
 from graphcal.data import graph_inputs, load_data
-from graphcal.graph.smooth import TAP_PREFIX
-from graphcal.plan import plan
-from graphcal.smoothing import collect, smoothing_scales
+from graphcal.graph.scaling import TAP_PREFIX
 from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, INT8_SATURATES, assert_within_ulps, reference_llama
 
 VECTORS = ALGORITHM_VECTORS
@@ -311,7 +311,7 @@ sq_stage:
 @pytest.mark.slow
 def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
     """The smoothing of the case (its GPTQ weights: tests/test_gptq_awq_run.py)."""
-    from graphcal.recipe import parse_recipe, recipe_config
+    from graphcal.config.recipe import parse_recipe, recipe_config
 
     case = next(c for c in vectors["e2e"] if c["name"] == "sq_gptq_w8a8")
     inp, ref = case["inputs"], case["outputs"]
@@ -512,7 +512,7 @@ GATE_PROJ = "/model/layers.0/mlp/gate_proj"
 def test_calibrate_writes_the_smoothed_static_input_scale(llama_dir, tmp_path, llama_reference_scales):
     from safetensors.torch import load_file
 
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
     from tests.helpers import sqnr_db
 
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
@@ -694,7 +694,7 @@ def test_auto_strength_picks_the_grid_point_with_the_least_output_error(llama_di
     with np.load(llama_dir / "calib.npz") as data:
         calib = {k: v[:4] for k, v in data.items()}
     np.savez(tmp_path / "calib.npz", **calib)
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     calibrate(llama_dir / "model.onnx", tmp_path / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
               smoothquant="norms", smoothing_strength="auto", batch_size=4)
@@ -741,7 +741,7 @@ def test_auto_strength_from_the_command_line(llama_dir, tmp_path):
 
 
 def _agreement(name: str, sqnr: float):
-    from graphcal.evaluate import Agreement
+    from graphcal.evaluation import Agreement
 
     a = Agreement(name)
     a.add(np.ones(100), np.ones(100) + 10 ** (-sqnr / 20))  # error power 10^(-sqnr/10) of the reference's
@@ -749,7 +749,7 @@ def _agreement(name: str, sqnr: float):
 
 
 def test_eval_suggests_the_scope_that_smooths_the_flagged_layers(llama_dir):
-    from graphcal.evaluate import EvalReport, _smoothable
+    from graphcal.evaluation import EvalReport, _smoothable
     from graphcal.graph.targets import find_targets
 
     model = onnx.load(llama_dir / "model.onnx")
@@ -777,9 +777,9 @@ def test_eval_suggests_the_scope_that_smooths_the_flagged_layers(llama_dir):
 
 
 def test_eval_isolated_refuses_a_folded_smoothing(llama_dir, tmp_path):
+    from graphcal.calibration.pipeline import calibrate
     from graphcal.errors import UsageError
-    from graphcal.evaluate import evaluate
-    from graphcal.pipeline import calibrate
+    from graphcal.evaluation import evaluate
 
     calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
               smoothquant="norms")

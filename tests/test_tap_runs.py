@@ -1,4 +1,4 @@
-"""Whole-tensor taps in bounded passes (graphcal.activations.tap_shares, --tap-limit-mb).
+"""Whole-tensor taps in bounded passes (graphcal.calibration.activations.tap_shares, --tap-limit-mb).
 
 onnxruntime keeps every output of a graph alive until a run ends, fetched or not, so a batch's whole
 taps are held at once. Past the limit the data runs once per share of them, each pass on a graph
@@ -15,12 +15,12 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import graphcal.activations
+import graphcal.calibration.activations
 import graphcal.limits
-from graphcal.activations import TAP_LIMIT_MB, _slices
+from graphcal.calibration.activations import TAP_LIMIT_MB, _slices
+from graphcal.calibration.pipeline import calibrate
 from graphcal.cli import cli
 from graphcal.graph.taps import TapRequest, build_tapped, tap_bytes
-from graphcal.pipeline import calibrate
 from graphcal.runtime import Runtime
 
 
@@ -31,7 +31,7 @@ def _files(out):
 def _passes(monkeypatch):
     """Every session the activation pass opens: [its graph's outputs, the float bytes of each batch's run]."""
     passes = []
-    real_open, real_run = graphcal.activations.open_runtime, Runtime.run
+    real_open, real_run = graphcal.calibration.activations.open_runtime, Runtime.run
 
     def open_runtime(model, outputs, *args, **kwargs):
         assert {o.name for o in model.graph.output} == set(outputs)  # nothing else held until a run ends
@@ -43,7 +43,7 @@ def _passes(monkeypatch):
         passes[-1][1].append(sum(v.nbytes for v in values.values() if v.is_floating_point() and v.ndim >= 2))
         return values
 
-    monkeypatch.setattr(graphcal.activations, "open_runtime", open_runtime)
+    monkeypatch.setattr(graphcal.calibration.activations, "open_runtime", open_runtime)
     monkeypatch.setattr(Runtime, "run", run)
     return passes
 
@@ -153,7 +153,7 @@ quant_stage:
 def test_sizes_shape_inference_cannot_tell_are_measured(llama_dir, tmp_path, monkeypatch):
     """Where shape inference leaves a tap's size open, a run that fetches only the taps' shapes
     measures it: the same shares, the same bytes."""
-    from graphcal.activations import tap_shares
+    from graphcal.calibration.activations import tap_shares
 
     seen = {}
     real = tap_shares
@@ -163,10 +163,10 @@ def test_sizes_shape_inference_cannot_tell_are_measured(llama_dir, tmp_path, mon
         seen.setdefault("shares", []).append([[r.tensor for r in share] for share in out[0]] + [out[1]])
         return out
 
-    monkeypatch.setattr(graphcal.activations, "tap_shares", shares)
+    monkeypatch.setattr(graphcal.calibration.activations, "tap_shares", shares)
     calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "inferred", scheme="W8A8_STATIC",
               observer="mse", tap_limit_mb=0.3)
-    monkeypatch.setattr(graphcal.activations, "tap_bytes", lambda model, tensors, *a: {t: None for t in tensors})
+    monkeypatch.setattr(graphcal.calibration.activations, "tap_bytes", lambda model, tensors, *a: {t: None for t in tensors})
     calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "measured", scheme="W8A8_STATIC",
               observer="mse", tap_limit_mb=0.3)
     inferred, measured = seen["shares"]

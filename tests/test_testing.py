@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphcal.pipeline import calibrate
+from graphcal.calibration.pipeline import calibrate
 from graphcal.testing import assert_matches_golden, save_golden
 
 

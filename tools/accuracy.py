@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python tools/accuracy.py`: graphcal (and tools) import from the repo root
     sys.path.insert(0, str(ROOT))
 
-from graphcal.pipeline import calibrate  # noqa: E402
+from graphcal.calibration.pipeline import calibrate  # noqa: E402
 from graphcal.runtime import open_model_runner  # noqa: E402
 
 SCHEMES = ["W8A8", "W8A8_STATIC", "W8A16", "W4A16", "W4A16_ASYM", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK",

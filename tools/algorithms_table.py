@@ -125,7 +125,7 @@ def child(command: list[str]) -> dict:
                 "wall_s": wall, "peak_rss_mb": int(rss.read_text()) / 1024 if rss.exists() else None}
 
 
-IMPORTS = "import onnxruntime, graphcal.cli, graphcal.pipeline, graphcal.awq_stage, graphcal.gptq_stage"
+IMPORTS = "import onnxruntime, graphcal.cli, graphcal.calibration.pipeline, graphcal.algorithms.awq.stage, graphcal.algorithms.gptq.stage"
 
 
 def outputs(model: Path, feeds: dict, batch: int, level: str) -> np.ndarray:

@@ -103,11 +103,11 @@ def child(spec: dict) -> dict:
         import compressed_tensors.quantization.lifecycle.forward  # noqa: F401
 
         import graphcal.observers  # noqa: F401
-        from graphcal.pipeline import calibrate
+        from graphcal.calibration.pipeline import calibrate
     elif kind == "ort":
         import onnxruntime.quantization  # noqa: F401
     elif kind == "eval":
-        from graphcal.evaluate import evaluate
+        from graphcal.evaluation import evaluate
     elif kind == "weights":
         from tools.weight_phase import measure
 

@@ -7,7 +7,7 @@
 For each model it calibrates W8A8 (dynamic per-token int8), W8A8_STATIC, and W8A8_STATIC after
 SmoothQuant (``--smoothquant norms``, ``all`` and ``mul``, at each of ``--strengths``: llm-compressor's
 default 0.5 and graphcal's searched ``auto`` unless given) with
-``graphcal.pipeline.calibrate`` (``--target onnxruntime``), and measures in this one process:
+``graphcal.calibration.pipeline.calibrate`` (``--target onnxruntime``), and measures in this one process:
 
 - accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL,
   what a deployment runs): cosine and SQNR against fp32; for all-MiniLM-L6-v2 also the sentence
@@ -15,7 +15,7 @@ default 0.5 and graphcal's searched ``auto`` unless given) with
 - "left of the static loss": (dynamic - this) / (dynamic - static) of the headline metric (sentence
   cosine for MiniLM, output cosine otherwise): 1 is plain static int8, 0 is as good as dynamic int8;
 - calibration time against plain W8A8_STATIC's (same data, same process, each run once);
-- speed at the prefill shape against fp32 (graphcal.speed.bench, interleaved rounds, ORT_ENABLE_ALL):
+- speed at the prefill shape against fp32 (graphcal.bench.bench, interleaved rounds, ORT_ENABLE_ALL):
   what the explicit Muls of ``--smoothquant mul`` cost.
 
 Models and data as tools/speed_table.py prepares them (cached in ``--work``, default
@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from graphcal.pipeline import calibrate
-    from graphcal.speed import bench
+    from graphcal.bench import bench
+    from graphcal.calibration.pipeline import calibrate
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # imports and first-call costs, paid before anything is timed

@@ -5,11 +5,11 @@
     python tools/speed_table.py --models tiny-llama --forms W8A8 W4A16 --rounds 10
     python tools/speed_table.py --rounds 15 --markdown docs/speed.md --json /tmp/speed.json
 
-For each model and each quantized form it calibrates with ``graphcal.pipeline.calibrate`` (or, for
+For each model and each quantized form it calibrates with ``graphcal.calibration.pipeline.calibrate`` (or, for
 the baseline, quantizes with onnxruntime's own ``quantize_dynamic``) and measures, in this one
 process:
 
-- speed with graphcal's own ``graphcal.speed.bench``: fp32 and quantized timed side by side in
+- speed with graphcal's own ``graphcal.bench.bench``: fp32 and quantized timed side by side in
   interleaved rounds at onnxruntime's default session options (ORT_ENABLE_ALL), at the prefill
   shape (the held-out data's first batch) and the decode shape (batch 1, one token), and the
   kernel onnxruntime runs for every weight MatMul/Gemm (read from its optimized graph);
@@ -319,7 +319,7 @@ def quantize(form: Form, data: ModelData, out: Path, device: str):
         logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization's advice to pre-process
         quantize_dynamic(data.model, out / "model.onnx", op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
         return out / "model.onnx", None
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     result = calibrate(data.model, data.calib, out, scheme=form.scheme, target=form.target,
                        matmulnbits=form.matmulnbits, device=device, batch_size=data.batch_size)
@@ -349,7 +349,7 @@ def first_outputs(model: Path, data: ModelData, device: str, level: str) -> np.n
 
 
 def agreement(reference: np.ndarray, candidate: np.ndarray) -> dict:
-    from graphcal.evaluate import Agreement
+    from graphcal.evaluation import Agreement
 
     a = Agreement("output")
     a.add(reference, candidate)
@@ -359,7 +359,7 @@ def agreement(reference: np.ndarray, candidate: np.ndarray) -> dict:
 
 def kernel_summary(report, quantized: set[str] | None) -> dict:
     """The bench report's kernel summary over the layers the form quantized."""
-    from graphcal.speed import summarize
+    from graphcal.bench import summarize
 
     layers = report.quantized.layers
     chosen = [layer for layer in layers if quantized is None or layer.module in quantized]
@@ -367,7 +367,7 @@ def kernel_summary(report, quantized: set[str] | None) -> dict:
 
 
 def run_model(data: ModelData, forms: list[Form], args, work: Path) -> dict:
-    from graphcal.speed import bench
+    from graphcal.bench import bench
 
     out_root = work / "out" / data.name
     log(f"{data.name}: fp32 outputs on the held-out data (ORT_ENABLE_ALL)")
@@ -404,7 +404,7 @@ def run_model(data: ModelData, forms: list[Form], args, work: Path) -> dict:
                 row["vs_literal"] = agreement(literal[form.literal], output)
                 row["literal_vs_fp32"] = agreement(fp32, literal[form.literal])
             del output
-            log(f"{data.name} / {form.key}: graphcal.speed.bench, {args.rounds} rounds")
+            log(f"{data.name} / {form.key}: graphcal.bench.bench, {args.rounds} rounds")
             report = bench(data.model, path, data.heldout, batch_size=data.batch_size, device=args.device,
                            warmup=WARMUP, rounds=args.rounds, memory=False)
             row["bench"] = report.as_dict()
@@ -565,10 +565,10 @@ def page(results: list[dict], meta: dict, args) -> str:
         f"(load average {meta['load_before']} before, {meta['load_after']} after).",
         "",
         "**What is measured.** For each model, every form is made from the model with "
-        "`graphcal.pipeline.calibrate(model, calib, out, scheme=..., target=..., matmulnbits=...)` (the baseline with "
+        "`graphcal.calibration.pipeline.calibrate(model, calib, out, scheme=..., target=..., matmulnbits=...)` (the baseline with "
         "onnxruntime's `quantize_dynamic`) and measured in this one process:",
         "",
-        f"- **prefill / decode vs fp32**: `graphcal.speed.bench` (what `graphcal bench` runs) times fp32 and the "
+        f"- **prefill / decode vs fp32**: `graphcal.bench.bench` (what `graphcal bench` runs) times fp32 and the "
         f"quantized model side by side, both at onnxruntime's default session options (ORT_ENABLE_ALL, default "
         f"threads), {rounds} interleaved rounds after {WARMUP} warm-up runs, the order flipped every round so that the "
         f"machine's other load falls on both alike. The cell is the ratio of the medians, quantized / fp32: **below "

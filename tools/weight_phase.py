@@ -5,7 +5,7 @@
     python tools/weight_phase.py MODEL --schemes W8A8 NVFP4A16 --repeat 3
 
 For each scheme it plans the run as ``graphcal run`` does (W8A8 and W4A16 for onnxruntime, NVFP4A16
-for ``--target qdq``: onnxruntime has no fp4), then times ``graphcal.weights.quantize_weights`` -- every
+for ``--target qdq``: onnxruntime has no fp4), then times ``graphcal.calibration.weights.quantize_weights`` -- every
 chosen weight read from the model, checked for NaN/Inf, observed (the scheme's weight observer:
 memoryless_minmax), quantized by compressed-tensors' rules and stored into the QDQ writer -- the best of
 ``--repeat`` runs, and reports it per billion parameters. It uses only functions older graphcal
@@ -34,11 +34,11 @@ def measure(model: str, scheme: str, repeat: int = 3) -> dict:
     import torch
 
     import graphcal
+    from graphcal.calibration.observe import ObserverSet
+    from graphcal.calibration.plan import plan
+    from graphcal.calibration.weights import quantize_weights
     from graphcal.config import Options, resolve
     from graphcal.graph.qdq.writer import QDQWriter
-    from graphcal.observe import ObserverSet
-    from graphcal.plan import plan
-    from graphcal.weights import quantize_weights
 
     best = None
     for _ in range(repeat):

@@ -7,7 +7,7 @@ percentile, entropy, histogram_mse.
 
 Observers of one fused group (q/k/v, gate/up, ...) share one global scale through
 :func:`share_global_scale`; which modules form a group is the graph side's business
-(:func:`graphcal.fusion.find_fused_groups`).
+(:func:`graphcal.graph.fusion.find_fused_groups`).
 """
 
 

@@ -6,7 +6,7 @@ decide how one batch is reduced (``_batch_min_max``) and how it is folded into t
 statistics (``_combine``).
 
 Observers whose modules vLLM and TensorRT run as one fused matrix (q/k/v, gate/up, ...; found
-by :func:`graphcal.fusion.find_fused_groups`) must agree on one global scale:
+by :func:`graphcal.graph.fusion.find_fused_groups`) must agree on one global scale:
 :func:`share_global_scale` makes a set of tensor_group observers use the global scale of their
 joint absmax, as llm-compressor's ``FusionHandler`` does, and releases their statistics only once
 every member has produced its qparams.

@@ -9,8 +9,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import quantize
 
 import graphcal.graph.qdq.quantize as Q
+from graphcal.calibration.observe import to_qparams
 from graphcal.graph.qdq.policy import qtype_of
-from graphcal.observe import to_qparams
 from graphcal.observers import Observer
 
 CASES = {

@@ -42,7 +42,7 @@ class QDQWriter:
 
     def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
-        [out, in] value, read once by the caller (graphcal.weights), which observed it too."""
+        [out, in] value, read once by the caller (graphcal.calibration.weights), which observed it too."""
         t, args, qp = item.target, item.scheme.weights, item.qparams["weight"]
         form = self.form(item)
         node = self.node_by_name[t.node]

@@ -1,9 +1,9 @@
 """What `graphcal run` would do to a model, found without calibrating and without writing anything.
 
-`inspect` reports the :class:`graphcal.plan.RunPlan` that `run` itself calls :func:`graphcal.plan.plan`
+`inspect` reports the :class:`graphcal.calibration.plan.RunPlan` that `run` itself calls :func:`graphcal.calibration.plan.plan`
 for, from the same options resolved the same way, so the two agree by construction: targets,
 selection, scheme groups, fused groups, key/value states, warnings, the opset and the expected
-size of the written model (:mod:`graphcal.sizing`). No weight is read and no observer runs.
+size of the written model (:mod:`graphcal.calibration.sizing`). No weight is read and no observer runs.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from graphcal.calibration.plan import RunPlan, plan
 from graphcal.config import RunConfig
 from graphcal.graph.targets import matches
-from graphcal.plan import RunPlan, plan
 from graphcal.types import FusedGroup, KVState, Target, enum_value
 
 

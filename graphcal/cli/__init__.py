@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from graphcal.distributed import settle
+from graphcal.calibration.distributed import settle
 from graphcal.errors import GraphcalError, first_line
 from graphcal.output import Terminated, sigterm_as_interrupt, torchrun_rank
 
@@ -187,7 +187,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
     Example:
       graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/
     """
-    from graphcal.pipeline import calibrate
+    from graphcal.calibration.pipeline import calibrate
 
     def call():
         return calibrate(
@@ -286,12 +286,12 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
     """
     import json
 
-    from graphcal.inspect import format_text, from_plan, to_dict
+    from graphcal.calibration.report import format_text, from_plan, to_dict
 
     def call():
+        from graphcal.calibration.plan import plan
         from graphcal.data import graph_inputs, load_data
         from graphcal.output import check_output_dir
-        from graphcal.plan import plan
         from graphcal.runtime import check_device
 
         if output is not None:
@@ -387,7 +387,7 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
     """
     import json
 
-    from graphcal.evaluate import evaluate, format_html, format_text
+    from graphcal.evaluation import evaluate, format_html, format_text
 
     report = _guarded(lambda: evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples,
                                        level=level, isolated=isolated, sensitivity=sensitivity,
@@ -432,7 +432,7 @@ def bench_command(reference, quantized, data, batch_size, device, rounds, warmup
     """
     import json
 
-    from graphcal.speed import bench, format_text
+    from graphcal.bench import bench, format_text
 
     report = _guarded(lambda: bench(reference, quantized, data, batch_size=batch_size, device=device, warmup=warmup,
                                     rounds=rounds, decode=not no_decode, memory=not no_memory), debug)

@@ -2,16 +2,16 @@
 
     plan.awq (graph.smooth, scope "all": activations whose scales fold exactly into the norm or
     linear layer before them, so the written model gets no extra node)
-    for each layer block (graphcal.blockwise), on the cached tensors the blocks before it made:
+    for each layer block (graphcal.calibration.blockwise), on the cached tensors the blocks before it made:
       the block's subgraph runs once over the data --> each mapping's parent inputs (the balance
       layers' shared activation x, and anything else the parent reads), cached for the search
       for each mapping (graph order):
-        mean |x| per channel, the balance weights' normalised means (graphcal.awq)
+        mean |x| per channel, the balance weights' normalised means (graphcal.algorithms.awq.math)
         the parent sub-network (graph.blocks.parent_output: q/k/v -> the attention's output,
         gate/up -> down_proj's output, one layer -> itself) run 1 + n_grid times on the cached
         inputs, the balance weights fed as Q(W * s) / s for each candidate s
-        --> the s whose parent output is nearest the float one (graphcal.awq.search)
-    --> graphcal.smoothing.Smoothed: the weight pass multiplies each balance weight's columns by s
+        --> the s whose parent output is nearest the float one (graphcal.algorithms.awq.math.search)
+    --> graphcal.algorithms.smoothquant.stage.Smoothed: the weight pass multiplies each balance weight's columns by s
         (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
 
 The statistics come from the float model: AWQ changes no function (only the rounding to come),
@@ -28,21 +28,21 @@ import logging
 
 import torch
 
+from graphcal.calibration.plan import RunPlan
 from graphcal.errors import GraphcalError
-from graphcal.plan import RunPlan
 from graphcal.types import Target
 
 log = logging.getLogger("graphcal")
 
 
 def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False):
-    """AWQ's scales for every mapping of ``run.awq``: a graphcal.smoothing.Smoothed (method "awq")."""
-    from graphcal.awq import AbsMean, search
-    from graphcal.blockwise import Blockwise
+    """AWQ's scales for every mapping of ``run.awq``: a graphcal.algorithms.smoothquant.stage.Smoothed (method "awq")."""
+    from graphcal.algorithms.awq.math import AbsMean, search
+    from graphcal.algorithms.smoothquant.stage import Smoothed
+    from graphcal.calibration.blockwise import Blockwise
     from graphcal.graph.blocks import parent_inputs, parent_output
     from graphcal.graph.targets import torch_weight
     from graphcal.progress import Progress
-    from graphcal.smoothing import Smoothed
 
     settings = run.config.awq
     mappings = list(run.awq.mappings)

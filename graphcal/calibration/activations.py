@@ -3,7 +3,7 @@
 The tapped graph (:func:`graphcal.graph.taps.build_tapped`) is a weightless copy of the model
 whose outputs are the taps, pruned to the nodes they need; the session reads the model's own
 initializers beside it. Each batch's taps reach torch by DLPack (on the GPU under CUDA), each
-goes to its consumers (:class:`graphcal.observe.Consumer`), and the batch is dropped. Where a
+goes to its consumers (:class:`graphcal.calibration.observe.Consumer`), and the batch is dropped. Where a
 batch's whole taps would pass ``--tap-limit-mb``, the data runs once per share of them
 (:func:`tap_shares`). Under torchrun each rank runs its share of the batches and the ranks then
 exchange their statistics once.
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphcal.calibration.distributed import gather_statistics
+from graphcal.calibration.observe import Consumers, Feed
+from graphcal.calibration.plan import RunPlan
 from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
-from graphcal.distributed import gather_statistics
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
 from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
 from graphcal.limits import format_size
-from graphcal.observe import Consumers, Feed
 from graphcal.observers.helpers import memory_order
-from graphcal.plan import RunPlan
 from graphcal.runtime import open_runtime
 
 log = logging.getLogger("graphcal")

@@ -19,15 +19,15 @@ from types import MappingProxyType
 
 import onnx
 
+from graphcal.calibration.sizing import size_parts
 from graphcal.config import DEFAULT_IGNORE, RunConfig
 from graphcal.errors import GraphcalError
-from graphcal.fusion import find_fused_groups
 from graphcal.graph.attention import find_kv_states
+from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.io import default_opset, load_model_info, value_types
 from graphcal.graph.qdq import Runtime, form_notes, items_opset, required_kv_opset, runtime_notes
-from graphcal.graph.smooth import Resolution
+from graphcal.graph.scaling import Resolution
 from graphcal.graph.targets import Skipped, find_targets, select
-from graphcal.sizing import size_parts
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
@@ -56,7 +56,7 @@ class RunPlan:
     kv_states: tuple[KVState, ...]
     model_opset: int
     opset: int  # what the schemes (and kv states) need
-    size: Mapping[str, int]  # terms of the expected size (graphcal.sizing)
+    size: Mapping[str, int]  # terms of the expected size (graphcal.calibration.sizing)
     warnings: tuple[str, ...]
     matmulnbits: int | None = None  # accuracy level of com.microsoft.MatMulNBits written for int weights
     forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
@@ -162,7 +162,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
 
 def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
     """SmoothQuant's mappings in this graph (graph.smooth), or None when the run asks for none."""
-    from graphcal.graph.smooth import candidates, resolve
+    from graphcal.graph.scaling import candidates, resolve
 
     settings = config.smoothing
     if settings is None:
@@ -175,7 +175,7 @@ def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConf
 def _awq(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
     """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or linear
     layer before them (no node added), by structure or by llm-compressor's names; None without AWQ."""
-    from graphcal.graph.smooth import candidates, resolve
+    from graphcal.graph.scaling import candidates, resolve
 
     settings = config.awq
     if settings is None:

@@ -22,9 +22,9 @@ import numpy as np
 import onnx
 import torch
 
+from graphcal.calibration.plan import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
-from graphcal.plan import RunPlan
 from graphcal.runtime import open_runtime
 from graphcal.types import Target
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.activations import all_finite
+from graphcal.calibration.activations import all_finite
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.plan import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.targets import weight_tensor
-from graphcal.observe import ObserverSet
-from graphcal.plan import RunPlan
 from graphcal.types import QuantizedTarget, Target
 
 log = logging.getLogger("graphcal")
@@ -36,8 +36,8 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                      skip_nonfinite: bool = False, progress: bool = False, smoothed=None,
                      rounding=None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
-    ``smoothed`` (graphcal.smoothing.Smoothed) each weight is smoothed before it is observed.
-    ``rounding([(target, weight, item), ...])`` (GPTQ, graphcal.gptq_stage; one call per fused unit)
+    ``smoothed`` (graphcal.algorithms.smoothquant.stage.Smoothed) each weight is smoothed before it is observed.
+    ``rounding([(target, weight, item), ...])`` (GPTQ, graphcal.algorithms.gptq.stage; one call per fused unit)
     gives each weight on the grid of its ``item``'s qparams, which the observer took from the weight
     before it (None: round to nearest)."""
     from graphcal.progress import Progress

@@ -1,4 +1,4 @@
-"""GPTQ as a stage: Hessians from the calibration data, then each weight rounded by graphcal.gptq.
+"""GPTQ as a stage: Hessians from the calibration data, then each weight rounded by graphcal.algorithms.gptq.math.
 
 Two orders, as llm-compressor has them:
 
@@ -42,7 +42,7 @@ class HessianObserver:
     sync_ops = {"hessian_sum": None, "hessian_count": None}
 
     def __init__(self, columns: int):
-        from graphcal.gptq import Hessian
+        from graphcal.algorithms.gptq.math import Hessian
 
         self.columns = columns
         self.hessian = Hessian()
@@ -69,14 +69,14 @@ class HessianObserver:
         """Let the Hessian go once every layer reading it is quantized."""
         self.hessian.sum, self._value = None, None
 
-    # torchrun (graphcal.distributed.gather_statistics)
+    # torchrun (graphcal.calibration.distributed.gather_statistics)
     def state_dict_stats(self) -> dict:
         if self.hessian.sum is None:
             return {}
         return {"hessian_sum": self.hessian.sum, "hessian_count": torch.tensor(self.hessian.count)}
 
     def reset(self) -> None:
-        from graphcal.gptq import Hessian
+        from graphcal.algorithms.gptq.math import Hessian
 
         self.hessian, self._value = Hessian(), None
 
@@ -112,7 +112,7 @@ def gptq_weights(members: list[tuple[Target, torch.Tensor, QuantizedTarget]], he
     same channel or group args and no global scale are stacked along their rows and swept once:
     GPTQ treats rows independently (each row's updates use the same inverse Hessian), so the result
     is each layer's own, for one factorisation and one sweep (llm-compressor's batched_quantization)."""
-    from graphcal.gptq import quantize_weight
+    from graphcal.algorithms.gptq.math import quantize_weight
 
     def stackable(item: QuantizedTarget) -> bool:
         qp, args = item.qparams["weight"], item.scheme.weights
@@ -217,11 +217,11 @@ def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, p
     quantized, then the block run again with them for the next block's inputs."""
     import copy
 
-    from graphcal.blockwise import Blockwise
+    from graphcal.calibration.blockwise import Blockwise
+    from graphcal.calibration.weights import observe_unit, units
     from graphcal.graph.taps import Reduction, TapRequest, gram
     from graphcal.graph.targets import torch_weight
     from graphcal.progress import Progress
-    from graphcal.weights import observe_unit, units
 
     settings = run.config.gptq
     device_t = torch_device or torch.device("cpu")

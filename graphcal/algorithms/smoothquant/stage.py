@@ -31,11 +31,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from graphcal.graph.smooth import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
+from graphcal.calibration.observe import Consumer, Consumers, Feed
+from graphcal.calibration.plan import RunPlan
+from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
 from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import torch_weight
-from graphcal.observe import Consumer, Consumers, Feed
-from graphcal.plan import RunPlan
 from graphcal.types import Target
 
 log = logging.getLogger("graphcal")
@@ -44,7 +44,7 @@ MINIMUM_SMOOTHING_SCALE = 1e-5  # llm-compressor's clamp
 SEARCH_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))  # --smoothing-strength auto: 0.1 ... 1.0
 SEARCH_ROWS = 256  # rows of each smoothed activation the search scores candidates on
 METADATA_KEY = "graphcal.smoothquant"  # the output model's record of what was smoothed (metadata_props)
-AWQ_METADATA_KEY = "graphcal.awq"  # likewise for AWQ's scales (graphcal.awq_stage)
+AWQ_METADATA_KEY = "graphcal.awq"  # likewise for AWQ's scales (graphcal.algorithms.awq.stage)
 
 
 def smoothing_scales(min_vals: torch.Tensor, max_vals: torch.Tensor, weights: list[torch.Tensor], strength: float,
@@ -117,7 +117,7 @@ class RowSample:
     def value(self) -> torch.Tensor:
         return torch.cat(self.kept)
 
-    # under torchrun nothing is exchanged: rank 0 scores its own sample (graphcal.distributed)
+    # under torchrun nothing is exchanged: rank 0 scores its own sample (graphcal.calibration.distributed)
     sync_ops: dict = {}
 
     def state_dict_stats(self) -> dict:
@@ -270,7 +270,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_
                          inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
     an ObserverSet built with :func:`taps_of` the mappings): (Smoothed, the pass's PassResult)."""
-    from graphcal.activations import run_activation_pass
+    from graphcal.calibration.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
     search = run.config.smoothing.search
@@ -321,7 +321,7 @@ def _per_group(lo: torch.Tensor, hi: torch.Tensor, group_size: int | None) -> tu
 def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None) -> Smoothed:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
-    from graphcal.activations import run_activation_pass
+    from graphcal.calibration.activations import run_activation_pass
 
     mappings = list(run.smoothing.mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches)
@@ -405,8 +405,8 @@ def _as_rows_args(args):
 def _fake_weight(w: torch.Tensor, args) -> torch.Tensor:
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
+    from graphcal.calibration.observe import make_observer
     from graphcal.config import observer_name
-    from graphcal.observe import make_observer
 
     if args is None:
         return w
@@ -422,7 +422,7 @@ def _fake_input(x: torch.Tensor, args, lo: torch.Tensor, hi: torch.Tensor) -> to
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from graphcal.observe import make_observer
+    from graphcal.calibration.observe import make_observer
     from graphcal.types import enum_value
 
     if args is None:

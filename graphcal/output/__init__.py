@@ -65,7 +65,7 @@ def torchrun_rank() -> int | None:
             return None
         return int(os.environ.get("RANK", "0") or 0)
     except ValueError:
-        return None  # malformed: graphcal.distributed.from_env reports it
+        return None  # malformed: graphcal.calibration.distributed.from_env reports it
 
 
 @contextlib.contextmanager

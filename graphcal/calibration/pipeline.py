@@ -26,20 +26,20 @@ from pathlib import Path
 
 import torch
 
-from graphcal.activations import run_activation_pass
+from graphcal.algorithms.smoothquant.stage import smooth_and_calibrate, taps_of
+from graphcal.calibration.activations import run_activation_pass
+from graphcal.calibration.distributed import from_env
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.plan import RunPlan, plan
+from graphcal.calibration.weights import quantize_weights
 from graphcal.config import Options, RunConfig, resolve
 from graphcal.data import check_padding_input, data_label, graph_inputs, load_data
-from graphcal.distributed import from_env
 from graphcal.graph.io import save_model
 from graphcal.graph.qdq import QDQWriter
-from graphcal.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
-from graphcal.observe import ObserverSet
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
-from graphcal.plan import RunPlan, plan
+from graphcal.output.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
 from graphcal.runtime import check_device, observer_device
-from graphcal.smoothing import smooth_and_calibrate, taps_of
 from graphcal.types import QuantizedKV, QuantizedTarget
-from graphcal.weights import quantize_weights
 
 log = logging.getLogger("graphcal")
 
@@ -125,7 +125,7 @@ def calibrate(
     ("sequential", the default, or "one-pass"); ``group_size`` sets the scheme's weight group size
     (their other knobs: ``config=resolve(Options(...))``). ``tap_limit_mb`` (default 1024) bounds
     the activations tapped whole that a batch holds: past it the data runs once per share of them
-    (graphcal.activations.tap_shares).
+    (graphcal.calibration.activations.tap_shares).
     """
     start = time.perf_counter()
     model_path, out_dir = Path(model), Path(output_dir)
@@ -157,11 +157,11 @@ def calibrate(
                          "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
                          "or use --gptq-order one-pass without AWQ")
     if gptq is not None and gptq.order == "one-pass":
-        from graphcal.gptq_stage import check_one_pass
+        from graphcal.algorithms.gptq.stage import check_one_pass
 
         check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
     if run.awq is not None and run.awq.mappings:  # AWQ's scales first, then the pass over x * (1/s)
-        from graphcal.awq_stage import awq_smoothing
+        from graphcal.algorithms.awq.stage import awq_smoothing
 
         # under torchrun every rank searches over all the data (the search is deterministic, so every
         # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
@@ -192,11 +192,11 @@ def calibrate(
     rounding = None
     torch_device = observer_device(activations.provider, device, device_id)
     if gptq is not None and gptq.order == "one-pass":
-        from graphcal.gptq_stage import OnePass
+        from graphcal.algorithms.gptq.stage import OnePass
 
         rounding = OnePass(observers.hessians, gptq)
     elif gptq is not None:  # layer block by layer block, on the model as loaded (before the folds below)
-        from graphcal.gptq_stage import sequential_gptq
+        from graphcal.algorithms.gptq.stage import sequential_gptq
 
         if dist is not None:
             log.info("GPTQ's sequential order runs on rank 0 over all the data")

@@ -151,7 +151,7 @@ class Sensitivity:
 
 def _pattern(kind: str, layers: list[str]) -> str:
     """A kind as an --ignore value: ``re:.*\\.mlp\\.down_proj$`` for a kind found in blocks, else the name."""
-    from graphcal.evaluate import kind_pattern
+    from graphcal.evaluation import kind_pattern
 
     if len(layers) == 1 and layers[0] == kind:
         return kind

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcal.calibration.plan import RunPlan
 from graphcal.config import observer_name
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.taps import Reduction, TapRequest
-from graphcal.plan import RunPlan
 from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
 
 
@@ -76,7 +76,7 @@ class ObserverSet(Consumers):
     ``taps`` (target name -> tensor) names what a target's input and importance observers tap
     instead of its activation: under SmoothQuant, the smoothed activation ``x / s``. With GPTQ in
     its one-pass order, every activation a chosen target reads gets a Hessian (``hessians``,
-    target name -> graphcal.gptq_stage.HessianObserver, shared by the targets reading one tensor).
+    target name -> graphcal.algorithms.gptq.stage.HessianObserver, shared by the targets reading one tensor).
     """
 
     def __init__(self, plan: RunPlan, taps: dict[str, str] | None = None):
@@ -91,7 +91,7 @@ class ObserverSet(Consumers):
         shared: dict[tuple, object] = {}
         gptq = plan.config.gptq
         if gptq is not None and gptq.order == "one-pass":
-            from graphcal.gptq_stage import HessianObserver
+            from graphcal.algorithms.gptq.stage import HessianObserver
 
             by_tensor: dict[str, object] = {}
             for t in plan.chosen:

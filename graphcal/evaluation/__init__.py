@@ -26,7 +26,7 @@ from graphcal.data import batch_samples, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.external import is_external, rebase
 from graphcal.graph.io import load_model, load_model_info
-from graphcal.graph.smooth import SCOPE_OF_KIND, SCOPES
+from graphcal.graph.scaling import SCOPE_OF_KIND, SCOPES
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
 
@@ -188,7 +188,7 @@ def _written_ignore(candidate: Path) -> list[str] | None:
     import json
 
     from graphcal.limits import read_regular
-    from graphcal.metadata import CONFIG_FILE
+    from graphcal.output.metadata import CONFIG_FILE
 
     path = candidate.parent / CONFIG_FILE
     if not path.is_file():
@@ -217,7 +217,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
 
     With ``sensitivity``, the model's outputs are also compared with only one kind of layer
     quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
-    back in float, and the advice is measured the same way (graphcal.sensitivity): one pass over
+    back in float, and the advice is measured the same way (graphcal.evaluation.sensitivity): one pass over
     the data per kind, layer and advice option, each running both models.
 
     With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
@@ -357,7 +357,7 @@ def _data_root(models: list[tuple[onnx.ModelProto, str | Path]]) -> Path | None:
 
 def _sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored):
     """Each kind (and layer) quantized alone, then the advice options, each compared with fp32 over the data."""
-    from graphcal.sensitivity import MAX_OPTIONS, Option, Sensitivity, float_except, quantized_layers
+    from graphcal.evaluation.sensitivity import MAX_OPTIONS, Option, Sensitivity, float_except, quantized_layers
 
     ref_model, cand_model = load_model(reference), load_model(candidate)
     layers = quantized_layers(cand_model, ref_model, targets)
@@ -403,7 +403,7 @@ def _smoothquant_record(model: onnx.ModelProto) -> dict:
     """What graphcal recorded of a SmoothQuant (or AWQ) run in the model's metadata ({} when none)."""
     import json
 
-    from graphcal.smoothing import AWQ_METADATA_KEY, METADATA_KEY
+    from graphcal.algorithms.smoothquant.stage import AWQ_METADATA_KEY, METADATA_KEY
 
     for prop in model.metadata_props:
         if prop.key in (METADATA_KEY, AWQ_METADATA_KEY):
@@ -417,7 +417,7 @@ def _smoothquant_record(model: onnx.ModelProto) -> dict:
 
 def _smoothable(model: onnx.ModelProto, targets, record: dict, base_dir: Path | None = None) -> dict[str, str]:
     """Layer -> the --smoothquant scope that smooths its input exactly, for layers the candidate left unsmoothed."""
-    from graphcal.graph.smooth import candidates
+    from graphcal.graph.scaling import candidates
 
     done = {b for m in record.get("mappings", []) if isinstance(m, dict) for b in m.get("balance", [])}
     out = {}

@@ -174,7 +174,7 @@ def resolve(options: Options) -> RunConfig:
     targets = list(options.targets) if options.targets is not None else None
     ignore = list(options.ignore) if options.ignore is not None else None
     if options.recipe is not None:
-        from graphcal.recipe import load_recipe, recipe_config
+        from graphcal.config.recipe import load_recipe, recipe_config
 
         config = recipe_config(load_recipe(options.recipe), scheme=options.scheme, targets=targets, ignore=ignore,
                                observer=options.observer, kv_cache=options.kv_cache)
@@ -254,7 +254,7 @@ def _duo(value) -> bool | str:
 
 def check_gptq(settings: GPTQSettings) -> GPTQSettings:
     """GPTQModifier's fields checked (where llm-compressor would fail later, graphcal says so first)."""
-    from graphcal.gptq import check_actorder
+    from graphcal.algorithms.gptq.math import check_actorder
 
     if isinstance(settings.block_size, bool) or not isinstance(settings.block_size, int) or settings.block_size < 1:
         raise UsageError(f"GPTQ block_size must be a positive integer, got {settings.block_size!r}")
@@ -316,7 +316,7 @@ def _number(value):
 
 
 def check_scope(scope: str) -> str:
-    from graphcal.graph.smooth import SCOPES
+    from graphcal.graph.scaling import SCOPES
 
     if scope not in SCOPES:
         raise UsageError(f"--smoothquant takes one of {', '.join(SCOPES)}, got {_shown(scope)!r}")

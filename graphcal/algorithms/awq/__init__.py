@@ -1,0 +1,1 @@
+"""AWQ: llm-compressor's AWQModifier."""

@@ -1,0 +1,1 @@
+"""GPTQ: llm-compressor's GPTQModifier."""

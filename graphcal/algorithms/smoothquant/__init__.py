@@ -1,0 +1,1 @@
+"""SmoothQuant: llm-compressor's SmoothQuantModifier."""
