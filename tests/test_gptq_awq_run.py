@@ -125,10 +125,7 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
     observers = ObserverSet(run)
     rounded = sequential_gptq(run, observers, calib, device="cpu", smoothed=smoothed)
     for t in run.chosen:
-        w = torch.from_numpy(torch_weight(run.model, t))
-        if smoothed is not None:
-            w = smoothed.weight(t, w)
-        qp = _grid(observers, run, t, w)
+        qp = rounded.grids[t.name].qparams["weight"]  # the one grid, taken by the run's observers
         np.testing.assert_allclose(qp.scale, ref["qparams"][f"{t.name}.weight_scale"], rtol=1e-6, atol=0,
                                    err_msg=t.name)
         q = rounded.weights[t.name]
@@ -148,6 +145,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
     sees (the same codes as llm-compressor), layer 1 does not (no error propagated)."""
     from graphcal.algorithms.gptq.stage import OnePass
     from graphcal.calibration.activations import run_activation_pass
+    from graphcal.calibration.seams import Member
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
@@ -163,7 +161,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
         observers.weight_observers[t.name](w)
         item = observers.qparams(t, run.schemes[t.name])
         qp = item.qparams["weight"]
-        codes = _codes(rounding([(t, w, item)])[t.name], qp.scale, qp.zero_point)
+        codes = _codes(rounding([Member(t, w, item)])[t.name], qp.scale, qp.zero_point)
         agree[t.name] = float((codes == ref["weight_codes"][t.name].float()).float().mean())
     layer0 = [v for k, v in agree.items() if ".layers.0." in k]
     layer1 = [v for k, v in agree.items() if ".layers.1." in k]
@@ -200,7 +198,7 @@ def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
         zp = ref["qparams"][f"{t.name}.weight_zero_point"]
         assert float((qp.zero_point == zp).float().mean()) > 0.99, t.name  # a zero point at a .5 may round over
     # the norms the scales fold into, as the written model holds them
-    smoothed.fold(run, {t.name for t in run.chosen}, dict(run.types))
+    smoothed.fold(run.model, run, {t.name for t in run.chosen}, dict(run.types))
     record = json.loads(next(p.value for p in run.model.metadata_props if p.key == "graphcal.awq"))
     assert len(record["mappings"]) == 6
     inits = {i.name: i for i in run.model.graph.initializer}
@@ -346,8 +344,10 @@ def test_layers_stacked_on_one_hessian_round_as_each_alone():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     from graphcal.algorithms.gptq.stage import GPTQLog, gptq_weights
-    from graphcal.calibration.observe import make_observer, to_qparams
+    from graphcal.calibration.observe import to_qparams
+    from graphcal.calibration.seams import Member
     from graphcal.config import GPTQSettings
+    from graphcal.observers import make_observer
     from graphcal.types import QuantizedTarget, Target
 
     torch.manual_seed(0)
@@ -360,15 +360,16 @@ def test_layers_stacked_on_one_hessian_round_as_each_alone():
         obs = make_observer("memoryless_minmax", "weight", args)
         obs(w)
         t = Target(name, name, "MatMul", "x", name, (), "in_out", rows, 96)
-        members.append((t, w, QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args),
-                                              {"weight": to_qparams(obs.get_qparams())})))
+        members.append(Member(t, w, QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args),
+                                                     {"weight": to_qparams(obs.get_qparams())})))
     settings = GPTQSettings(block_size=32)
     stacked_log, alone_log = GPTQLog(), GPTQLog()
     stacked = gptq_weights(members, h, settings, stacked_log)
     for m in members:
-        alone = gptq_weights([m], h, settings, alone_log)[m[0].name]
-        assert torch.equal(stacked[m[0].name], alone), m[0].name
-        assert stacked_log.losses[m[0].name] == pytest.approx(alone_log.losses[m[0].name], rel=1e-5)
+        name = m.target.name
+        alone = gptq_weights([m], h, settings, alone_log)[name]
+        assert torch.equal(stacked[name], alone), name
+        assert stacked_log.losses[name] == pytest.approx(alone_log.losses[name], rel=1e-5)
 
 
 @pytest.mark.parametrize("order", ["sequential", "one-pass"])

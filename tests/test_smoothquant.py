@@ -276,7 +276,7 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
     original = onnx.ModelProto()
     original.CopyFrom(run.model)
     types = dict(run.types)
-    smoothed.fold(run, set(), types)
+    smoothed.fold(run.model, run, set(), types)
     onnx.checker.check_model(run.model, full_check=True)
     got = _folded_params(run.model, case)
     assert set(got) == set(ref["params"])
@@ -341,7 +341,7 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
         _close(hi, ref_hi, 5e-6, f"{m.smooth} max")
         np.testing.assert_allclose(smoothed.unclamped[m.candidate.activation], ref["sq_scales_unclamped"][m.smooth],
                                    rtol=5e-6, atol=0, err_msg=f"{m.smooth} scales")
-    smoothed.fold(run, set(), dict(run.types))
+    smoothed.fold(run.model, run, set(), dict(run.types))
     for m in run.smoothing.mappings:
         mul = next(n for n in run.model.graph.node if n.op_type == "Mul" and n.output[0] == m.candidate.tensor)
         inits = {t.name for t in run.model.graph.initializer}
@@ -423,7 +423,7 @@ def test_shipped_model_float_fold_is_exact(llama_dir, bert_dir, model, scope):
     calib = load_data(model_dir / "calib.npz", graph_inputs(run.model), batch_size=16, num_samples=16)
     smoothed = collect(run, calib, device="cpu")
     types = dict(run.types)
-    smoothed.fold(run, set(), types)
+    smoothed.fold(run.model, run, set(), types)
     onnx.checker.check_model(run.model, full_check=True)
 
     # the balance weights (and a linear smooth layer's) really changed, an exact no-op would pass the

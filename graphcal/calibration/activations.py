@@ -25,7 +25,7 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
 from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
 from graphcal.limits import format_size
-from graphcal.observers.helpers import memory_order
+from graphcal.observers.helpers import extrema, finite_extrema
 from graphcal.runtime import open_runtime
 
 log = logging.getLogger("graphcal")
@@ -278,7 +278,7 @@ def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Pad
         span = None
         if x is not None and x.is_floating_point():  # its extrema, read once, also serve the observers
             span = extrema(x)
-            finite = _finite(span)
+            finite = finite_extrema(span)
         else:
             finite = probe not in values or bool(torch.isfinite(values[probe]).all())
         if not finite:
@@ -313,26 +313,6 @@ def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Pad
                     c.observer(_as_bsh(seen))
             except ValueError as e:  # e.g. a group size that does not divide the hidden size
                 raise GraphcalError(f"tap {tensor!r} {tuple(x.shape) if x is not None else ''}: {e}") from e
-
-
-def extrema(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``x``'s min and max (NaN carried along), read once in memory order (None: empty)."""
-    if x.numel() == 0:
-        return None
-    if not x.is_contiguous():  # e.g. a weight seen through a transpose: read it as it lies
-        x = x.permute(memory_order(x))
-    return torch.aminmax(x)
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """No NaN or Inf in ``x``: its min and max (which carry NaN along) are finite. One read of
-    ``x`` and no mask of its size (``isfinite(x).all()`` cost 30x more on a big tap)."""
-    return _finite(extrema(x))
-
-
-def _finite(span: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-    """Whether a tensor's extrema (None: it is empty) are finite: NaN and Inf carry through them."""
-    return span is None or bool(torch.isfinite(torch.stack(span)).all())
 
 
 def _as_bsh(x: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.calibration.plan import RunPlan
 from graphcal.config import observer_name
-from graphcal.errors import GraphcalError, UsageError
+from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest
+from graphcal.observers import make_observer, share_global_scale
 from graphcal.types import KVState, QParams, QuantizedKV, QuantizedTarget, Target, enum_value
 
 
@@ -32,6 +35,20 @@ class Feed(enum.Enum):
     HESSIAN = "hessian"  # GPTQ's Hessian of a layer input (one-pass order): x^T x, reduced in the graph
 
 
+@runtime_checkable
+class Observed(Protocol):
+    """What a tapped tensor feeds. ``takes_extrema``: the batch min/max reduced in the graph are
+    all it needs; ``sync_ops`` / ``state_dict_stats``: its statistics under torchrun. The feeds
+    used depend on the consumer's Feed: ``__call__`` (whole activations), ``observe_extrema``,
+    ``accumulate_importance`` (imatrix), ``add_gram`` / ``add_activations`` (Hessians)."""
+
+    takes_extrema: bool
+    observer_name: str
+    sync_ops: dict
+
+    def state_dict_stats(self) -> dict: ...
+
+
 @dataclass(frozen=True, eq=False)
 class Consumer:
     """One observer fed by one tapped tensor; ``reducible`` is the in-graph reduction that can
@@ -39,7 +56,7 @@ class Consumer:
 
     tensor: str
     feed: Feed
-    observer: object
+    observer: Observed
     reducible: TapRequest | None
 
     def request(self, in_graph: bool) -> TapRequest:
@@ -76,7 +93,7 @@ class ObserverSet(Consumers):
     ``taps`` (target name -> tensor) names what a target's input and importance observers tap
     instead of its activation: under SmoothQuant, the smoothed activation ``x / s``. With GPTQ in
     its one-pass order, every activation a chosen target reads gets a Hessian (``hessians``,
-    target name -> graphcal.algorithms.gptq.stage.HessianObserver, shared by the targets reading one tensor).
+    target name -> graphcal.algorithms.gptq.hessian.HessianObserver, shared by the targets reading one tensor).
     """
 
     def __init__(self, plan: RunPlan, taps: dict[str, str] | None = None):
@@ -91,8 +108,6 @@ class ObserverSet(Consumers):
         shared: dict[tuple, object] = {}
         gptq = plan.config.gptq
         if gptq is not None and gptq.order == "one-pass":
-            from graphcal.algorithms.gptq.stage import HessianObserver
-
             by_tensor: dict[str, object] = {}
             for t in plan.chosen:
                 activation = taps.get(t.name, t.activation)
@@ -130,8 +145,6 @@ class ObserverSet(Consumers):
 
     def share_global_scales(self, members: list[str]) -> None:
         """Let the weight observers of one fused group share one global scale (tensor_group only)."""
-        from graphcal.observers import share_global_scale
-
         observers = [self.weight_observers[n] for n in members]
         if len(observers) > 1 and all(enum_value(o.args.strategy) == "tensor_group" for o in observers):
             share_global_scale(observers)
@@ -155,21 +168,6 @@ class ObserverSet(Consumers):
                 raise GraphcalError(f"{state.name}: no {base} states reached the kv-cache observer")
             out.setdefault(state, QuantizedKV(state, self.kv_args)).qparams[base] = to_qparams(obs.get_qparams())
         return list(out.values())
-
-
-def make_observer(name: str, base_name: str, args):
-    """An observer from the registry; unknown names and bad kwargs become one-line usage errors."""
-    from compressed_tensors.registry import registered_names
-
-    from graphcal.observers import Observer
-
-    try:
-        return Observer.load_from_registry(name, base_name=base_name, args=args)
-    except KeyError:
-        known = ", ".join(n.replace("-", "_") for n in registered_names(Observer))
-        raise UsageError(f"unknown observer {name!r}; choose one of: {known}") from None
-    except (ValueError, TypeError) as e:
-        raise UsageError(f"{e} (for the {base_name} observer)") from e
 
 
 def _input_reduction(args, t: Target, activation: str) -> TapRequest | None:

@@ -33,16 +33,24 @@ from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_va
 log = logging.getLogger("graphcal")
 
 
+class _Held:
+    """The loaded model, until the pipeline takes it over for the output."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model: onnx.ModelProto | None = model
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """What a run does to one model (frozen: later stages read it and never change it).
 
-    ``model`` is the model as loaded (external weights stay on disk and are read once, when
-    needed); stages that edit a graph work on their own copies.
+    :attr:`model` is the model as loaded (external weights stay on disk and are read once, when
+    needed), for reading; stages that edit a graph work on their own copies, and the pipeline
+    takes it over for the output (:meth:`take_model`), after which the plan has none.
     """
 
     model_path: Path
-    model: onnx.ModelProto
+    held: _Held
     data_files: tuple[str, ...]  # external data files the model reads (empty: every weight inline)
     config: RunConfig
     runtime: Runtime
@@ -62,6 +70,20 @@ class RunPlan:
     forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
     smoothing: Resolution | None = None  # SmoothQuant's mappings (None: no smoothing asked for)
     awq: Resolution | None = None  # AWQ's mappings (None: no AWQ asked for)
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        """The model as loaded, to read (the pipeline edits it only after :meth:`take_model`)."""
+        if self.held.model is None:
+            raise RuntimeError("the plan's model was taken over for the output; read the written model instead")
+        return self.held.model
+
+    def take_model(self) -> onnx.ModelProto:
+        """Hand the loaded model over to the caller, which edits it into the output (nothing is
+        copied: a big model is held once); the plan keeps its types (read first) and no model."""
+        model = self.model
+        self.held.model = None
+        return model
 
     @cached_property
     def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
@@ -151,7 +173,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
     return RunPlan(
-        model_path=model_path, model=model, data_files=data_files, config=config, runtime=runtime,
+        model_path=model_path, held=_Held(model), data_files=data_files, config=config, runtime=runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,

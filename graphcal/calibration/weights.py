@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.calibration.activations import all_finite
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.seams import Member, Rounding
 from graphcal.errors import GraphcalError
 from graphcal.graph.targets import weight_tensor
+from graphcal.observers.helpers import all_finite
+from graphcal.progress import Progress
 from graphcal.types import QuantizedTarget, Target
 
 log = logging.getLogger("graphcal")
@@ -34,14 +36,12 @@ class WeightResult:
 
 def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torch.device, *,
                      skip_nonfinite: bool = False, progress: bool = False, smoothed=None,
-                     rounding=None) -> WeightResult:
+                     rounding: Rounding | None = None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
-    ``smoothed`` (graphcal.algorithms.smoothquant.stage.Smoothed) each weight is smoothed before it is observed.
-    ``rounding([(target, weight, item), ...])`` (GPTQ, graphcal.algorithms.gptq.stage; one call per fused unit)
-    gives each weight on the grid of its ``item``'s qparams, which the observer took from the weight
-    before it (None: round to nearest)."""
-    from graphcal.progress import Progress
-
+    ``smoothed`` (graphcal.algorithms.channel_scales.ChannelScales) each weight is smoothed before it
+    is observed. ``rounding(members)`` (GPTQ, graphcal.algorithms.gptq.stage; one call per fused unit)
+    gives each weight on the grid of its member's qparams, which the observer took from the weight
+    before it, or which ``rounding.grids`` holds already (None: round to nearest)."""
     log.info("observing and quantizing %d weights", len(plan.chosen))
     by_name: dict[str, QuantizedTarget] = {}
     result = WeightResult([])
@@ -51,7 +51,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
             weights = {}
             for t in unit:
                 w = weight_tensor(writer.model, t, plan.base_dir)  # [out, in], a view of [in, out] for MatMul
-                bad = _nonfinite_count(w)
+                bad = nonfinite_count(w)
                 if bad:
                     if not skip_nonfinite:
                         raise GraphcalError(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); fix the "
@@ -64,18 +64,24 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                     bar.update(1)
                     continue
                 weights[t.name] = smoothed.weight(t, w) if smoothed is not None else w
-            members = observe_unit(plan, observers, unit, weights, device, smoothed)
-            rounded = rounding([(t, w.to(device), item) for t, w, item in members]) if rounding is not None else {}
-            for t, w, item in members:
-                writer.quantize_weight(item, rounded.pop(t.name).cpu() if t.name in rounded else w)
-                by_name[t.name] = item
+            grids = getattr(rounding, "grids", {})
+            if weights and all(name in grids for name in weights):  # taken by the rounding already (one grid)
+                members = [Member(t, weights[t.name], grids[t.name]) for t in unit if t.name in weights]
+            else:
+                members = observe_unit(plan, observers, unit, weights, device, smoothed)
+            rounded = rounding([Member(m.target, m.weight.to(device), m.item) for m in members]) \
+                if rounding is not None else {}
+            for m in members:
+                name = m.target.name
+                writer.quantize_weight(m.item, rounded.pop(name).cpu() if name in rounded else m.weight)
+                by_name[name] = m.item
                 bar.update(1)
     result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
     return result
 
 
 def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weights: dict[str, torch.Tensor],
-                 device: torch.device, smoothed=None) -> list[tuple[Target, torch.Tensor, QuantizedTarget]]:
+                 device: torch.device, smoothed=None) -> list[Member]:
     """Observe the weights of ``unit`` found in ``weights`` (torch [out, in], smoothed already; a
     member left in float is absent), let a fused group share its global scale when all of it is
     there, and give each member with its QuantizedTarget (the grid), in unit order. The weight pass
@@ -89,8 +95,8 @@ def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weig
     group = [g for g in plan.groups if set(g.members) == set(weights)]
     if group and len(unit) == len(weights):  # a member left in float: the others share no global scale
         observers.share_global_scales(list(group[0].members))
-    return [(t, weights[t.name], observers.qparams(smoothed.target(t) if smoothed is not None else t,
-                                                   plan.schemes[t.name])) for t in unit if t.name in weights]
+    return [Member(t, weights[t.name], observers.qparams(smoothed.target(t) if smoothed is not None else t,
+                                                         plan.schemes[t.name])) for t in unit if t.name in weights]
 
 
 def units(plan: RunPlan) -> list[list[Target]]:
@@ -111,7 +117,7 @@ def units(plan: RunPlan) -> list[list[Target]]:
     return units
 
 
-def _nonfinite_count(w: torch.Tensor) -> int:
+def nonfinite_count(w: torch.Tensor) -> int:
     """How many NaN/Inf values ``w`` holds (0 for integer weights); one cheap check first."""
     if not w.is_floating_point() or w.numel() == 0 or all_finite(w):
         return 0

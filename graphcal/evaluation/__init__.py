@@ -403,7 +403,7 @@ def _smoothquant_record(model: onnx.ModelProto) -> dict:
     """What graphcal recorded of a SmoothQuant (or AWQ) run in the model's metadata ({} when none)."""
     import json
 
-    from graphcal.algorithms.smoothquant.stage import AWQ_METADATA_KEY, METADATA_KEY
+    from graphcal.algorithms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
 
     for prop in model.metadata_props:
         if prop.key in (METADATA_KEY, AWQ_METADATA_KEY):

@@ -36,9 +36,11 @@ from graphcal.observers.mse import (
     NVFP4ExpandedMSEObserver,
     grid_search_mse,
 )
+from graphcal.observers.registry import make_observer
 
 __all__ = [
     "Observer",
+    "make_observer",
     "MissingStatisticsError",
     "SYNC_OPS",
     "share_global_scale",

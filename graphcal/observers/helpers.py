@@ -130,3 +130,23 @@ def flatten_for_calibration(
     if base_name in ATTENTION_BASE_NAMES:
         return _flatten_attention(value, base_name, args)
     raise ValueError(f"unknown base_name {base_name!r}; expected one of {BASE_NAMES}")
+
+
+def extrema(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x``'s min and max (NaN carried along), read once in memory order (None: empty)."""
+    if x.numel() == 0:
+        return None
+    if not x.is_contiguous():  # e.g. a weight seen through a transpose: read it as it lies
+        x = x.permute(memory_order(x))
+    return torch.aminmax(x)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in ``x``: its min and max (which carry NaN along) are finite. One read of
+    ``x`` and no mask of its size (``isfinite(x).all()`` cost 30x more on a big tap)."""
+    return finite_extrema(extrema(x))
+
+
+def finite_extrema(span: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether a tensor's extrema (None: it is empty) are finite: NaN and Inf carry through them."""
+    return span is None or bool(torch.isfinite(torch.stack(span)).all())

@@ -11,7 +11,7 @@
         gate/up -> down_proj's output, one layer -> itself) run 1 + n_grid times on the cached
         inputs, the balance weights fed as Q(W * s) / s for each candidate s
         --> the s whose parent output is nearest the float one (graphcal.algorithms.awq.math.search)
-    --> graphcal.algorithms.smoothquant.stage.Smoothed: the weight pass multiplies each balance weight's columns by s
+    --> ChannelScales (graphcal.algorithms.channel_scales): the weight pass multiplies each balance weight's columns by s
         (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
 
 The statistics come from the float model: AWQ changes no function (only the rounding to come),
@@ -25,25 +25,41 @@ between blocks; both are counted and refused with an error when they would not f
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from graphcal.algorithms.awq.math import AbsMean, search
+from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
+from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.blockwise import Blockwise
+from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.seams import PassSettings
 from graphcal.errors import GraphcalError
+from graphcal.graph.blocks import parent_inputs, parent_output
+from graphcal.graph.scaling import Mapping
+from graphcal.graph.targets import torch_weight
+from graphcal.progress import Progress
 from graphcal.types import Target
 
 log = logging.getLogger("graphcal")
 
 
-def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False):
-    """AWQ's scales for every mapping of ``run.awq``: a graphcal.algorithms.smoothquant.stage.Smoothed (method "awq")."""
-    from graphcal.algorithms.awq.math import AbsMean, search
-    from graphcal.algorithms.smoothquant.stage import Smoothed
-    from graphcal.calibration.blockwise import Blockwise
-    from graphcal.graph.blocks import parent_inputs, parent_output
-    from graphcal.graph.targets import torch_weight
-    from graphcal.progress import Progress
+@dataclass(frozen=True)
+class _Search:
+    """One mapping's search: the block it runs in, its balance layers, and its parent sub-network
+    (the tensor it compares, and what it reads)."""
 
+    block: int
+    mapping: Mapping
+    balance: list[Target]
+    output: str
+    reads: list[str]
+
+
+def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
+    """AWQ's scales for every mapping of ``run.awq`` (ChannelScales of ScaleMethod.AWQ)."""
     settings = run.config.awq
     mappings = list(run.awq.mappings)
     walk = Blockwise(run, calib, device=device, device_id=device_id)
@@ -57,15 +73,15 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
             continue
         output = parent_output(run.model, balance)
         reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
-        plans.append((min(block_of[t.name] for t in chosen), m, balance, output, reads))
+        plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
     scales: dict[str, torch.Tensor] = {}
-    done = Smoothed([], {}, method="awq")
+    done = ChannelScales([], {}, method=ScaleMethod.AWQ)
     records = []
     bar = Progress("AWQ", len(plans), "mapping", bar=progress)
     with bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
-            here = [p for p in plans if p[0] == k]
-            taps = list(dict.fromkeys(x for p in here for x in p[4]))
+            here = [p for p in plans if p.block == k]
+            taps = list(dict.fromkeys(x for p in here for x in p.reads))
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
             if not here and not outputs:
                 continue
@@ -74,7 +90,8 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
             walk.keep(k, {n: values[n] for n in outputs})
             cached = {n: values[n] for n in taps}
             del values
-            for _, m, balance, output, reads in here:
+            for p in here:
+                m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
                 x = m.candidate.activation
                 stats = AbsMean()
                 for value in cached[x]:
@@ -98,7 +115,7 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
                 if result is None:
                     continue
                 scales[x] = result.scales
-                done = Smoothed([*done.mappings, m], dict(scales), method="awq")
+                done = ChannelScales([*done.mappings, m], dict(scales), method=ScaleMethod.AWQ)
                 records.append({"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
                                 "initial_error": result.initial_error, "best_error": result.best_error,
                                 "ratio": result.grid[result.best_index][0]})
@@ -106,7 +123,7 @@ def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progr
                          result.best_error, result.grid[result.best_index][0])
             del cached
     record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid, "mappings": records}
-    smoothed = Smoothed(done.mappings, scales, method="awq", record=record)  # recorded under AWQ_METADATA_KEY
+    smoothed = ChannelScales(done.mappings, scales, method=ScaleMethod.AWQ, record=record)  # its metadata_key records it
     log.info("AWQ: %d of %d mappings scaled", len(records), len(mappings))
     return smoothed
 
@@ -134,3 +151,31 @@ class _Parent:
     def close(self) -> None:
         self.runtime.close()
 
+
+
+class AWQ:
+    """AWQ as the pipeline's pre-transform (graphcal.calibration.seams.PreTransform): its scales
+    searched block by block before the activation pass, whose observers then see x * (1/s)."""
+
+    def __init__(self, run: RunPlan):
+        self.run, self._scales = run, None
+
+    @classmethod
+    def for_plan(cls, run: RunPlan) -> AWQ | None:
+        return cls(run) if run.awq is not None and run.awq.mappings else None
+
+    def before_pass(self, calib, settings: PassSettings) -> None:
+        # under torchrun every rank searches over all the data (the search is deterministic, so every
+        # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
+        self._scales = awq_smoothing(self.run, calib, device=settings.device, device_id=settings.device_id,
+                                     progress=settings.progress and settings.main)
+
+    def taps(self) -> dict[str, str]:
+        return self._scales.taps()
+
+    def activation_pass(self, observers: ObserverSet, calib, settings: PassSettings) -> PassResult:
+        return run_activation_pass(self.run, observers, calib, prelude=self._scales.prelude(self.run.types),
+                                   **settings.kwargs())
+
+    def scales(self) -> ChannelScales:
+        return self._scales

@@ -1,0 +1,182 @@
+"""Channel scales: what SmoothQuant and AWQ hand the later stages, and how each stage applies them.
+
+Both algorithms pick, for each mapping (a smooth layer and the balance layers reading its output,
+graph.scaling.Mapping), a per-channel scale s; the model computes the same function with the smooth
+layer's output divided by s and the balance weights' input columns multiplied by s. They differ only
+in how s is chosen (:class:`ScaleMethod`), and the output model records which one made them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import onnx
+import torch
+
+from graphcal.calibration.plan import RunPlan
+from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
+from graphcal.graph.targets import torch_weight
+from graphcal.types import Target
+
+
+class ScaleMethod(enum.Enum):
+    """The algorithm that chose a run's channel scales."""
+
+    SMOOTHQUANT = "smoothquant"
+    AWQ = "awq"
+
+    @property
+    def metadata_key(self) -> str:
+        """The output model's metadata_props key recording the mappings (JSON)."""
+        return f"graphcal.{self.value}"
+
+
+METADATA_KEY = ScaleMethod.SMOOTHQUANT.metadata_key  # "graphcal.smoothquant"
+AWQ_METADATA_KEY = ScaleMethod.AWQ.metadata_key  # "graphcal.awq"
+
+
+def taps_of(mappings: list[Mapping]) -> dict[str, str]:
+    """Target name -> the scaled activation its observers tap (graph.scaling.Mapping.tapped)."""
+    return {b: m.tapped for m in mappings for b in m.balance}
+
+
+@dataclass
+class ChannelScales:
+    """Per-channel scales s of a pre-transform's mappings (SmoothQuant's or AWQ's), and how each later
+    stage applies them: observers of a scaled activation see x * (1/s) (:meth:`prelude`, :meth:`taps`),
+    the weight pass multiplies each balance weight's input columns by s (:meth:`weight`), and
+    :meth:`fold` writes the rest into the output graph."""
+
+    mappings: list[Mapping]
+    scales: dict[str, torch.Tensor]  # activation -> s (clamped)
+    unclamped: dict[str, torch.Tensor] = field(default_factory=dict)
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # smooth output -> (min, max)
+    strengths: dict[str, float] = field(default_factory=dict)  # activation -> the strength its scales were made with
+    columns: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # balance target -> s to multiply columns by
+    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear smooth target -> s to divide rows by
+    method: ScaleMethod = ScaleMethod.SMOOTHQUANT  # which algorithm made them (its metadata_props key)
+    record: dict | None = None  # what the metadata records (None: SmoothQuant's settings, from the run)
+
+    def __post_init__(self):
+        for m in self.mappings:
+            s = self.scales[m.candidate.activation]
+            for b in m.balance:
+                self.columns.setdefault(b, []).append(s)
+            if m.candidate.linear is not None:
+                self.rows.setdefault(m.candidate.linear, []).append(s)
+
+    def taps(self) -> dict[str, str]:
+        """Target name -> the scaled activation its observers tap (graph.scaling.Mapping.tapped)."""
+        return taps_of(self.mappings)
+
+    def describe(self) -> list[str]:
+        """Each mapping as scaled (graph.scaling.Mapping.describe)."""
+        return [m.describe() for m in self.mappings]
+
+    def prelude(self, types) -> tuple[list, list]:
+        """The tap-side ``Mul(x, 1/s)`` nodes for the calibration pass (graph.taps.build_tapped)."""
+        return tap_nodes(self.mappings, {m.candidate.activation: self._inverse(m, types) for m in self.mappings})
+
+    def _inverse(self, m: Mapping, types) -> np.ndarray:
+        """1/s as the graph multiplies by it (in the activation's dtype)."""
+        dtype = _np_dtype(types, m.candidate.activation)
+        return (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
+
+    def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
+        """A target's torch [out, in] weight, smoothed: input columns times s, output rows over s
+        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype)."""
+        if t.name not in self.columns and t.name not in self.rows:
+            return w
+        dtype = w.dtype
+        for s in self.columns.get(t.name, []):
+            w = (w * s[None, :]).to(dtype)
+        for s in self.rows.get(t.name, []):
+            w = (w / s[:, None]).to(dtype)
+        return w
+
+    def column_scale(self, t: Target) -> torch.Tensor | None:
+        """What ``t``'s input columns are multiplied by (the product of its mappings' s; None: nothing)."""
+        scales = self.columns.get(t.name)
+        if not scales:
+            return None
+        out = scales[0].double()
+        for s in scales[1:]:
+            out = out * s.double()
+        return out
+
+    def smooth_hessian(self, t: Target, h: torch.Tensor) -> torch.Tensor:
+        """The Hessian of ``t``'s smoothed input x/s from that of x: diag(1/s) H diag(1/s)."""
+        s = self.column_scale(t)
+        if s is None:
+            return h
+        inverse = (1.0 / s).to(h.device)
+        return (h.double() * inverse[:, None] * inverse[None, :]).to(h.dtype)
+
+    def unsmooth(self, t: Target, w: torch.Tensor) -> torch.Tensor:
+        """The weight that computes in the unsmoothed graph what ``w`` (smoothed, as :meth:`weight`
+        gives it) computes in the smoothed one: columns over s, rows times s."""
+        dtype = w.dtype
+        s = self.column_scale(t)
+        out = w.double()
+        if s is not None:
+            out = out / s.to(w.device)[None, :]
+        for r in self.rows.get(t.name, []):
+            out = out * r.double().to(w.device)[:, None]
+        return out.to(dtype)
+
+    def target(self, t: Target) -> Target:
+        """The target as the output graph has it: behind an explicit Mul it reads the Mul's output."""
+        for m in self.mappings:
+            if m.explicit and t.name in m.balance:
+                return replace(t, activation=m.tapped)
+        return t
+
+    def fold(self, model: onnx.ModelProto, run: RunPlan, quantized: set[str], types: dict) -> None:
+        """Write the smoothing into ``model`` (the run's, taken over for the output) where the weight
+        pass does not: norm scales and biases, linear biases and constant scales divided by s, explicit Muls, and the float weights
+        of balance or linear smooth layers that stay unquantized (``quantized``: those that do not);
+        the model's metadata_props record the mappings (``graphcal.smoothquant``, JSON).
+        ``types`` gains the explicit Muls' outputs."""
+        record = self.record
+        if record is None:
+            settings = run.config.smoothing
+            record = {"strength": "auto" if settings.search else settings.strength, "algorithm": settings.algorithm,
+                      "scope": settings.scope,
+                      "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                                    "balance": list(m.balance), "strength": self.strengths.get(m.candidate.activation)}
+                                   for m in self.mappings]}
+        model.metadata_props.add(key=self.method.metadata_key, value=json.dumps(record, separators=(",", ":")))
+        params, scales = [], {}
+        for m in self.mappings:
+            s = self.scales[m.candidate.activation].numpy()
+            for p in m.candidate.params:
+                params.append(p)
+                scales[p] = s
+        divide_params(model, params, scales, run.base_dir)
+        for m in self.mappings:
+            if m.explicit:
+                x = m.candidate.activation
+                nodes = {t.node for t in run.found if t.name in m.balance}
+                explicit_mul(model, m, self._inverse(m, types), nodes)
+                if x in types:
+                    types[m.tapped] = types[x]
+        by_name = {t.name: t for t in run.found}
+        for name in dict.fromkeys([*self.columns, *self.rows]):
+            if name not in quantized:
+                self.write_float(model, by_name[name], run.base_dir)
+
+    def write_float(self, model, t: Target, base_dir: str | None) -> None:
+        """Store a target's smoothed weight in float in ``model`` (a layer left unquantized)."""
+        w = torch.from_numpy(torch_weight(model, t, base_dir))
+        replace_weight(model, t, self.weight(t, w).numpy(), base_dir)
+
+
+
+def _np_dtype(types, tensor: str):
+    t = types.get(tensor) if types is not None else None
+    if t is None or not t.elem_type:
+        return np.float32
+    return onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)

@@ -1,0 +1,59 @@
+"""prepare(): everything `run` checks before it reads a sample, shared with `inspect`.
+
+    settings --check_device--> the device is there (--device cuda without a GPU fails here)
+    model + config --plan--> RunPlan (targets, schemes, forms, sizes: graphcal.calibration.plan)
+    data --load_data--> the calibration data, checked against the model's inputs (headers only)
+    --exclude-padding: an attention_mask among the inputs
+    torchrun: this process joins the job (run only)
+    GPTQ and AWQ: what their passes need of the data and of memory
+
+So `inspect` refuses what `run` would refuse, before either calibrates anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphcal.algorithms.gptq.stage import check_one_pass
+from graphcal.calibration.distributed import Dist, from_env
+from graphcal.calibration.plan import RunPlan, plan
+from graphcal.config import RunConfig
+from graphcal.data import ReaderData, check_padding_input, data_label, graph_inputs, load_data
+from graphcal.errors import UsageError
+from graphcal.runtime import check_device
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run checked and ready: its plan, its data (None: inspect without --data), the model's
+    input names, and the torchrun job this process joined (None: one process)."""
+
+    plan: RunPlan
+    calib: object  # graphcal.data.CalibrationData or ReaderData
+    inputs: tuple[str, ...]
+    dist: Dist | None = None
+
+
+def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime", matmulnbits: int | None = None,
+            data=None, batch_size: int | None = None, num_samples: int | None = None, exclude_padding: bool = False,
+            device: str = "auto", join: bool = False) -> Prepared:
+    """Check a run of ``config`` on ``model`` with ``data`` for ``target`` before any pass; ``join``
+    (run only): join the torchrun job the environment describes. Raises GraphcalError or UsageError
+    for everything that can be known before calibrating."""
+    check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
+    run = plan(Path(model), config, target, matmulnbits)
+    inputs = graph_inputs(run.model)
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples) if data is not None else None
+    names = tuple(i.name for i in inputs)
+    if exclude_padding:
+        check_padding_input(data_label(data) if data is not None else f"the model {model}", names)
+    dist = from_env() if join else None  # torchrun: this rank's share of the batches
+    gptq = run.config.gptq
+    if isinstance(calib, ReaderData) and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
+        raise UsageError("GPTQ's sequential order and AWQ read the data once per layer block, and a "
+                         "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
+                         "or use --gptq-order one-pass without AWQ")
+    if gptq is not None and gptq.order == "one-pass":
+        check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
+    return Prepared(run, calib, names, dist)
