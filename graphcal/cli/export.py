@@ -1,0 +1,46 @@
+"""graphcal export: a local transformers model folder to ONNX, with calib.npz tokenized from a text file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from graphcal.cli.guard import guarded
+from graphcal.cli.options import DEBUG_OPTION
+
+
+@click.command(name="export")
+@click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for model.onnx (and calib.npz with --text).")
+@click.option("--dynamo", is_flag=True, help="Use torch's dynamo exporter (opset >= 18) instead of the legacy one.")
+@click.option("--opset", type=click.IntRange(min=13), default=None, help="ONNX opset (default: 17 legacy, 18 dynamo).")
+@click.option("--text", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="A text file, one calibration sample per line, tokenized into calib.npz.")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens per sample in calib.npz (padded or truncated).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None,
+              help="Use at most this many lines of --text (with --pack: this many windows).")
+@click.option("--pack", is_flag=True,
+              help="Join the lines of --text (the tokenizer's end-of-sequence token between them) and cut them into "
+                   "full --seq windows: no padding in calib.npz (one padded row per line otherwise).")
+@DEBUG_OPTION
+def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, pack, debug):
+    """Export a local transformers model folder to ONNX, ready for graphcal run (nothing is downloaded).
+
+    \b
+    Example:
+      graphcal export ./my-llama -o exported/ --text calib.txt --seq 256
+      graphcal run exported/model.onnx --data exported/calib.npz --scheme W8A8 -o out/
+    """
+    from graphcal.export import export_pretrained  # lazy: the other verbs need none of it (nor tempfile, inspect)
+
+    exported = guarded(lambda: export_pretrained(model_dir, output, dynamo=dynamo, opset=opset, text=text, seq=seq,
+                                                  num_samples=num_samples, pack=pack), debug)
+    click.echo("wrote:")
+    for f in exported.files:
+        click.echo(f"  {f}")
+    if exported.padding is not None:
+        click.echo(f"calib.npz: {exported.samples} samples x {seq} tokens, {exported.padding:.1%} of them padding"
+                   + ("" if pack or exported.padding == 0 else " (--pack fills whole windows)"))

@@ -1,0 +1,61 @@
+"""graphcal inspect: what run would do to a model (targets, groups, opset, size), as a dry run of run's checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from graphcal.cli.guard import guarded
+from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
+from graphcal.output import check_output_dir
+
+
+@click.command(name="inspect")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@data_option(required=False)
+@output_option(required=False)
+@options(*CONFIG_OPTIONS, *PASS_OPTIONS)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
+@DEBUG_OPTION
+def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+                    smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
+                    exclude_padding, tap_limit_mb, as_json, debug, **algorithm):
+    """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
+
+    Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
+    MatMul/Gemm (module, node, torch [out, in] shape, layout, quantized or ignored), the fused
+    groups, the key/value states of a kv-cache scheme, the opset the output needs, and the
+    expected size of the written model.onnx; --data and -o, when given, are checked as run
+    checks them (no sample is read, nothing is written).
+
+    \b
+    Example:
+      graphcal inspect models/tiny-llama/model.onnx --scheme FP8
+    """
+    from graphcal.calibration.report import format_text, from_plan, to_dict  # lazy: loads torch and onnx
+
+    def call():
+        from graphcal.calibration.plan import plan  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
+        from graphcal.data import check_padding_input, graph_inputs, load_data
+        from graphcal.runtime import check_device
+
+        if output is not None:
+            check_output_dir(output, [model, *([data] if data is not None else [])])
+        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength,
+                                 **algorithm)
+        check_device(device)
+        run_plan = plan(model, config, runtime, matmulnbits)
+        inputs = graph_inputs(run_plan.model)
+        if data is not None:
+            load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+        if exclude_padding:
+            check_padding_input(f"the data {data}" if data is not None else f"the model {model}",
+                                [i.name for i in inputs])
+        return from_plan(run_plan)
+
+    report = guarded(call, debug)
+    for w in report.warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(json.dumps(to_dict(report), sort_keys=True, indent=2) if as_json else format_text(report))

@@ -1,0 +1,141 @@
+"""The click options and the config resolution that several verbs share: run and inspect take the same
+options (CONFIG_OPTIONS, PASS_OPTIONS), so they are listed once here and cannot drift apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def options(*options):
+    """Apply click options in the order listed (a shared list, so commands cannot drift apart)."""
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+def data_option(required: bool):
+    return click.option("--data", "-d", required=required, type=click.Path(path_type=Path),
+                        help="Calibration data: an .npz keyed by the model's input names (first dim = samples), "
+                             "or a folder of .npz files." + ("" if required else " inspect checks its headers "
+                                                             "against the model's inputs, reading no samples."))
+
+
+def output_option(required: bool):
+    return click.option("--output", "-o", required=required, type=click.Path(file_okay=False, path_type=Path),
+                        help="Folder for model.onnx, quantization_config.json and qparams.safetensors."
+                             + ("" if required else " inspect checks that run could write there."))
+
+
+# The options that say what a run does: run and inspect take exactly these.
+CONFIG_OPTIONS = (
+    click.option("--scheme", "-s", default=None,
+                 help="compressed-tensors preset: W8A8 (the default: int8 per-channel weights + dynamic per-token "
+                      "int8 activations), W8A16, W4A16, W4A16_ASYM, W4A8, FP8, FP8_DYNAMIC, FP8_BLOCK, NVFP4A16, "
+                      "NVFP4, MXFP4A16; graphcal's W8A8_STATIC (int8 static per-tensor activations, for TensorRT); "
+                      "or JSON QuantizationScheme fields."),
+    click.option("--targets", "targets", multiple=True,
+                 help="What to quantize: module names, 're:' regexes, or Linear (every weight MatMul/Gemm; the "
+                      "default). Repeatable."),
+    click.option("--ignore", multiple=True,
+                 help="Modules to leave in float: names or 're:' regexes (default: lm_head). Repeatable; giving it "
+                      "replaces the default."),
+    click.option("--observer", default=None,
+                 help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
+                      "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "
+                      "histogram_mse, whose weights take min/max or the exact MSE); default: llm-compressor's "
+                      "choice for the scheme."),
+    click.option("--kv-cache-scheme", "kv_cache", default=None,
+                 help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
+                      "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "
+                      "'{\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"attn_head\"}'."),
+    click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="llm-compressor recipe (YAML) holding a QuantizationModifier (scheme or config_groups, targets, "
+                      "ignore, observer fields, kv_cache_scheme), optionally after a SmoothQuantModifier "
+                      "(smoothing_strength, mappings, ignore, algorithm). --scheme, --targets, --ignore, --observer and "
+                      "--kv-cache-scheme, --smoothquant and --smoothing-strength given on the command line override it."),
+    click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt", "qdq"]), default="onnxruntime",
+                 show_default=True,
+                 help="Runtime the model is for. onnxruntime: compressed-tensors' numbers in forms onnxruntime's "
+                      "optimizer turns into integer kernels, loading at its default ORT_ENABLE_ALL (no fp4). "
+                      "tensorrt: only what TensorRT builds (symmetric, static per-tensor int8/fp8 activations, int4 "
+                      "blocks of 64/128, NVFP4 through trt::TRT_FP4DynamicQuantize). qdq: standard Q/DQ written "
+                      "literally, for other runtimes and readers (fp4 included)."),
+    click.option("--smoothquant", type=click.Choice(["norms", "all", "mul"]), is_flag=False, flag_value="norms",
+                 default=None, metavar="[norms|all|mul]",
+                 help="Smooth activation outliers into the weights first, as llm-compressor's SmoothQuantModifier "
+                      "does (per input channel s = range(x)^a / (2 max|W|)^(1-a)). norms (the flag alone): fold s "
+                      "into the norms and constant scales before the MatMuls (llm-compressor's q/k/v and gate/up "
+                      "mappings; no node added); all: also into linear layers (up_proj -> down_proj); mul: also an "
+                      "explicit Mul(x, 1/s) where no fold is exact (post-LN encoders such as BERT; one elementwise "
+                      "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
+    click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",
+                 help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
+                      "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 1.0 "
+                      "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
+    click.option("--algorithm", type=click.Choice(["gptq", "awq", "awq+gptq"]), default=None,
+                 help="How weights are rounded (default: to nearest, with the scheme's observer). gptq: "
+                      "llm-compressor's GPTQModifier (each layer's rounding error corrected with its inputs' "
+                      "Hessian); awq: its AWQModifier (per input channel scales searched on the parent block's "
+                      "output error, folded into the norm or linear layer before; no node added); awq+gptq: both."),
+    click.option("--group-size", type=click.IntRange(min=1), default=None,
+                 help="Group size of the scheme's group/tensor_group weights (e.g. 64 where 128 does not divide a "
+                      "layer's input features)."),
+    click.option("--block-size", type=click.IntRange(min=1), default=None,
+                 help="GPTQ: columns per lazy-update block (default 128)."),
+    click.option("--dampening-frac", type=click.FloatRange(min=0), default=None,
+                 help="GPTQ: dampening added to the Hessian's diagonal, as a fraction of its mean (default 0.01)."),
+    click.option("--actorder", type=click.Choice(["static", "weight", "none"]), default=None,
+                 help="GPTQ: activation ordering (default static, llm-compressor's; group is not supported, as "
+                      "in llm-compressor 0.14)."),
+    click.option("--gptq-order", type=click.Choice(["sequential", "one-pass"]), default=None,
+                 help="GPTQ: sequential (the default, llm-compressor's): layer block by layer block, each block's "
+                      "Hessians from the already-quantized blocks before it (two passes over the data in all); "
+                      "one-pass: every Hessian from the one calibration pass over the float model (faster; every "
+                      "Hessian held at once)."),
+    click.option("--duo-scaling", type=click.Choice(["true", "false", "both"]), default=None,
+                 help="AWQ: search scales from activation and weight means (true, the default), activations only "
+                      "(false), or both grids."),
+    click.option("--n-grid", type=click.IntRange(min=1), default=None,
+                 help="AWQ: grid points searched per mapping (default 20)."),
+    click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
+                 metavar="[LEVEL]",
+                 help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "
+                      "models have them) with this accuracy_level (default 4: the kernel quantizes the input to int8 "
+                      "per block of K; 0: float input, the DequantizeLinear form's numbers)."),
+)
+PASS_OPTIONS = (
+    click.option("--batch-size", type=click.IntRange(min=1), default=None,
+                 help="Samples per onnxruntime run (default: the model's fixed batch, else 8)."),
+    click.option("--num-samples", type=click.IntRange(min=1), default=None, help="Use at most this many samples."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                 help="Where onnxruntime and the observers run; auto picks CUDA when a GPU is usable."),
+    click.option("--skip-nonfinite-weights", is_flag=True,
+                 help="Leave layers whose weight holds NaN or Inf in float (with a warning) instead of failing."),
+    click.option("--exclude-padding", is_flag=True,
+                 help="Leave positions where the data's attention_mask is 0 (padding, as graphcal export --text "
+                      "writes it) out of the activation statistics; activations not shaped [batch, seq, ...] "
+                      "(key/value states, 2-D inputs) are observed whole, with a warning. Needs an attention_mask "
+                      "input; the taps then leave onnxruntime whole. run always prints the share of padding."),
+    click.option("--tap-limit-mb", type=click.FloatRange(min=1), default=None, metavar="MB",
+                 help="At most this many MB of activations tapped whole (mse and imatrix observers, "
+                      "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
+                      "computing only what its share needs (default 1024)."),
+)
+DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
+
+
+def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant=None, smoothing_strength=None,
+                    **algorithm):
+    """The run's config from the command line: flags given override the recipe (graphcal.config.resolve);
+    ``algorithm``: --algorithm, --group-size and the GPTQ/AWQ knobs, by Options field name."""
+    from graphcal.config import Options, resolve  # lazy: loads torch and onnx; graphcal --help stays fast
+
+    return resolve(Options(scheme=scheme, targets=tuple(targets) or None, ignore=tuple(ignore) or None,
+                           observer=observer, kv_cache=kv_cache, recipe=recipe, smoothquant=smoothquant,
+                           smoothing_strength=smoothing_strength, **algorithm))
+

@@ -1,0 +1,106 @@
+"""graphcal run: calibrate a model on data and write the quantized model, then print what was done."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from graphcal.cli.guard import guarded
+from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
+
+
+@click.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@data_option(required=True)
+@output_option(required=True)
+@options(*CONFIG_OPTIONS, *PASS_OPTIONS)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
+@DEBUG_OPTION
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+        smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
+        tap_limit_mb, as_json, quiet, debug, **algorithm):
+    """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
+
+    \b
+    Example:
+      graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/
+    """
+    from graphcal.calibration.pipeline import calibrate  # lazy: loads torch, onnxruntime and compressed-tensors
+
+    def call():
+        return calibrate(
+            model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe,
+                                                        smoothquant, smoothing_strength, **algorithm),
+            device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
+            progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
+            exclude_padding=exclude_padding, tap_limit_mb=tap_limit_mb,
+        )
+
+    result = guarded(call, debug)
+    if result.rank != 0:
+        return  # under torchrun, rank 0 reports
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
+    if as_json:
+        click.echo(json.dumps({
+            "quantized": [i.target.name for i in result.targets], "ignored": result.ignored,
+            "provider": result.provider, "samples": result.num_samples, "batches": result.num_batches,
+            "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
+            "warnings": result.warnings, "onnxruntime_kernels": result.forms,
+            "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
+            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq,
+        }, sort_keys=True))
+        return
+    if quiet:
+        return
+    n = len(result.targets)
+    label = f"recipe {recipe.name}" if recipe is not None and scheme is None else scheme_label(scheme or "W8A8")
+    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {label}"
+               + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
+    if result.smoothed:
+        click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
+    if result.awq:
+        click.echo(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
+                   "before it (graphcal inspect lists them)")
+    if result.gptq is not None:
+        order = "layer block by layer block" if result.gptq["order"] == "sequential" else "Hessians from one pass"
+        click.echo(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
+                   + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
+                      if result.gptq["rtn_fallback"] else ""))
+    if result.provider is None and (result.awq or result.gptq is not None):
+        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches (GPTQ / AWQ; the "
+                   "scheme has no static activations to observe)")
+    elif result.provider is None:
+        click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
+    else:
+        ranks = f" across {result.world} ranks" if result.world > 1 else ""
+        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
+                   f"with onnxruntime {result.provider}")
+    if result.padding_share is not None:
+        if result.provider is None and (result.awq or result.gptq is not None):
+            what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"
+        elif result.provider is None:
+            what = "no activation statistics are taken for this scheme"
+        elif result.exclude_padding:
+            what = "left out of the statistics"
+        else:
+            what = "--exclude-padding leaves them out of the statistics"
+        click.echo(f"calibration data: {result.padding_share:.1%} of positions are padding (attention_mask == 0); "
+                   + what)
+    if result.forms:
+        click.echo("in onnxruntime (CPU, default settings) the quantized layers run as:")
+        for line in result.forms:
+            click.echo(f"  {line}")
+        click.echo("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/speed.md has "
+                   "numbers)")
+    click.echo(f"done in {result.seconds:.1f} s; wrote:")
+    for f in result.files:
+        click.echo(f"  {f}")
+
+
+def scheme_label(scheme: str) -> str:
+    return "a custom scheme" if scheme.lstrip().startswith("{") else scheme.upper()
