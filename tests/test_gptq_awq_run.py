@@ -315,11 +315,14 @@ def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monk
     import graphcal.algorithms.gptq.stage
 
     monkeypatch.setattr(graphcal.algorithms.gptq.stage, "hessian_bytes", lambda targets: 1 << 60)
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
-                  "--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass")
+    flags = ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass"]
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o", *flags)
     assert result.exit_code == 1, result.output
     assert "GPTQ's one-pass Hessians needs" in result.output and "--gptq-order sequential" in result.output
     assert not (tmp_path / "o").exists()
+    # inspect shares run's pre-flight checks (calibration.prepare), so it refuses the same run the same way
+    inspected = _cli("inspect", llama_dir / "model.onnx", *flags)
+    assert inspected.exit_code == 1 and inspected.output.strip().splitlines() == result.output.strip().splitlines()
 
 
 def test_gptq_on_the_shipped_llama_beats_round_to_nearest(llama_dir, tmp_path):

@@ -37,23 +37,15 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
     from graphcal.calibration.report import format_text, from_plan, to_dict  # lazy: loads torch and onnx
 
     def call():
-        from graphcal.calibration.plan import plan  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
-        from graphcal.data import check_padding_input, graph_inputs, load_data
-        from graphcal.runtime import check_device
+        from graphcal.calibration.prepare import prepare  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
 
         if output is not None:
             check_output_dir(output, [model, *([data] if data is not None else [])])
         config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength,
                                  **algorithm)
-        check_device(device)
-        run_plan = plan(model, config, runtime, matmulnbits)
-        inputs = graph_inputs(run_plan.model)
-        if data is not None:
-            load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
-        if exclude_padding:
-            check_padding_input(f"the data {data}" if data is not None else f"the model {model}",
-                                [i.name for i in inputs])
-        return from_plan(run_plan)
+        ready = prepare(model, config, target=runtime, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
+                        num_samples=num_samples, exclude_padding=exclude_padding, device=device)
+        return from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
 
     report = guarded(call, debug)
     for w in report.warnings:
