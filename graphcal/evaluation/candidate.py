@@ -8,15 +8,15 @@ from pathlib import Path
 
 import onnx
 
+from graphcal.algorithms.smoothquant.stage import AWQ_METADATA_KEY, METADATA_KEY
 from graphcal.errors import GraphcalError
 from graphcal.graph.scaling import SCOPE_OF_KIND, candidates
 from graphcal.limits import read_regular
+from graphcal.output.metadata import CONFIG_FILE
 
 
 def written_ignore(candidate: Path) -> list[str] | None:
     """The ignore list graphcal wrote beside ``candidate`` (quantization_config.json), if there is one."""
-    from graphcal.output.metadata import CONFIG_FILE  # lazy: graphcal.output.metadata imports torch
-
     path = candidate.parent / CONFIG_FILE
     if not path.is_file():
         return None
@@ -29,8 +29,6 @@ def written_ignore(candidate: Path) -> list[str] | None:
 
 def smoothquant_record(model: onnx.ModelProto) -> dict:
     """What graphcal recorded of a SmoothQuant (or AWQ) run in the model's metadata ({} when none)."""
-    from graphcal.algorithms.smoothquant.stage import AWQ_METADATA_KEY, METADATA_KEY  # lazy: the stage imports torch
-
     for prop in model.metadata_props:
         if prop.key in (METADATA_KEY, AWQ_METADATA_KEY):
             try:

@@ -88,9 +88,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         layers.append((t.name, tensor))
     fetch = outputs + [tensor for _, tensor in layers]
     smoothable = smoothable_layers(ref_model, targets, smoothed, Path(reference).parent)
-    import onnxruntime as ort  # lazy: onnxruntime (and torch) are imported when a comparison runs
+    import onnxruntime as ort  # lazy: onnxruntime loads when a comparison runs, not with this package
 
-    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime  # lazy: as onnxruntime above
+    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime  # lazy: it imports onnxruntime
 
     optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
     paired = None

@@ -168,7 +168,7 @@ def measure_sensitivity(reference, candidate, targets, outputs, calib, optimizat
     for t in layers:
         kinds.setdefault(layer_kind(t.name), []).append(t.name)
 
-    from graphcal.runtime import open_model_runner  # lazy: onnxruntime (and torch) are imported when a comparison runs
+    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
 
     ref_run = open_model_runner(ref_model, outputs, optimization=optimization)  # one fp32 session for every variant
 
