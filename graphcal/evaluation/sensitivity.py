@@ -160,7 +160,7 @@ def _pattern(kind: str, layers: list[str]) -> str:
     return kind_pattern(kind)
 
 
-def measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored):
+def measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored) -> Sensitivity:
     """Each kind (and layer) quantized alone, then the advice options, each compared with fp32 over the data."""
     ref_model, cand_model = load_model(reference), load_model(candidate)
     layers = quantized_layers(cand_model, ref_model, targets)
