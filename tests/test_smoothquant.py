@@ -749,7 +749,8 @@ def _agreement(name: str, sqnr: float):
 
 
 def test_eval_suggests_the_scope_that_smooths_the_flagged_layers(llama_dir):
-    from graphcal.evaluation import EvalReport, _smoothable
+    from graphcal.evaluation import EvalReport
+    from graphcal.evaluation import smoothable_layers as _smoothable
     from graphcal.graph.targets import find_targets
 
     model = onnx.load(llama_dir / "model.onnx")

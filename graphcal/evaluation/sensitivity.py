@@ -9,7 +9,8 @@ the worst two, ... back to float, each option's model is run, so the "expected r
 with the flags is what those flags give. The quantized layers keep their own qparams, which do
 not depend on the other layers: observers see the fp32 model.
 
-:func:`float_except` builds those models from the quantized one. A layer goes back to float
+:func:`measure_sensitivity` runs those passes (eval's own comparison is graphcal.evaluation.compare's).
+:func:`float_except` builds their models from the quantized one. A layer goes back to float
 when its output tensor comes from a copy of the fp32 model's own node (and weight path) on the
 same input. The quantized nodes that fed it are dropped, and Q/DQ that other layers share stays.
 """
@@ -20,6 +21,11 @@ import math
 from dataclasses import dataclass, field
 
 import onnx
+
+from graphcal.evaluation.agreement import Agreement
+from graphcal.evaluation.kinds import kind_pattern, layer_kind
+from graphcal.graph.io import load_model
+from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
 
 FLOAT_PREFIX = "graphcal-float/"
 MAX_OPTIONS = 3  # advice: the worst kind, the worst two, the worst three
@@ -44,8 +50,6 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
 def float_except(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers, keep: set[str]) -> onnx.ModelProto:
     """A copy of ``candidate`` in which every layer of ``layers`` (quantized targets) not named in
     ``keep`` computes in float, as ``reference`` does."""
-    from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
-
     model = onnx.ModelProto()
     model.CopyFrom(candidate)
     graph = model.graph
@@ -111,7 +115,7 @@ class Option:
 
     kinds: list[str]
     layers: list[str]
-    outputs: list = field(default_factory=list)  # evaluate.Agreement per model output
+    outputs: list[Agreement] = field(default_factory=list)  # one per model output
 
     @property
     def sqnr_db(self) -> float:
@@ -123,7 +127,7 @@ class Sensitivity:
     """End-to-end loss of each kind (and layer) quantized alone, and the measured advice."""
 
     kinds: dict[str, list[str]]  # kind -> its quantized layers
-    alone: dict[str, list]  # kind (or layer) -> output agreements with only it quantized
+    alone: dict[str, list[Agreement]]  # kind (or layer) -> output agreements with only it quantized
     options: list[Option]
     ignored: list[str]  # the ignore list the quantized model was written with
 
@@ -151,8 +155,48 @@ class Sensitivity:
 
 def _pattern(kind: str, layers: list[str]) -> str:
     """A kind as an --ignore value: ``re:.*\\.mlp\\.down_proj$`` for a kind found in blocks, else the name."""
-    from graphcal.evaluation import kind_pattern
-
     if len(layers) == 1 and layers[0] == kind:
         return kind
     return kind_pattern(kind)
+
+
+def measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored) -> Sensitivity:
+    """Each kind (and layer) quantized alone, then the advice options, each compared with fp32 over the data."""
+    ref_model, cand_model = load_model(reference), load_model(candidate)
+    layers = quantized_layers(cand_model, ref_model, targets)
+    kinds: dict[str, list[str]] = {}
+    for t in layers:
+        kinds.setdefault(layer_kind(t.name), []).append(t.name)
+
+    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
+
+    ref_run = open_model_runner(ref_model, outputs, optimization=optimization)  # one fp32 session for every variant
+
+    def compare(keep: set[str]) -> list[Agreement]:
+        return _compare(ref_run, float_except(cand_model, ref_model, layers, keep), outputs, calib, optimization)
+
+    alone = {kind: compare(set(names)) for kind, names in kinds.items()}
+    if per_layer:
+        alone.update({t.name: compare({t.name}) for t in layers if len(kinds[layer_kind(t.name)]) > 1})
+    ranked = sorted(kinds, key=lambda k: alone[k][0].sqnr_db)
+    options = []
+    for n in range(1, min(MAX_OPTIONS, len(ranked) - 1) + 1):  # never every kind: that is the fp32 model
+        floated = ranked[:n]
+        names = [name for k in floated for name in kinds[k]]
+        option = Option(floated, names)
+        option.outputs = compare({t.name for t in layers} - set(names))
+        options.append(option)
+    return Sensitivity(kinds, alone, options, list(ignored))
+
+
+def _compare(ref_run, model, outputs, calib, optimization) -> list[Agreement]:
+    """The outputs of ``model`` against the fp32 runner's over the data (both run once per batch)."""
+    from graphcal.runtime import open_model_runner  # lazy: as in measure_sensitivity
+
+    run = open_model_runner(model, outputs, optimization=optimization)
+    agree = [Agreement(o) for o in outputs]
+    for batch in calib.batches():
+        ref_values, values = ref_run.run(batch), run.run(batch)
+        for a, name in zip(agree, outputs):
+            a.add(ref_values[name], values[name])
+    return agree

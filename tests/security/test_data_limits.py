@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import graphcal.data as gdata
+import graphcal.data.npz as gnpz  # check_memory reads _available_memory here
 from graphcal.cli import cli
 from graphcal.data import InputSpec, graph_inputs, load_data
 from graphcal.errors import GraphcalError
@@ -238,7 +238,7 @@ def test_huge_declared_header_length_is_refused_before_reading(tmp_path):
 
 def test_a_batch_too_big_for_memory_is_refused_naming_the_array(bert_dir, monkeypatch):
     inputs = graph_inputs(onnx.load(bert_dir / "model.onnx"))
-    monkeypatch.setattr(gdata, "_available_memory", lambda: 40_000)  # half: 20 kB; one batch of 8: 3 x 2 kB
+    monkeypatch.setattr(gnpz, "_available_memory", lambda: 40_000)  # half: 20 kB; one batch of 8: 3 x 2 kB
     assert load_data(bert_dir / "calib.npz", inputs, batch_size=8).num_batches == 8
     with pytest.raises(GraphcalError) as e:
         load_data(bert_dir / "calib.npz", inputs, batch_size=32)
@@ -254,16 +254,16 @@ def test_a_batch_too_big_for_memory_is_refused_naming_the_array(bert_dir, monkey
 def test_a_fortran_array_is_checked_whole(tmp_path, monkeypatch):
     specs = [InputSpec("x", np.dtype(np.float32), ("batch", 100))]
     np.savez(tmp_path / "f.npz", x=np.asfortranarray(np.zeros((1000, 100), np.float32)))
-    monkeypatch.setattr(gdata, "_available_memory", lambda: 400_000)
+    monkeypatch.setattr(gnpz, "_available_memory", lambda: 400_000)
     with pytest.raises(GraphcalError, match=r"array 'x' is Fortran-ordered and read whole: 400\.0 kB"):
         load_data(tmp_path / "f.npz", specs, batch_size=1)
 
 
 def test_unknown_available_memory_skips_the_check(bert_dir, monkeypatch):
     inputs = graph_inputs(onnx.load(bert_dir / "model.onnx"))
-    monkeypatch.setattr(gdata, "_available_memory", lambda: None)
+    monkeypatch.setattr(gnpz, "_available_memory", lambda: None)
     assert load_data(bert_dir / "calib.npz", inputs, batch_size=64).num_batches == 1
-    assert gdata._available_memory is not None
+    assert gnpz._available_memory is not None
 
 
 def test_two_gib_of_declared_zeros_streams_in_little_memory(bert_dir, tmp_path):
@@ -489,7 +489,7 @@ def test_fuzzed_headers_and_sizes_load_or_fail_cleanly(tmp_path_factory, member,
     path = tmp_path_factory.mktemp("fuzz") / "c.npz"
     path.write_bytes(bytes(raw))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gdata, "_available_memory", lambda: 64 << 20)  # a declared huge batch is refused
+        mp.setattr(gnpz, "_available_memory", lambda: 64 << 20)  # a declared huge batch is refused
         try:
             with time_box(20):  # never a hang
                 calib = load_data(path, SPECS, batch_size=batch_size)

@@ -1,0 +1,142 @@
+"""bench's report: timings per shape, each model's files, kernels and memory, as records and as JSON."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OPTIMIZATION = "ORT_ENABLE_ALL"  # the session options bench uses: onnxruntime's default
+MODELS = ("reference", "quantized")
+
+
+@dataclass
+class Timing:
+    """Seconds per batch of one model at one shape, over the timed rounds."""
+
+    samples: list[float]  # one per round: seconds per call, averaged over ``calls``
+    calls: int  # calls per timed sample
+    batch: int
+    tokens: int | None  # batch * seq, None when no input has an axis 1
+
+    def as_dict(self) -> dict:
+        s = np.asarray(self.samples, dtype=np.float64)
+        median = float(np.median(s))
+        return {"median_s": median, "min_s": float(s.min()), "max_s": float(s.max()),
+                "p10_s": float(np.percentile(s, 10)), "p90_s": float(np.percentile(s, 90)),
+                "rounds": len(self.samples), "calls_per_sample": self.calls,
+                "samples_per_s": self.batch / median,
+                "tokens_per_s": self.tokens / median if self.tokens is not None else None}
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.samples))
+
+
+@dataclass
+class Shape:
+    """One input shape: its timings, or why it was not measured."""
+
+    name: str  # "prefill" or "decode"
+    inputs: dict[str, list[int]]
+    batch: int
+    seq: int | None
+    reference: Timing | None = None
+    quantized: Timing | None = None
+    skipped: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.reference is None or self.quantized is None:
+            return None
+        return self.quantized.median / self.reference.median
+
+    def as_dict(self) -> dict:
+        out = {"name": self.name, "inputs": self.inputs, "batch": self.batch, "seq": self.seq,
+               "measured": self.skipped is None, "skipped": self.skipped, "ratio": self.ratio}
+        for label in MODELS:
+            timing = getattr(self, label)
+            out[label] = timing.as_dict() if timing is not None else None
+        return out
+
+
+@dataclass
+class Layer:
+    """The kernel onnxruntime runs for one weight MatMul/Gemm of the source graph."""
+
+    module: str
+    node: str  # in the source graph
+    kind: str  # matmulnbits | integer | dequantized | float | other | missing
+    kernel: str  # the summary label, e.g. "MatMulNBits 4-bit acc4"
+    op_type: str | None = None
+    domain: str | None = None
+    optimized_node: str | None = None  # the node in onnxruntime's optimized graph
+    provider: str | None = None  # from the profile; None when the node did not show there
+    attributes: dict = field(default_factory=dict)  # bits, block_size, accuracy_level of MatMulNBits
+    weight_from: str | None = None  # float kernels: "initializer", or the ops the weight passes at run time
+
+    def as_dict(self) -> dict:
+        return {"module": self.module, "node": self.node, "kind": self.kind, "kernel": self.kernel,
+                "op_type": self.op_type, "domain": self.domain, "optimized_node": self.optimized_node,
+                "provider": self.provider, "weight_from": self.weight_from, **self.attributes}
+
+
+def summarize(layers: list[Layer], provider: str) -> dict[str, int]:
+    """Counts per kernel label, in first-seen order; a layer that ran on another provider than
+    the session's own is counted apart ("MatMulIntegerToFloat [CPUExecutionProvider]")."""
+    counts: Counter[str] = Counter()
+    for layer in layers:
+        label = layer.kernel
+        if layer.provider is not None and layer.provider != provider:
+            label += f" [{layer.provider}]"
+        counts[label] += 1
+    return dict(counts)
+
+
+@dataclass
+class ModelFacts:
+    path: str
+    files: dict[str, int]  # every file the model reads -> bytes
+    layers: list[Layer] = field(default_factory=list)
+    memory: dict | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(self.files.values())
+
+
+@dataclass
+class BenchReport:
+    onnxruntime: str
+    device: str  # "cpu" or "cuda": what the sessions run on
+    provider: str
+    cpu_count: int | None
+    usable_cpus: int | None
+    warmup: int
+    rounds: int
+    reference: ModelFacts
+    quantized: ModelFacts
+    shapes: list[Shape]
+    memory_skipped: str | None = None
+    notes: list[str] = field(default_factory=list)  # what the numbers mean on this machine
+
+    def as_dict(self) -> dict:
+        models = {}
+        for label in MODELS:
+            facts: ModelFacts = getattr(self, label)
+            models[label] = {
+                "path": facts.path, "size_bytes": facts.size, "files": facts.files, "memory": facts.memory,
+                "kernels": {"summary": summarize(facts.layers, self.provider),
+                            "layers": [layer.as_dict() for layer in facts.layers]},
+            }
+        return {
+            "onnxruntime": self.onnxruntime, "device": self.device, "provider": self.provider,
+            "optimization": OPTIMIZATION, "cpu_count": self.cpu_count, "usable_cpus": self.usable_cpus,
+            "warmup": self.warmup, "rounds": self.rounds,
+            "shapes": {s.name: s.as_dict() for s in self.shapes},
+            "ratios": {s.name: s.ratio for s in self.shapes},
+            "size_ratio": self.quantized.size / self.reference.size,
+            "memory_skipped": self.memory_skipped, "notes": self.notes,
+            **models,
+        }

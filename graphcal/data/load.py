@@ -1,0 +1,127 @@
+"""Calibration data opened, checked against the model's inputs and served as batches.
+
+:func:`load_data` takes an .npz file, a folder of them, a mapping of arrays or a
+CalibrationDataReader (graphcal.data.reader). It checks everything against the graph's inputs
+before anything runs, from the array headers alone (graphcal.data.inputs; nothing is loaded for
+the checks), and refuses a batch that would not fit in memory (graphcal.data.npz).
+:class:`CalibrationData` then streams the run's batches, one at a time, each checked for NaN and Inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, validate
+from graphcal.data.npz import check_memory, npz_files, npz_source, rows
+from graphcal.data.reader import ReaderData
+from graphcal.data.source import Source
+from graphcal.errors import GraphcalError, UsageError
+
+DEFAULT_BATCH_SIZE = 8
+
+
+class CalibrationData:
+    """Validated calibration data; iterate :meth:`batches` to stream it one batch at a time."""
+
+    def __init__(self, sources: list[Source], inputs: list[InputSpec], batch_size: int, num_samples: int | None):
+        self._sources = sources
+        self._inputs = inputs
+        self.batch_size = batch_size
+        # A model with a fixed batch dimension cannot take a short last batch.
+        self._drop_last = fixed_batch(inputs) is not None
+        available = sum(s.num_samples for s in sources)
+        self.num_samples = available if num_samples is None else min(num_samples, available)
+
+    @property
+    def num_batches(self) -> int:
+        left, count = self.num_samples, 0
+        for s in self._sources:
+            take = min(left, s.num_samples)
+            count += take // self.batch_size if self._drop_last else -(-take // self.batch_size)
+            left -= take
+            if left == 0:
+                break
+        return count
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """The run's batches in order, each checked for NaN/Inf; one batch is held at a time.
+
+        Each file is opened once per call and each of its arrays read forward once, only as far
+        as ``num_samples`` reaches."""
+        left = self.num_samples
+        names = [spec.name for spec in self._inputs]
+        for source in self._sources:
+            if left <= 0:
+                return
+            n = min(left, source.num_samples)
+            left -= n
+            if n == 0:
+                continue
+            with rows(source, names) as take:
+                for start in range(0, n, self.batch_size):
+                    stop = min(start + self.batch_size, n)
+                    if self._drop_last and stop - start < self.batch_size:
+                        break
+                    batch = take(start, stop)
+                    check_finite(batch, source.label, start)
+                    yield batch
+
+    def check_values(self) -> int:
+        """Stream every batch the run would use once and refuse NaN or Inf, as :meth:`batches`
+        does (same error, naming the sample); one batch is held at a time. For runs that make
+        no activation pass (dynamic activations only), so that bad data is still refused.
+        Returns the number of batches checked."""
+        count = 0
+        for _ in self.batches():
+            count += 1
+        return count
+
+
+
+def load_data(
+    data: str | Path | Mapping[str, np.ndarray],
+    inputs: list[InputSpec],
+    *,
+    batch_size: int | None = None,
+    num_samples: int | None = None,
+) -> CalibrationData:
+    """Open and validate calibration data for a model with ``inputs``.
+
+    ``data`` is an .npz path, a folder of .npz files, a mapping of arrays, or an onnxruntime
+    CalibrationDataReader (streamed; see :class:`ReaderData`). ``batch_size`` defaults to the
+    model's fixed batch dimension, else 8.
+    """
+    if batch_size is not None and batch_size <= 0:
+        raise UsageError(f"--batch-size must be positive, got {batch_size}")
+    if num_samples is not None and num_samples <= 0:
+        raise UsageError(f"--num-samples must be positive, got {num_samples}")
+    if hasattr(data, "get_next"):  # an onnxruntime CalibrationDataReader
+        if batch_size is not None:
+            raise UsageError("batch_size does not apply to a CalibrationDataReader: its batches are used as they come")
+        return ReaderData(data, inputs, num_samples)
+    fixed = fixed_batch(inputs)
+    if batch_size is None:
+        batch_size = fixed or DEFAULT_BATCH_SIZE
+    elif fixed and batch_size != fixed:
+        raise UsageError(f"the model's batch dimension is fixed at {fixed}; use --batch-size {fixed}")
+
+    if isinstance(data, Mapping):
+        sources = [Source("<arrays>", check_arrays(data), arrays=data)]
+    else:
+        sources = [npz_source(p) for p in npz_files(Path(data))]
+    for s in sources:
+        validate(s, inputs, fixed)
+    if sum(s.num_samples for s in sources) == 0:
+        raise GraphcalError(f"calibration data {data if not isinstance(data, Mapping) else '<arrays>'} holds zero samples")
+    calib = CalibrationData(sources, inputs, batch_size, num_samples)
+    check_memory(sources, batch_size, calib.num_samples)
+    return calib
+
+
+def data_label(data) -> str:
+    if isinstance(data, Mapping):
+        return "the data <arrays>"
+    return "the CalibrationDataReader" if hasattr(data, "get_next") else f"the data {data}"

@@ -1,0 +1,60 @@
+"""An onnxruntime ``CalibrationDataReader`` as calibration data: its batches streamed once, each checked as it comes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, slice_rows, validate
+from graphcal.data.source import Source
+from graphcal.errors import GraphcalError
+
+
+class ReaderData:
+    """Batches from an onnxruntime ``CalibrationDataReader`` (anything with ``get_next()``), as
+    quantize_static users have them: streamed once, each batch checked like an .npz file before
+    it runs. The reader's batches are used as they come; ``num_samples`` caps the total."""
+
+    def __init__(self, reader, inputs: list[InputSpec], num_samples: int | None):
+        self._reader = reader
+        self._inputs = inputs
+        self._cap = num_samples
+        self._fixed_batch = fixed_batch(inputs)
+        self.num_samples = 0  # counted while streaming
+        self.num_batches = 0
+        self._used = False
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        if self._used:
+            raise GraphcalError("a CalibrationDataReader can be read once; make a new one for another run")
+        self._used = True
+        while self._cap is None or self.num_samples < self._cap:
+            try:
+                batch = self._reader.get_next()
+            except Exception as e:  # noqa: BLE001 -- the user's reader: report it as one line
+                raise GraphcalError(f"the CalibrationDataReader failed on batch {self.num_batches}: "
+                                    f"{type(e).__name__}: {e}") from e
+            if batch is None:
+                break
+            if not isinstance(batch, Mapping):
+                raise GraphcalError(f"the CalibrationDataReader's batch {self.num_batches} is a "
+                                    f"{type(batch).__name__}, not a mapping of input names to arrays")
+            arrays = {k: np.asarray(v) for k, v in batch.items()}
+            source = Source(f"CalibrationDataReader batch {self.num_batches}", check_arrays(arrays), arrays=arrays)
+            validate(source, self._inputs, self._fixed_batch)
+            n = source.num_samples
+            if self._cap is not None and self.num_samples + n > self._cap:
+                n = self._cap - self.num_samples
+                arrays = {k: slice_rows(v, 0, n) for k, v in arrays.items()}
+            check_finite(arrays, source.label, 0)
+            self.num_samples += n
+            self.num_batches += 1
+            yield {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in self._inputs}
+        if self.num_batches == 0:
+            raise GraphcalError("the CalibrationDataReader gave no batches (get_next() returned None at once)")
+
+    def check_values(self) -> int:
+        """Nothing to do ahead: a reader's batches are checked (NaN/Inf included) as they stream,
+        and a reader can be read only once. Returns 0."""
+        return 0

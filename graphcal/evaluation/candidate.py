@@ -1,0 +1,51 @@
+"""What eval reads of the models besides their outputs: the ignore list written beside the
+quantized model, its SmoothQuant (or AWQ) record, and the layers SmoothQuant could still smooth."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+
+from graphcal.algorithms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
+from graphcal.errors import GraphcalError
+from graphcal.graph.scaling import SCOPE_OF_KIND, candidates
+from graphcal.limits import read_regular
+from graphcal.output.metadata import CONFIG_FILE
+
+
+def written_ignore(candidate: Path) -> list[str] | None:
+    """The ignore list graphcal wrote beside ``candidate`` (quantization_config.json), if there is one."""
+    path = candidate.parent / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        ignore = json.loads(read_regular(path, "quantization config", 1 << 20)).get("ignore")
+    except (GraphcalError, ValueError, AttributeError):
+        return None
+    return [str(x) for x in ignore] if isinstance(ignore, list) else None
+
+
+def smoothquant_record(model: onnx.ModelProto) -> dict:
+    """What graphcal recorded of a SmoothQuant (or AWQ) run in the model's metadata ({} when none)."""
+    for prop in model.metadata_props:
+        if prop.key in (METADATA_KEY, AWQ_METADATA_KEY):
+            try:
+                record = json.loads(prop.value)
+            except ValueError:
+                return {}
+            return record if isinstance(record, dict) else {}
+    return {}
+
+
+def smoothable_layers(model: onnx.ModelProto, targets, record: dict, base_dir: Path | None = None) -> dict[str, str]:
+    """Layer -> the --smoothquant scope that smooths its input exactly, for layers the candidate left unsmoothed."""
+    done = {b for m in record.get("mappings", []) if isinstance(m, dict) for b in m.get("balance", [])}
+    out = {}
+    for c in candidates(model, list(targets), None if base_dir is None else str(base_dir)):  # lazy: read from its folder
+        if c.reason or any(b in done for b in c.balance):
+            continue
+        for b in c.balance:
+            out[b] = SCOPE_OF_KIND[c.kind]
+    return out

@@ -1,0 +1,199 @@
+"""eval's comparison runs: both models over the same data, every output and weight MatMul/Gemm output compared.
+
+On onnxruntime the two models run as one graph that reduces each pair to float64 sums itself
+(graph.compare), so no activation leaves it; otherwise the tensors are fetched and compared
+here. With ``isolated``, a third model, the quantized one fed the reference's layer inputs,
+gives each layer's own error. Sensitivity passes are graphcal.evaluation.sensitivity's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+
+from graphcal.config import DEFAULT_IGNORE
+from graphcal.data import batch_samples, graph_inputs, load_data
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.evaluation.agreement import Agreement
+from graphcal.evaluation.candidate import smoothable_layers, smoothquant_record, written_ignore
+from graphcal.evaluation.report import EvalReport
+from graphcal.evaluation.sensitivity import measure_sensitivity
+from graphcal.graph.compare import OUTPUT, SUMS, paired_model
+from graphcal.graph.external import is_external, rebase
+from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime
+from graphcal.graph.taps import add_taps
+from graphcal.graph.targets import find_targets
+from graphcal.progress import Progress
+
+LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
+
+
+def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
+             num_samples: int | None = None, level: str = "basic", isolated: bool = False,
+             sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True) -> EvalReport:
+    """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
+
+    ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
+    graph as the ONNX spec computes it) or "all" (ORT_ENABLE_ALL, onnxruntime's default: its
+    fused integer kernels, what a deployment runs; MatMulNBits then quantizes its input on CPU).
+
+    A layer's SQNR is cumulative: the quantized model's own output at that layer, with the error
+    of every layer before it. With ``isolated``, a third run gives each layer's own error: a copy
+    of the quantized model in which every layer's input activation is the reference's (fed from
+    the reference run), so each quantized layer sees float input; worst layers and advice then
+    follow that error.
+
+    With ``sensitivity``, the model's outputs are also compared with only one kind of layer
+    quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
+    back in float, and the advice is measured the same way (graphcal.evaluation.sensitivity): one pass over
+    the data per kind, layer and advice option, each running both models.
+
+    With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
+    graph that reduces each compared pair to six float64 sums (graph.compare), so no activation
+    leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here."""
+    if level not in LEVELS:
+        raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    # Weights stay on disk (lazy) for the paired graph, where onnxruntime reads them; the other
+    # paths run each model as a whole protobuf and load them whole below.
+    (ref_model, ref_files), (cand_model, cand_files) = load_model_info(reference, lazy=True), load_model_info(
+        candidate, lazy=True)
+    smoothed = smoothquant_record(cand_model)
+    if (isolated or sensitivity) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
+        # a folded smoothing: the balance layers read x/s, which the fp32 model never computes
+        why = ("--isolated cannot feed them fp32 inputs; compare without --isolated" if isolated else
+               "its layers cannot be put back in float one by one; measure sensitivity")
+        raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its balance "
+                         f"layers read x/s, which the fp32 model does not compute), so {why}, or a model made "
+                         "without --smoothquant")
+    inputs = graph_inputs(ref_model)
+    if {s.name for s in graph_inputs(cand_model)} != {s.name for s in inputs}:
+        raise GraphcalError(f"{candidate} takes other inputs than {reference}; compare a model with its own quantized form")
+    outputs = [o.name for o in ref_model.graph.output]
+    missing = [o for o in outputs if o not in {x.name for x in cand_model.graph.output}]
+    if missing:
+        raise GraphcalError(f"{candidate} lacks output(s) {', '.join(missing)} of {reference}")
+    ref_nodes = {n.name: n for n in ref_model.graph.node}
+    # a layer's output keeps its tensor name in graphcal's output (the onnxruntime form may compute
+    # it in a node after the MatMul: the row-normalized int8 scale, a Gemm's bias)
+    cand_values = {o for n in cand_model.graph.node for o in n.output}
+    targets = find_targets(ref_model)[0]
+    layers, skipped = [], []
+    for t in targets:
+        tensor = ref_nodes[t.node].output[0]
+        if tensor not in cand_values:
+            skipped.append(t.name)
+            continue
+        layers.append((t.name, tensor))
+    fetch = outputs + [tensor for _, tensor in layers]
+    smoothable = smoothable_layers(ref_model, targets, smoothed, Path(reference).parent)
+    import onnxruntime as ort  # lazy: onnxruntime loads when a comparison runs, not with this package
+
+    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime  # lazy: it imports onnxruntime
+
+    optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+    paired = None
+    if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
+        # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
+        folder = _data_root([(ref_model, reference), (cand_model, candidate)])
+        model, weights, sums = paired_model(ref_model, cand_model, fetch)
+        names = [OUTPUT]
+        runtime = open_runtime(model, names, device="cpu", optimization=optimization,
+                               renamed_weights=weights, external_folder=folder, priority_order=False)
+        paired = ModelRunner(names, "onnxruntime", runtime.run_numpy)
+        del model, weights
+        runner_kind = paired.kind
+    else:
+        if ref_files:
+            ref_model = load_model(reference)
+        if cand_files:
+            cand_model = load_model(candidate)
+    forced, forced_run, ref_fetch = {}, None, fetch
+    if isolated:  # the reference run also hands over every layer's float input
+        forced, forced_model = _forced_inputs(cand_model, targets)
+        ref_fetch = fetch + [a for a in forced if a not in fetch]
+        layer_tensors = [tensor for _, tensor in layers]
+        forced_run = open_model_runner(add_taps(forced_model, layer_tensors)[0], layer_tensors,
+                                       optimization=optimization)
+        del forced_model
+    if paired is None:
+        ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
+        cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
+        runner_kind = cand_run.kind
+    del ref_model, cand_model
+    out_agree = [Agreement(o) for o in outputs]
+    layer_agree = [Agreement(name) for name, _ in layers]
+    alone = [Agreement(name) for name, _ in layers] if isolated else None
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+    batches = 0
+    bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
+    compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
+    for batch in calib.batches():
+        if paired is not None:
+            values = paired.run(batch)[OUTPUT]
+            for agreement, tensor in compared:
+                agreement.add_sums(*map(float, values[sums[tensor]:sums[tensor] + len(SUMS)]))
+        else:
+            ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
+            for agreement, tensor in compared:
+                agreement.add(ref_values[tensor], cand_values[tensor])
+            if forced_run is not None:
+                feeds = {**batch, **{name: ref_values[act] for act, name in forced.items()}}
+                forced_values = forced_run.run(feeds)
+                for agreement, (_, tensor) in zip(alone, layers):
+                    agreement.add(ref_values[tensor], forced_values[tensor])
+        batches += 1
+        bar.update(batch_samples(batch))
+    bar.close()
+    ignored = written_ignore(Path(candidate))
+    sens = None
+    if sensitivity:
+        sens = measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer,
+                                   ignored if ignored is not None else list(DEFAULT_IGNORE))
+    return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
+                      runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
+                      smoothable=smoothable, sensitivity=sens)
+
+
+def _data_root(models: list[tuple[onnx.ModelProto, str | Path]]) -> Path | None:
+    """The folder onnxruntime reads the models' external data from when they run as one session
+    (it takes one folder and refuses paths out of it): the deepest folder holding every model's
+    folder, the models' (lazy) external references rewritten relative to it. None when no weight
+    is external. Each reference is checked against its own model's folder first."""
+    holding = [(model, Path(path).parent) for model, path in models if any(map(is_external, model.graph.initializer))]
+    if not holding:
+        return None
+    try:
+        root = Path(os.path.commonpath([os.path.realpath(folder) for _, folder in holding]))
+    except ValueError:  # folders on different drives (Windows)
+        raise GraphcalError("the two models' weights are on different drives; put both models on one drive "
+                            "to compare them") from None
+    for model, folder in holding:
+        for t in model.graph.initializer:
+            if is_external(t):
+                rebase(t, folder, root)
+    return root
+
+
+FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations
+
+
+def _forced_inputs(model: onnx.ModelProto, targets) -> tuple[dict[str, str], onnx.ModelProto]:
+    """A copy of ``model`` whose every reader of a target's input activation reads a new graph input
+    instead ({activation: input name}), to be fed the reference's value of that activation."""
+    graph_inputs_ = {i.name for i in model.graph.input}
+    acts = [t.activation for t in targets if t.activation not in graph_inputs_]
+    forced = {a: FORCED + a for a in dict.fromkeys(acts)}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    types = {}
+    for vi in [*copy.graph.value_info, *copy.graph.output]:
+        types[vi.name] = vi.type.tensor_type.elem_type
+    for node in copy.graph.node:
+        for i, name in enumerate(node.input):
+            if name in forced:
+                node.input[i] = forced[name]
+    for act, name in forced.items():
+        copy.graph.input.append(onnx.helper.make_tensor_value_info(name, types.get(act) or onnx.TensorProto.FLOAT, None))
+    return forced, copy

@@ -1,0 +1,103 @@
+"""eval's reports as people read them: the text table and the self-contained HTML page (JSON is EvalReport.as_dict)."""
+
+from __future__ import annotations
+
+import html
+import math
+import shlex
+
+from graphcal.evaluation.report import EvalReport
+
+
+def _fmt_db(value: float) -> str:
+    return "exact" if value == math.inf else f"{value:.1f}"
+
+
+def format_text(report: EvalReport) -> str:
+    level = f", ORT_ENABLE_{report.level.upper()}" if report.runner == "onnxruntime" else ""
+    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}{level})", "",
+             "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
+    for a in report.outputs:
+        lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")
+    alone = report.isolated
+    width = max([len(a.name) for a in report.layers] + [50])
+    lines += ["", f"{'layer (MatMul/Gemm output)':<{width}}  SQNR (dB)  max abs error"
+              + ("  alone (dB)" if alone is not None else "")]
+    for i, a in enumerate(report.layers):
+        lines.append(f"{a.name:<{width}}  {_fmt_db(a.sqnr_db):>9}  {a.max_abs_err:.3e}"
+                     + (f"  {_fmt_db(alone[i].sqnr_db):>10}" if alone is not None else ""))
+    if alone is not None:
+        lines.append("SQNR: the quantized model's own output at the layer (errors of earlier layers included); "
+                     "alone: the layer's own error, its input taken from fp32")
+    if report.layers:
+        which = "on their own" if alone is not None else "cumulative; --isolated ranks by each layer's own error"
+        lines += ["", f"worst layers ({which}): "
+                  + ", ".join(f"{a.name} ({_fmt_db(a.sqnr_db)} dB)" for a in report.worst())]
+        flags = report.suggested_flags()
+        if flags:
+            lines.append(f"{', '.join(report.suggested_ignore())}: more than 6 dB under the median layer; to keep "
+                         "them in float, run with: " + " ".join(shlex.quote(f) for f in flags))
+            smooth = report.suggested_smoothquant()
+            if smooth:
+                lines.append("or keep them quantized and smooth their inputs first (SmoothQuant, exact in float; "
+                             "this model was made without it for them): run with " + " ".join(smooth))
+        else:
+            lines.append("no layer is more than 6 dB under the median layer")
+    if report.sensitivity is not None:
+        lines += _sensitivity_text(report)
+    if report.skipped_layers:
+        lines.append(f"not compared (node missing or renamed in the quantized model): {', '.join(report.skipped_layers)}")
+    return "\n".join(lines)
+
+
+def _sensitivity_text(report: EvalReport) -> list[str]:
+    sens = report.sensitivity
+    first = report.outputs[0]
+    width = max([len(k) for k in sens.alone] + [28])
+    lines = ["", f"sensitivity: {first.name} with only these layers quantized (the rest in float), most harmful first",
+             f"{'layers':<{width}}  count  SQNR (dB)  cosine"]
+    for k in sens.ranked():
+        a = sens.alone[k][0]
+        lines.append(f"{k:<{width}}  {len(sens.kinds.get(k, [k])):>5}  {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}")
+    lines.append(f"now (as quantized): {_fmt_db(first.sqnr_db)} dB, cosine {first.cosine:.6f}; in float instead:")
+    for o in sens.options:
+        a = o.outputs[0]
+        lines.append(f"  {' + '.join(o.kinds)} ({len(o.layers)} layers): {_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}")
+    advice = sens.advice(first.sqnr_db)
+    if advice is None:
+        lines.append("no kind of layer is worth keeping in float")
+    else:
+        a = advice.outputs[0]
+        lines.append(f"advice: keep {' + '.join(advice.kinds)} in float ({len(advice.layers)} layers; expected "
+                     f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}): run with "
+                     + " ".join(shlex.quote(f) for f in sens.flags(advice)))
+    return lines
+
+
+def format_html(report: EvalReport, title: str) -> str:
+    """A self-contained page: the tables and an SVG bar chart of per-layer SQNR."""
+    finite = [a.sqnr_db for a in report.layers if math.isfinite(a.sqnr_db)]
+    top = max(finite + [1.0])
+    bar_h, label_w, chart_w = 16, 340, 420
+    height = bar_h * len(report.layers) + 30
+    bars = []
+    for i, a in enumerate(report.layers):
+        value = a.sqnr_db if math.isfinite(a.sqnr_db) else top
+        width = max(value, 0) / top * chart_w
+        y = 20 + i * bar_h
+        bars.append(f'<text x="{label_w - 6}" y="{y + 12}" text-anchor="end" font-size="11">{html.escape(a.name)}</text>'
+                    f'<rect x="{label_w}" y="{y + 2}" width="{width:.1f}" height="{bar_h - 4}" fill="#4a7ab5"/>'
+                    f'<text x="{label_w + width + 4:.1f}" y="{y + 12}" font-size="11">{_fmt_db(a.sqnr_db)}</text>')
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 60}" height="{height}">'
+           f'<text x="{label_w}" y="12" font-size="12">per-layer SQNR (dB), higher is closer to fp32</text>'
+           + "".join(bars) + "</svg>")
+    rows = "".join(f"<tr><td>{html.escape(a.name)}</td><td>{_fmt_db(a.sqnr_db)}</td><td>{a.cosine:.6f}</td>"
+                   f"<td>{a.max_abs_err:.3e}</td></tr>" for a in report.outputs)
+    ignore = report.suggested_ignore()
+    advice = (" ".join(f"--ignore {html.escape(n)}" for n in ignore) if ignore
+              else "no layer is more than 6 dB under the median layer")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+            f"<h1>{html.escape(title)}</h1><p>{report.samples} samples, {report.runner}</p>"
+            f"<h2>Outputs</h2><table border='1' cellpadding='4'><tr><th>output</th><th>SQNR (dB)</th><th>cosine</th>"
+            f"<th>max abs error</th></tr>{rows}</table><h2>Layers</h2>{svg}"
+            f"<p>Worst: {', '.join(html.escape(a.name) for a in report.worst())}</p><p>{advice}</p></body></html>")
