@@ -20,7 +20,7 @@ import torch
 from graphcal.calibration.distributed import gather_statistics
 from graphcal.calibration.observe import Consumers, Feed
 from graphcal.calibration.plan import RunPlan
-from graphcal.data import MASK_INPUT, CalibrationData, batch_samples
+from graphcal.data import MASK_INPUT, Calibration, batch_samples
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
 from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
@@ -87,7 +87,7 @@ class PassResult:
 TAP_LIMIT_MB = 1024
 
 
-def tap_shares(plan: RunPlan, requests: list[TapRequest], calib, prelude: tuple[list, list], limit: int, *,
+def tap_shares(plan: RunPlan, requests: list[TapRequest], calib: Calibration, prelude: tuple[list, list], limit: int, *,
                device: str, device_id: int = 0) -> tuple[list[list[TapRequest]], int]:
     """The requests each pass over the data fetches, and the bytes of a batch's whole taps.
 
@@ -99,7 +99,7 @@ def tap_shares(plan: RunPlan, requests: list[TapRequest], calib, prelude: tuple[
     with its dims, else measured by a run that fetches the taps' shapes only. A
     CalibrationDataReader is read once: one pass, whatever the size."""
     whole = [r for r in requests if r.reduction is Reduction.WHOLE]
-    if not whole or not isinstance(calib, CalibrationData):
+    if not whole or not calib.rereadable:
         return [requests], 0
     first = next(iter(calib.batches()), None)
     if first is None:
@@ -163,7 +163,7 @@ def check_state(observers: Consumers, world: int = 1) -> None:
                    hint="lower the histogram observers' bins (observer_kwargs) or observe fewer layers")
 
 
-def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: str, device_id: int = 0,
+def run_activation_pass(plan: RunPlan, observers: Consumers, calib: Calibration, *, device: str, device_id: int = 0,
                         dist=None, progress: bool = False, reduce_in_graph: bool = True,
                         exclude_padding: bool = False, inputs: tuple[str, ...] = (),
                         prelude: tuple[list, list] = ((), ()), label: str = "calibrating",
@@ -184,7 +184,7 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib, *, device: s
     """
     padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if not observers.consumers:
-        if padding is not None and isinstance(calib, CalibrationData):
+        if padding is not None and calib.rereadable:
             for batch in calib.batches():  # what check_values does, counting the padding
                 padding.count(batch)
         else:
@@ -239,7 +239,7 @@ def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, 
     return x[keep.to(x.device)]
 
 
-def _feed_batches(runtime, calib, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
+def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
                   padding: Padding | None = None, label: str = "calibrating", count: bool = True) -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the consumers of
     ``tapped``'s taps; ``count``: count the padding (the first of several passes does)."""

@@ -23,6 +23,7 @@ import onnx
 import torch
 
 from graphcal.calibration.plan import RunPlan
+from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
 from graphcal.runtime import open_runtime
@@ -36,7 +37,7 @@ CACHE_SHARE = 0.5  # of the available memory the cached tensors may take
 class Blockwise:
     """A plan's chosen targets in blocks, and the cached tensors between them."""
 
-    def __init__(self, run: RunPlan, calib, *, device: str, device_id: int = 0):
+    def __init__(self, run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0):
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
         self.targets = list(run.chosen)
         self.blocks: list[Block] = blocks(run.model, self.targets)

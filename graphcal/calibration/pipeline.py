@@ -37,6 +37,7 @@ from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
+from graphcal.data import Calibration
 from graphcal.graph.io import save_model
 from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
@@ -80,13 +81,13 @@ class Plain:
     def __init__(self, run: RunPlan):
         self.run = run
 
-    def before_pass(self, calib, settings: PassSettings) -> None:
+    def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         pass
 
     def taps(self) -> dict[str, str]:
         return {}
 
-    def activation_pass(self, observers: ObserverSet, calib, settings: PassSettings) -> PassResult:
+    def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
         return run_activation_pass(self.run, observers, calib, **settings.kwargs())
 
     def scales(self) -> None:

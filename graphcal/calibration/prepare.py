@@ -19,7 +19,7 @@ from graphcal.algorithms.gptq.stage import check_one_pass
 from graphcal.calibration.distributed import Dist, from_env
 from graphcal.calibration.plan import RunPlan, plan
 from graphcal.config import RunConfig
-from graphcal.data import ReaderData, check_padding_input, data_label, graph_inputs, load_data
+from graphcal.data import Calibration, check_padding_input, data_label, graph_inputs, load_data
 from graphcal.errors import UsageError
 from graphcal.runtime import check_device
 
@@ -30,7 +30,7 @@ class Prepared:
     input names, and the torchrun job this process joined (None: one process)."""
 
     plan: RunPlan
-    calib: object  # graphcal.data.CalibrationData or ReaderData
+    calib: Calibration | None
     inputs: tuple[str, ...]
     dist: Dist | None = None
 
@@ -50,7 +50,7 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
         check_padding_input(data_label(data) if data is not None else f"the model {model}", names)
     dist = from_env() if join else None  # torchrun: this rank's share of the batches
     gptq = run.config.gptq
-    if isinstance(calib, ReaderData) and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
+    if calib is not None and not calib.rereadable and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
         raise UsageError("GPTQ's sequential order and AWQ read the data once per layer block, and a "
                          "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
                          "or use --gptq-order one-pass without AWQ")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphcal.algorithms.channel_scales import ChannelScales
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, Rounding
@@ -35,7 +36,7 @@ class WeightResult:
 
 
 def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torch.device, *,
-                     skip_nonfinite: bool = False, progress: bool = False, smoothed=None,
+                     skip_nonfinite: bool = False, progress: bool = False, smoothed: ChannelScales | None = None,
                      rounding: Rounding | None = None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
     ``smoothed`` (graphcal.algorithms.channel_scales.ChannelScales) each weight is smoothed before it
@@ -81,7 +82,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
 
 
 def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weights: dict[str, torch.Tensor],
-                 device: torch.device, smoothed=None) -> list[Member]:
+                 device: torch.device, smoothed: ChannelScales | None = None) -> list[Member]:
     """Observe the weights of ``unit`` found in ``weights`` (torch [out, in], smoothed already; a
     member left in float is absent), let a fused group share its global scale when all of it is
     there, and give each member with its QuantizedTarget (the grid), in unit order. The weight pass

@@ -13,16 +13,18 @@ The package, by job:
 - ``npz``: reading .npz files, bounded (regular files only, headers checked against the zip,
   one batch within half the available memory, rows streamed);
 - ``reader``: an onnxruntime ``CalibrationDataReader`` as calibration data;
+- ``calibration``: :class:`Calibration`, the one type the stages see, whatever the data came from;
 - ``load``: :func:`load_data` and :class:`CalibrationData`, the batches a run streams;
 - ``padding``: the ``attention_mask`` input that --exclude-padding reads.
 
 This module re-exports the names the rest of graphcal imports.
 """
 
+from graphcal.data.calibration import Calibration
 from graphcal.data.inputs import InputSpec, batch_samples, graph_inputs
 from graphcal.data.load import DEFAULT_BATCH_SIZE, CalibrationData, data_label, load_data
 from graphcal.data.padding import MASK_INPUT, check_padding_input
 from graphcal.data.reader import ReaderData
 
-__all__ = ["DEFAULT_BATCH_SIZE", "MASK_INPUT", "CalibrationData", "InputSpec", "ReaderData", "batch_samples",
+__all__ = ["DEFAULT_BATCH_SIZE", "MASK_INPUT", "Calibration", "CalibrationData", "InputSpec", "ReaderData", "batch_samples",
            "check_padding_input", "data_label", "graph_inputs", "load_data"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from graphcal.data.calibration import Calibration
 from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, validate
 from graphcal.data.npz import check_memory, npz_files, npz_source, rows
 from graphcal.data.reader import ReaderData
@@ -25,6 +26,8 @@ DEFAULT_BATCH_SIZE = 8
 
 class CalibrationData:
     """Validated calibration data; iterate :meth:`batches` to stream it one batch at a time."""
+
+    rereadable = True  # arrays stream as often as a run needs (graphcal.data.calibration.Calibration)
 
     def __init__(self, sources: list[Source], inputs: list[InputSpec], batch_size: int, num_samples: int | None):
         self._sources = sources
@@ -87,7 +90,7 @@ def load_data(
     *,
     batch_size: int | None = None,
     num_samples: int | None = None,
-) -> CalibrationData:
+) -> Calibration:
     """Open and validate calibration data for a model with ``inputs``.
 
     ``data`` is an .npz path, a folder of .npz files, a mapping of arrays, or an onnxruntime

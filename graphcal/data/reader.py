@@ -16,6 +16,8 @@ class ReaderData:
     quantize_static users have them: streamed once, each batch checked like an .npz file before
     it runs. The reader's batches are used as they come; ``num_samples`` caps the total."""
 
+    rereadable = False  # a reader streams once (graphcal.data.calibration.Calibration)
+
     def __init__(self, reader, inputs: list[InputSpec], num_samples: int | None):
         self._reader = reader
         self._inputs = inputs

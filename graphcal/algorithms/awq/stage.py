@@ -36,6 +36,7 @@ from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
+from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import parent_inputs, parent_output
 from graphcal.graph.scaling import Mapping
@@ -58,7 +59,7 @@ class _Search:
     reads: list[str]
 
 
-def awq_smoothing(run: RunPlan, calib, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
+def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
     """AWQ's scales for every mapping of ``run.awq`` (ChannelScales of ScaleMethod.AWQ)."""
     settings = run.config.awq
     mappings = list(run.awq.mappings)
@@ -164,7 +165,7 @@ class AWQ:
     def for_plan(cls, run: RunPlan) -> AWQ | None:
         return cls(run) if run.awq is not None and run.awq.mappings else None
 
-    def before_pass(self, calib, settings: PassSettings) -> None:
+    def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         # under torchrun every rank searches over all the data (the search is deterministic, so every
         # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
         self._scales = awq_smoothing(self.run, calib, device=settings.device, device_id=settings.device_id,
@@ -173,7 +174,7 @@ class AWQ:
     def taps(self) -> dict[str, str]:
         return self._scales.taps()
 
-    def activation_pass(self, observers: ObserverSet, calib, settings: PassSettings) -> PassResult:
+    def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
         return run_activation_pass(self.run, observers, calib, prelude=self._scales.prelude(self.run.types),
                                    **settings.kwargs())
 

@@ -35,6 +35,7 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, PassSettings
 from graphcal.calibration.weights import nonfinite_count, observe_unit, units
+from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest, gram
 from graphcal.graph.targets import torch_weight
@@ -166,7 +167,7 @@ class Rounded:
         return {m.target.name: self.weights.pop(m.target.name) for m in members}
 
 
-def rounding_for(run: RunPlan, observers: ObserverSet, calib, settings: PassSettings, scales: ChannelScales | None,
+def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings, scales: ChannelScales | None,
                  torch_device: torch.device):
     """The weight pass's rounding the plan asks for: None (to nearest), GPTQ's one-pass order on the
     Hessians of the activation pass, or its sequential order run now, layer block by layer block."""
@@ -181,7 +182,7 @@ def rounding_for(run: RunPlan, observers: ObserverSet, calib, settings: PassSett
                            progress=settings.progress, smoothed=scales, torch_device=torch_device)
 
 
-def sequential_gptq(run, observers, calib, *, device: str, device_id: int = 0, progress: bool = False,
+def sequential_gptq(run, observers, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False,
                     smoothed: ChannelScales | None = None, torch_device: torch.device | None = None) -> Rounded:
     """GPTQ layer block by layer block (llm-compressor's sequential pipeline with propagate_error):
     each block's Hessians from its inputs as the quantized blocks before it made them, its weights

@@ -35,6 +35,7 @@ from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
+from graphcal.data import Calibration
 from graphcal.graph.scaling import Mapping
 from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import torch_weight
@@ -115,7 +116,7 @@ def statistics(mappings: list[Mapping], search: bool, batches: int | None, other
     return RangeSet(tensors, others, sampled, batches)
 
 
-def smooth_and_calibrate(run: RunPlan, observers, calib, *, device: str, device_id: int = 0, dist=None,
+def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device: str, device_id: int = 0, dist=None,
                          progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
                          inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
@@ -159,7 +160,7 @@ def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
     c.observer.observe_extrema(*per_group(lo, hi, request.group_size if request.reduction is Reduction.GROUP else None))
 
 
-def collect(run: RunPlan, calib, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
+def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None) -> ChannelScales:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
     mappings = list(run.smoothing.mappings)
@@ -214,13 +215,13 @@ class SmoothQuant:
     def for_plan(cls, run: RunPlan) -> SmoothQuant | None:
         return cls(run) if run.smoothing is not None and run.smoothing.mappings else None
 
-    def before_pass(self, calib, settings: PassSettings) -> None:
+    def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         pass  # the ranges come with the activation pass
 
     def taps(self) -> dict[str, str]:
         return taps_of(self.run.smoothing.mappings)
 
-    def activation_pass(self, observers: ObserverSet, calib, settings: PassSettings) -> PassResult:
+    def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
         k = settings.kwargs()
         self._scales, result = smooth_and_calibrate(self.run, observers, calib, **k)
         return result
