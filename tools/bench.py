@@ -30,7 +30,8 @@ seq 256, made by ``tools/make_models.py --large-decoder``), batch 8.
 
 Then, per model, the weight phase alone (``--weight-schemes``, default W8A8 and NVFP4A16: int8 per
 channel and NVFP4): every weight read, checked, observed, quantized and stored, timed by
-tools/weight_phase.py in a child (best of 3), as seconds per billion weight parameters.
+tools/weight_phase.py in a child (``python -m tools.weight_phase``, best of 3), as seconds per billion
+weight parameters.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tools.lib.report import cpu_name  # noqa: E402
+from tools.lib.synthetic import make_data as synth  # noqa: E402
+from tools.lib.synthetic import save_npz  # noqa: E402
 
 IMATRIX = '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}'
 CONFIGS = {
@@ -108,11 +113,6 @@ def child(spec: dict) -> dict:
         import onnxruntime.quantization  # noqa: F401
     elif kind == "eval":
         from graphcal.evaluation import evaluate
-    elif kind == "weights":
-        from tools.weight_phase import measure
-
-        return {**measure(spec["model"], spec["scheme"]), "startup": time.perf_counter() - t0,
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     startup = time.perf_counter() - t0
     data = dict(np.load(spec["data"]))
     out = Path(spec["out"])
@@ -177,8 +177,13 @@ def child(spec: dict) -> dict:
 
 def run_child(spec: dict, mem_limit_mb: float, device: str) -> dict:
     """Run one configuration in a child process; stop it if its memory passes the limit."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if spec["kind"] == "weights":  # tools/weight_phase.py, run from the repository root (a script of its own)
+        command = [sys.executable, "-m", "tools.weight_phase", str(Path(spec["model"]).resolve()), "--schemes",
+                   spec["scheme"], "--json"]
+    else:
+        command = [sys.executable, __file__, "--child", json.dumps(spec)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO if spec["kind"] == "weights" else None)
     peak_gpu, killed = 0.0, False
     while proc.poll() is None:
         rss = _rss_mb(proc.pid)
@@ -220,21 +225,7 @@ def _gpu_used_mb() -> float:
 
 
 def make_data(path: Path, vocab: int, n: int, seq: int) -> None:
-    from tools.make_models import make_data as synth
-    from tools.make_models import save_npz
-
     save_npz(path, synth(["input_ids", "attention_mask"], vocab, n, seq, seed=4242))
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> str:

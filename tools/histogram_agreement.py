@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.smoothquant_table import prepare  # noqa: E402
+from tools.lib.models import prepare_packed  # noqa: E402
 
 ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
           "scale difference | mse (per-batch EMA) vs exact: median / largest |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        data = prepare(name, args.work)
+        data = prepare_packed(name, args.work)
         calib_count = len(next(iter(np.load(data.calib).values())))
         per_tap = taps(data.model, data.calib, data.batch_size or 8, min(args.num_samples or calib_count, calib_count))
         rows = [scales(b) for b in per_tap.values()]
