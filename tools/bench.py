@@ -96,11 +96,11 @@ GROUP_SIZE = {"tiny-llama": 32}  # W4A16's group of 128 does not divide tiny-lla
 # -- child: one configuration ------------------------------------------------------------------
 
 def child(spec: dict) -> dict:
-    import resource
+    import resource  # in the child (Unix only)
 
     t0 = time.perf_counter()
-    import numpy as np
-    import onnxruntime as ort
+    import numpy as np  # in the child: timed as its startup
+    import onnxruntime as ort  # in the child: timed as its startup
     import torch  # noqa: F401 -- every child pays the same imports
 
     kind = spec["kind"]
@@ -108,11 +108,11 @@ def child(spec: dict) -> dict:
         import compressed_tensors.quantization.lifecycle.forward  # noqa: F401
 
         import graphcal.observers  # noqa: F401
-        from graphcal.calibration.pipeline import calibrate
+        from graphcal.calibration.pipeline import calibrate  # in the child: timed as its startup
     elif kind == "ort":
         import onnxruntime.quantization  # noqa: F401
     elif kind == "eval":
-        from graphcal.evaluation import evaluate
+        from graphcal.evaluation import evaluate  # in the child: timed as its startup
     startup = time.perf_counter() - t0
     data = dict(np.load(spec["data"]))
     out = Path(spec["out"])
@@ -141,7 +141,7 @@ def child(spec: dict) -> dict:
         for i in range(0, n, BATCH):
             session.run(None, {k: v[i:i + BATCH] for k, v in data.items()})
     elif kind == "graphcal":
-        from graphcal.config import Options, resolve
+        from graphcal.config import Options, resolve  # loaded at startup with the pipeline
 
         config = resolve(Options(scheme=spec["scheme"], observer=spec.get("observer"), smoothquant=spec.get("smoothquant"),
                                  smoothing_strength=spec.get("smoothing_strength"), algorithm=spec.get("algorithm"),
@@ -150,7 +150,13 @@ def child(spec: dict) -> dict:
                   reduce_in_graph=spec.get("reduce_in_graph", True), target=spec.get("target", "onnxruntime"),
                   tap_limit_mb=spec.get("tap_limit_mb"))
     elif kind == "ort":
-        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+        from onnxruntime.quantization import (  # loaded at startup above
+            CalibrationDataReader,
+            CalibrationMethod,
+            QuantFormat,
+            QuantType,
+            quantize_static,
+        )
 
         class Reader(CalibrationDataReader):
             def __init__(self):
@@ -230,8 +236,8 @@ def make_data(path: Path, vocab: int, n: int, seq: int) -> None:
 
 def machine() -> str:
     cpu = cpu_name()
-    import onnxruntime
-    import torch
+    import onnxruntime  # lazy: keeps --help fast
+    import torch  # lazy: keeps --help fast
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; Python {platform.python_version()}, "

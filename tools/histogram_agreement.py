@@ -33,8 +33,8 @@ ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "
 
 def taps(model_path: Path, calib: Path, batch: int, samples: int) -> dict[str, list[np.ndarray]]:
     """Every MatMul/Gemm's activation input, batch by batch (onnxruntime at ORT_ENABLE_BASIC)."""
-    import onnx
-    import onnxruntime as ort
+    import onnx  # lazy: keeps --help fast
+    import onnxruntime as ort  # lazy: keeps --help fast
 
     model = onnx.load(str(model_path))
     inits = {i.name for i in model.graph.initializer}
@@ -53,10 +53,10 @@ def taps(model_path: Path, calib: Path, batch: int, samples: int) -> dict[str, l
 
 
 def scales(batches: list[np.ndarray]) -> dict[str, float]:
-    import torch
-    from compressed_tensors.quantization import QuantizationArgs
+    import torch  # lazy: keeps --help fast
+    from compressed_tensors.quantization import QuantizationArgs  # lazy: keeps --help fast
 
-    from graphcal.observers import Observer
+    from graphcal.observers import Observer  # lazy: keeps --help fast
 
     args = QuantizationArgs(**ARGS)
     result = {}
