@@ -8,3 +8,7 @@
 - :mod:`tools.lib.children`: child processes with their own peak memory (through ``python -m tools.peak_rss``);
 - :mod:`tools.lib.speed_page`: tools/speed_table.py's forms and its markdown page.
 """
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]  # the repository root

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.lib import REPO
 
 
 def child(command: list[str]) -> dict:

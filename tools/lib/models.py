@@ -21,11 +21,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.lib import REPO
 from tools.lib.report import log
 from tools.lib.synthetic import make_bench_decoder, make_data, save_npz
 from tools.lib.text import license_text, samples, stdlib_text, tokenize
 
-REPO = Path(__file__).resolve().parents[2]
 MODELS = ("tiny-llama", "tiny-bert", "bench-decoder", "minilm")
 
 BENCH_DECODER_SEQ = 128
