@@ -10,9 +10,10 @@ For each model it quantizes the weights to W4A16 (compressed-tensors' preset: in
 nearest with the scheme's observer (memoryless_minmax), round to nearest with the imatrix-weighted MSE
 observer (``--observer imatrix_mse``), GPTQ in its sequential and one-pass orders, AWQ, and AWQ+GPTQ.
 Each calibration is one ``python -m graphcal run ... --json`` child process, so that its peak memory is
-its own (ru_maxrss from ``os.wait4``, through a small launcher process: see LAUNCHER); its time is the
-``seconds`` calibrate() reports (model and data loading included, Python's imports not). The fp32 row is the baseline for both: a child that
-runs plain onnxruntime (default settings) over the same calibration batches, timed from the session's
+its own (ru_maxrss from ``os.wait4``, through a small launcher process: see tools/peak_rss.py); its time
+is the ``seconds`` calibrate() reports (model and data loading included, Python's imports not). The fp32
+row is the baseline for both: a child (tools/infer_baseline.py) that runs plain onnxruntime (default
+settings) over the same calibration batches, timed from the session's
 creation. Then, in this process:
 
 - accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL, what
@@ -28,8 +29,8 @@ creation. Then, in this process:
 The goal the table is read against (issue 17): GPTQ and AWQ each leave <= 0.5 of RTN's loss, the better
 of the two <= 0.33.
 
-Models and data as tools/smoothquant_table.py prepares them (cached in ``--work``, default
-/tmp/graphcal-speed): MiniLM calibrated on Python's docstrings packed into 128-token windows (the first
+Models and data as tools/smoothquant_table.py prepares them (:func:`tools.lib.models.prepare_packed`,
+cached in ``--work``, default /tmp/graphcal-speed): MiniLM calibrated on Python's docstrings packed into 128-token windows (the first
 ``--num-samples`` of them, default 128) and evaluated on 64 windows of other text (the licence texts);
 bench-decoder calibrated on its first 16 of 32 samples by default (AWQ takes about 10 s per sample there
 on 2 cores; see NOTES).
@@ -41,7 +42,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,10 +53,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.smoothquant_table import metrics, prepare  # noqa: E402
-from tools.speed_table import log  # noqa: E402
+from tools.lib.children import child, imports_command, infer_command, shown  # noqa: E402
+from tools.lib.models import MODELS, prepare_packed  # noqa: E402
+from tools.lib.outputs import first_output, metrics  # noqa: E402
+from tools.lib.report import emit, fmt, log  # noqa: E402
 
-MODELS = ("tiny-llama", "tiny-bert", "bench-decoder", "minilm")
 SCHEME = "W4A16"
 GROUP_SIZE = {"tiny-llama": 32, "tiny-bert": 32}  # others: the preset's 128
 NUM_SAMPLES = {"bench-decoder": 16, "minilm": 128}  # others: all of calib.npz
@@ -81,67 +82,6 @@ CONFIGS = {  # key: (label, graphcal run flags; None: the fp32 inference baselin
 }
 GOAL_EACH, GOAL_BEST = 0.5, 0.33
 
-# The inference baseline: plain onnxruntime over the calibration batches, timed from the session's creation.
-INFER = r"""
-import json, sys, time
-import numpy as np
-import onnxruntime as ort
-model, data, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-start = time.perf_counter()
-session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-names = {i.name for i in session.get_inputs()}
-feeds = {k: v[:n] for k, v in np.load(data).items() if k in names}
-count = len(next(iter(feeds.values())))
-for i in range(0, count, batch):
-    session.run(None, {k: v[i:i + batch] for k, v in feeds.items()})
-print(json.dumps({"seconds": time.perf_counter() - start, "samples": count}))
-"""
-
-
-# Peak RSS through a small launcher: Linux counts a process's RSS before exec in its ru_maxrss, so a child
-# forked from this process (hundreds of MB once it has run a model) would report at least this process's size.
-LAUNCHER = r"""
-import os, sys
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[2], sys.argv[2:])
-_, status, usage = os.wait4(pid, 0)
-with open(sys.argv[1], "w") as f:
-    f.write(str(usage.ru_maxrss))
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
-def child(command: list[str]) -> dict:
-    """Run ``command``; its exit code, output, wall time and peak RSS (its own: ru_maxrss through LAUNCHER)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        rss, out, err = Path(tmp) / "maxrss", Path(tmp) / "stdout", Path(tmp) / "stderr"
-        start = time.perf_counter()
-        with out.open("wb") as o, err.open("wb") as e:
-            rc = subprocess.run([sys.executable, "-c", LAUNCHER, str(rss), *command], stdout=o, stderr=e,
-                                cwd=REPO).returncode
-        wall = time.perf_counter() - start
-        return {"rc": rc, "stdout": out.read_text(errors="replace"), "stderr": err.read_text(errors="replace"),
-                "wall_s": wall, "peak_rss_mb": int(rss.read_text()) / 1024 if rss.exists() else None}
-
-
-IMPORTS = "import onnxruntime, graphcal.cli, graphcal.calibration.pipeline, graphcal.algorithms.awq.stage, graphcal.algorithms.gptq.stage"
-
-
-def outputs(model: Path, feeds: dict, batch: int, level: str) -> np.ndarray:
-    """The first output over the held-out data, onnxruntime on the CPU at optimization ``level``."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    n = len(next(iter(feeds.values())))
-    names = {i.name for i in session.get_inputs()}
-    parts = [session.run(None, {k: v[i:i + batch] for k, v in feeds.items() if k in names})[0]
-             for i in range(0, n, batch)]
-    return np.concatenate(parts).astype(np.float64)
-
-
 def _covered(summary: dict) -> int:
     """Layers AWQ balanced: the left side of each mapping ("a, b <- folded into ...")."""
     return sum(len(m.split(" <- ")[0].split(", ")) for m in summary.get("awq", []))
@@ -149,28 +89,28 @@ def _covered(summary: dict) -> int:
 
 def run_model(name: str, args) -> dict:
     started = time.perf_counter()
-    data = prepare(name, args.work)
+    data = prepare_packed(name, args.work)
     group = args.group_size or GROUP_SIZE.get(name, 128)
     batch = data.batch_size or 8
     calib_count = len(next(iter(np.load(data.calib).values())))
     samples = min(args.num_samples or NUM_SAMPLES.get(name, calib_count), calib_count)
     feeds = dict(np.load(data.heldout))
     mask = feeds.get("attention_mask") if name == "minilm" else None
-    refs = {level: outputs(data.model, feeds, batch, level) for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC")}
+    refs = {level: first_output(data.model, feeds, batch, level) for level in ("ORT_ENABLE_ALL", "ORT_ENABLE_BASIC")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.configs:
             label, flags = CONFIGS[key]
             row = {"model": name, "config": key, "run": label}
             if flags is None:
-                command = [sys.executable, "-c", INFER, str(data.model), str(data.calib), str(batch), str(samples)]
+                command = infer_command(data.model, data.calib, batch, samples)
             else:
                 out = Path(tmp) / key
                 command = [sys.executable, "-m", "graphcal", "run", str(data.model), "--data", str(data.calib),
                            "-o", str(out), "--scheme", SCHEME, "--group-size", str(group), "--batch-size", str(batch),
                            "--num-samples", str(samples), "--device", "cpu", "--json", *flags]
-            shown = ["python", "-c", "<the INFER script>", *command[3:]] if flags is None else ["graphcal", *command[3:]]
-            row["command"] = " ".join(shlex.quote(c) for c in shown)
+            typed = shown(command) if flags is None else ["graphcal", *command[3:]]
+            row["command"] = " ".join(shlex.quote(c) for c in typed)
             result = child(command)
             row.update(wall_s=result["wall_s"], peak_rss_mb=result["peak_rss_mb"])
             if result["rc"] != 0:
@@ -190,11 +130,11 @@ def run_model(name: str, args) -> dict:
                                                               "onnxruntime_kernels")}
                 row["awq_layers"] = _covered(summary)
                 row["quantized_layers"] = len(summary.get("quantized", []))
-                got = {level: outputs(out / "model.onnx", feeds, batch, level) for level in refs}
+                got = {level: first_output(out / "model.onnx", feeds, batch, level) for level in refs}
                 row.update(metrics(refs["ORT_ENABLE_ALL"], got["ORT_ENABLE_ALL"], mask))
                 row["basic"] = metrics(refs["ORT_ENABLE_BASIC"], got["ORT_ENABLE_BASIC"], None)
-            log(f"{name} {key}: cosine {row['cosine']:.6f}, SQNR {_f(row['sqnr'], '.2f')} dB, {row['seconds']:.1f} s, "
-                f"{_f(row['peak_rss_mb'], '.0f')} MB")
+            log(f"{name} {key}: cosine {row['cosine']:.6f}, SQNR {fmt(row['sqnr'], '.2f')} dB, {row['seconds']:.1f} s, "
+                f"{fmt(row['peak_rss_mb'], '.0f')} MB")
             rows.append(row)
     _relative(rows, "sentence_cosine" if mask is not None else "cosine")
     return {"model": name, "description": data.description, "group_size": group, "calib_samples": samples,
@@ -241,12 +181,6 @@ def goal_lines(result: dict) -> list[str]:
     return lines
 
 
-def _f(value, fmt: str, suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    return f"{value:{fmt}}{suffix}"
-
-
 def _above(row: dict, result: dict) -> str:
     """A calibration child's peak over what graphcal's imports alone hold."""
     if row["config"] == "fp32" or row["peak_rss_mb"] is None or result["imports_rss_mb"] is None:
@@ -265,11 +199,11 @@ def table(results: list[dict]) -> str:
                              f"| | | | | | | | | | |")
                 continue
             lines.append(
-                f"| {r['model']} | {r['run']} | {r['cosine']:.6f} | {_f(r['sqnr'], '.2f') if r['sqnr'] is not None else 'inf'} | "
-                f"{_f(r.get('sentence_cosine'), '.6f')} | {_f(r['loss_vs_rtn'], '.2f')} | {_f(r['noise_vs_rtn'], '.2f')} | "
-                f"{_f(r['noise_vs_rtn_basic'], '.2f')} | {r['seconds']:.2f} | {_f(r['time_vs_rtn'], '.1f', 'x')} | "
-                f"{_f(r['time_vs_inference'], '.1f', 'x')} | {_f(r['peak_rss_mb'], '.0f')}{_above(r, result)} | "
-                f"{_f(r['memory_vs_inference'], '.2f', 'x')} |")
+                f"| {r['model']} | {r['run']} | {r['cosine']:.6f} | {fmt(r['sqnr'], '.2f') if r['sqnr'] is not None else 'inf'} | "
+                f"{fmt(r.get('sentence_cosine'), '.6f')} | {fmt(r['loss_vs_rtn'], '.2f')} | {fmt(r['noise_vs_rtn'], '.2f')} | "
+                f"{fmt(r['noise_vs_rtn_basic'], '.2f')} | {r['seconds']:.2f} | {fmt(r['time_vs_rtn'], '.1f', 'x')} | "
+                f"{fmt(r['time_vs_inference'], '.1f', 'x')} | {fmt(r['peak_rss_mb'], '.0f')}{_above(r, result)} | "
+                f"{fmt(r['memory_vs_inference'], '.2f', 'x')} |")
     return "\n".join(lines)
 
 
@@ -278,7 +212,7 @@ def notes(results: list[dict], command: str) -> list[str]:
              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end). Calibration time: the `seconds` "
              f"calibrate() reports (Python's imports not counted); inference: onnxruntime's session made and run over "
              f"the same calibration batches. Peak RSS of each child process (its ru_maxrss); in brackets above "
-             f"{_f(results[0]['imports_rss_mb'], '.0f')} MB, the peak of a child that only imports graphcal "
+             f"{fmt(results[0]['imports_rss_mb'], '.0f')} MB, the peak of a child that only imports graphcal "
              f"(torch included) and onnxruntime." if results else "", ""]
     for result in results:
         awq = next((r for r in result["rows"] if r["config"] == "awq" and "error" not in r), None)
@@ -311,7 +245,7 @@ def main(argv=None) -> int:
     args.configs = [k for k in CONFIGS if k in args.configs]  # the table's order
     command = "python tools/algorithms_table.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    imports = child([sys.executable, "-c", IMPORTS])  # what a calibration child holds before it calibrates
+    imports = child(imports_command())  # what a calibration child holds before it calibrates
     log(f"graphcal's imports alone: {imports['peak_rss_mb']:.0f} MB peak RSS")
     results = []
     for name in args.models:
@@ -321,14 +255,6 @@ def main(argv=None) -> int:
     emit("\n".join([table(results), "", *notes(results, command.strip())]), results, args)
     return 0
 
-
-def emit(text: str, results: list[dict], args) -> None:
-    """Print the table and notes; write them to ``args.markdown`` and the results to ``args.json`` when given."""
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ seq 256, made by ``tools/make_models.py --large-decoder``), batch 8.
 
 Then, per model, the weight phase alone (``--weight-schemes``, default W8A8 and NVFP4A16: int8 per
 channel and NVFP4): every weight read, checked, observed, quantized and stored, timed by
-tools/weight_phase.py in a child (best of 3), as seconds per billion weight parameters.
+tools/weight_phase.py in a child (``python -m tools.weight_phase``, best of 3), as seconds per billion
+weight parameters.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tools.lib.report import cpu_name  # noqa: E402
+from tools.lib.synthetic import make_data as synth  # noqa: E402
+from tools.lib.synthetic import save_npz  # noqa: E402
 
 IMATRIX = '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 128, "observer": "imatrix_mse"}}'
 CONFIGS = {
@@ -91,11 +96,11 @@ GROUP_SIZE = {"tiny-llama": 32}  # W4A16's group of 128 does not divide tiny-lla
 # -- child: one configuration ------------------------------------------------------------------
 
 def child(spec: dict) -> dict:
-    import resource
+    import resource  # in the child (Unix only)
 
     t0 = time.perf_counter()
-    import numpy as np
-    import onnxruntime as ort
+    import numpy as np  # in the child: timed as its startup
+    import onnxruntime as ort  # in the child: timed as its startup
     import torch  # noqa: F401 -- every child pays the same imports
 
     kind = spec["kind"]
@@ -103,16 +108,11 @@ def child(spec: dict) -> dict:
         import compressed_tensors.quantization.lifecycle.forward  # noqa: F401
 
         import graphcal.observers  # noqa: F401
-        from graphcal.calibration.pipeline import calibrate
+        from graphcal.calibration.pipeline import calibrate  # in the child: timed as its startup
     elif kind == "ort":
         import onnxruntime.quantization  # noqa: F401
     elif kind == "eval":
-        from graphcal.evaluation import evaluate
-    elif kind == "weights":
-        from tools.weight_phase import measure
-
-        return {**measure(spec["model"], spec["scheme"]), "startup": time.perf_counter() - t0,
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        from graphcal.evaluation import evaluate  # in the child: timed as its startup
     startup = time.perf_counter() - t0
     data = dict(np.load(spec["data"]))
     out = Path(spec["out"])
@@ -141,7 +141,7 @@ def child(spec: dict) -> dict:
         for i in range(0, n, BATCH):
             session.run(None, {k: v[i:i + BATCH] for k, v in data.items()})
     elif kind == "graphcal":
-        from graphcal.config import Options, resolve
+        from graphcal.config import Options, resolve  # loaded at startup with the pipeline
 
         config = resolve(Options(scheme=spec["scheme"], observer=spec.get("observer"), smoothquant=spec.get("smoothquant"),
                                  smoothing_strength=spec.get("smoothing_strength"), algorithm=spec.get("algorithm"),
@@ -150,7 +150,13 @@ def child(spec: dict) -> dict:
                   reduce_in_graph=spec.get("reduce_in_graph", True), target=spec.get("target", "onnxruntime"),
                   tap_limit_mb=spec.get("tap_limit_mb"))
     elif kind == "ort":
-        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+        from onnxruntime.quantization import (  # loaded at startup above
+            CalibrationDataReader,
+            CalibrationMethod,
+            QuantFormat,
+            QuantType,
+            quantize_static,
+        )
 
         class Reader(CalibrationDataReader):
             def __init__(self):
@@ -177,8 +183,13 @@ def child(spec: dict) -> dict:
 
 def run_child(spec: dict, mem_limit_mb: float, device: str) -> dict:
     """Run one configuration in a child process; stop it if its memory passes the limit."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if spec["kind"] == "weights":  # tools/weight_phase.py, run from the repository root (a script of its own)
+        command = [sys.executable, "-m", "tools.weight_phase", str(Path(spec["model"]).resolve()), "--schemes",
+                   spec["scheme"], "--json"]
+    else:
+        command = [sys.executable, __file__, "--child", json.dumps(spec)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO if spec["kind"] == "weights" else None)
     peak_gpu, killed = 0.0, False
     while proc.poll() is None:
         rss = _rss_mb(proc.pid)
@@ -220,27 +231,13 @@ def _gpu_used_mb() -> float:
 
 
 def make_data(path: Path, vocab: int, n: int, seq: int) -> None:
-    from tools.make_models import make_data as synth
-    from tools.make_models import save_npz
-
     save_npz(path, synth(["input_ids", "attention_mask"], vocab, n, seq, seed=4242))
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> str:
     cpu = cpu_name()
-    import onnxruntime
-    import torch
+    import onnxruntime  # lazy: keeps --help fast
+    import torch  # lazy: keeps --help fast
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; Python {platform.python_version()}, "

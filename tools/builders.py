@@ -19,8 +19,8 @@ def _build_llama(seed: int, batch: int, seq: int, **config_fields):
     """A random-initialised eval-mode ``LlamaForCausalLM`` with eager attention (exports to plain
     MatMul/Softmax, independent of the sdpa backend), example ``[batch, seq]`` inputs, ``["logits"]``
     and batch/seq dynamic axes: ``(model, example_inputs, output_names, dynamic_axes)``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: only when a model is built
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: only when a model is built
 
     config = LlamaConfig(use_cache=False, **config_fields)
     config._attn_implementation = "eager"
@@ -73,8 +73,8 @@ def build_tiny_bert(seed: int = 0):
     ``["last_hidden_state", "pooler_output"]`` and batch/seq dynamic axes. The pooler's Linear
     exports as a ``Gemm`` (transB=1) in the legacy exporter.
     """
-    import torch
-    from transformers import BertConfig, BertModel
+    import torch  # lazy: only when a model is built
+    from transformers import BertConfig, BertModel  # lazy: only when a model is built
 
     config = BertConfig(
         vocab_size=256,

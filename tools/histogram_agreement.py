@@ -26,15 +26,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.smoothquant_table import prepare  # noqa: E402
+from tools.lib.models import prepare_packed  # noqa: E402
 
 ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
 def taps(model_path: Path, calib: Path, batch: int, samples: int) -> dict[str, list[np.ndarray]]:
     """Every MatMul/Gemm's activation input, batch by batch (onnxruntime at ORT_ENABLE_BASIC)."""
-    import onnx
-    import onnxruntime as ort
+    import onnx  # lazy: keeps --help fast
+    import onnxruntime as ort  # lazy: keeps --help fast
 
     model = onnx.load(str(model_path))
     inits = {i.name for i in model.graph.initializer}
@@ -53,10 +53,10 @@ def taps(model_path: Path, calib: Path, batch: int, samples: int) -> dict[str, l
 
 
 def scales(batches: list[np.ndarray]) -> dict[str, float]:
-    import torch
-    from compressed_tensors.quantization import QuantizationArgs
+    import torch  # lazy: keeps --help fast
+    from compressed_tensors.quantization import QuantizationArgs  # lazy: keeps --help fast
 
-    from graphcal.observers import Observer
+    from graphcal.observers import Observer  # lazy: keeps --help fast
 
     args = QuantizationArgs(**ARGS)
     result = {}
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
           "scale difference | mse (per-batch EMA) vs exact: median / largest |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        data = prepare(name, args.work)
+        data = prepare_packed(name, args.work)
         calib_count = len(next(iter(np.load(data.calib).values())))
         per_tap = taps(data.model, data.calib, data.batch_size or 8, min(args.num_samples or calib_count, calib_count))
         rows = [scales(b) for b in per_tap.values()]

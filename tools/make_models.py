@@ -25,21 +25,18 @@ fixed zip timestamp (``numpy.savez`` stamps the current time).
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import tempfile
 import warnings
-import zipfile
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python tools/make_models.py`: `tools` (and graphcal) import from the repo root
     sys.path.insert(0, str(REPO))
 
+from tools.lib.synthetic import OPSET, make_bench_decoder, make_data, make_large_decoder, save_npz  # noqa: E402
+
 MODELS_DIR = REPO / "models"
-OPSET = 17
 SEQ = 32
 #: file name -> (number of samples, numpy seed offset)
 DATASETS = {"calib.npz": (64, 0), "heldout.npz": (16, 1)}
@@ -49,48 +46,13 @@ MODELS = {
     "tiny-bert": ("build_tiny_bert", 2000),
 }
 FILES = ("model.onnx", *DATASETS)
-_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-
-
-def save_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> Path:
-    """Write ``arrays`` like ``numpy.savez`` (loadable with ``numpy.load``), deterministically.
-
-    Entries are sorted by key, stored uncompressed with a fixed timestamp and permissions.
-    """
-    path = Path(path)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
-        for key in sorted(arrays):
-            buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), allow_pickle=False)
-            info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
-            info.compress_type = zipfile.ZIP_STORED
-            info.external_attr = 0o644 << 16
-            info.create_system = 3  # unix, whatever the host
-            zf.writestr(info, buf.getvalue())
-    return path
-
-
-def make_data(input_names: list[str], vocab_size: int, n: int, seq: int, seed: int) -> dict:
-    """Synthetic token data: random ids, all-ones attention mask, zero token type ids."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    ids = rng.integers(0, vocab_size, size=(n, seq), dtype=np.int64)
-    data = {}
-    for name in input_names:
-        if name == "input_ids":
-            data[name] = ids
-        elif name == "attention_mask":
-            data[name] = np.ones((n, seq), dtype=np.int64)
-        elif name == "token_type_ids":
-            data[name] = np.zeros((n, seq), dtype=np.int64)
-        else:
-            raise ValueError(f"no synthetic data rule for input {name!r}")
-    return data
+__all__ = ["compare", "make_all", "make_model", "save_npz"]  # save_npz: tests/test_export.py reads it from here
 
 
 def make_model(name: str, out_dir: str | Path) -> list[Path]:
     """Write ``model.onnx``, ``calib.npz`` and ``heldout.npz`` of model ``name`` into ``out_dir``."""
-    from graphcal.export import export_torch
-    from tools import builders
+    from graphcal.export import export_torch  # lazy: torch, kept out of --help
+    from tools import builders  # lazy: torch and transformers, kept out of --help
 
     builder_name, data_seed = MODELS[name]
     out_dir = Path(out_dir)
@@ -113,45 +75,6 @@ def make_model(name: str, out_dir: str | Path) -> list[Path]:
         arrays = make_data(list(inputs), vocab, n, SEQ, data_seed + offset)
         written.append(save_npz(out_dir / fname, arrays))
     return written
-
-
-BENCH_SEQ = 512
-
-
-def make_bench_decoder(out_dir: str | Path) -> Path:
-    """The benchmark decoder (tools.builders.build_bench_decoder), not shipped: ``out_dir/model.onnx``.
-
-    Its data comes from :func:`make_data` with ``BENCH_SEQ`` tokens (tools/bench.py makes it).
-    """
-    from tools.builders import build_bench_decoder
-
-    return _export_decoder(build_bench_decoder, BENCH_SEQ, out_dir)
-
-
-LARGE_SEQ = 256
-
-
-def make_large_decoder(out_dir: str | Path) -> Path:
-    """The 1.5B-parameter decoder (tools.builders.build_large_decoder), not shipped:
-    ``out_dir/model.onnx`` with its weights in ``model.onnx.data`` beside it.
-
-    Its data comes from :func:`make_data` with ``LARGE_SEQ`` tokens (tools/bench.py makes it).
-    Building it takes a few minutes and about 12 GB of host memory (torch's model and the exporter's copy).
-    """
-    from tools.builders import build_large_decoder
-
-    return _export_decoder(build_large_decoder, LARGE_SEQ, out_dir)
-
-
-def _export_decoder(build, seq: int, out_dir: str | Path) -> Path:
-    """``build(seed=0, seq=seq)`` exported to ``out_dir/model.onnx`` (external data past 2 GB)."""
-    from graphcal.export import export_torch
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model, inputs, output_names, dynamic_axes = build(seed=0, seq=seq)
-    return export_torch(model, inputs, out_dir / "model.onnx", output_names=output_names,
-                        dynamic_axes=dynamic_axes, dynamo=False, constant_folding=True, opset=OPSET)
 
 
 def make_all(root: str | Path, names=None) -> list[Path]:

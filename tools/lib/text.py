@@ -1,0 +1,108 @@
+"""English text found on this machine, for the real model (all-MiniLM-L6-v2) the tables calibrate and evaluate.
+
+Calibration text: Python's standard library docstrings; held-out text: the licence texts in
+/usr/share/common-licenses. Both are cut into paragraphs of running prose and joined into samples long
+enough to pass 128 tokens; :func:`tokenize` turns a text file into the model's inputs as
+``graphcal export --text`` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+from tools.lib.synthetic import save_npz
+
+STDLIB_MODULES = [
+    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures", "configparser",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum",
+    "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "heapq", "hmac", "http.client",
+    "http.cookiejar", "http.server", "imaplib", "importlib", "inspect", "io", "ipaddress", "itertools", "json",
+    "locale", "logging", "logging.handlers", "mailbox", "multiprocessing", "numbers", "operator", "optparse", "os",
+    "pathlib", "pdb", "pickle", "pkgutil", "pprint", "pydoc", "queue", "random", "re", "sched", "secrets",
+    "selectors", "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "socketserver", "sqlite3",
+    "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit",
+    "tokenize", "trace", "traceback", "types", "typing", "unittest", "urllib.parse", "urllib.request", "uuid",
+    "warnings", "weakref", "xml.dom.minidom", "zipfile",
+]
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def _prose(paragraph: str) -> bool:
+    """A paragraph of running English text (not code, a table, a signature or a list of options)."""
+    words = paragraph.split()
+    if len(words) < 15 or ">>>" in paragraph or "::" in paragraph:
+        return False
+    letters = sum(c.isalpha() for c in paragraph)
+    chars = sum(not c.isspace() for c in paragraph)
+    return letters / max(chars, 1) > 0.8 and paragraph[0].isupper() and sum(w.islower() for w in words) > len(words) / 2
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def samples(paragraphs: list[str], count: int, min_words: int = 110) -> list[str]:
+    """Consecutive paragraphs joined until each sample has ``min_words`` words (past 128 tokens), then
+    ``count`` samples spread evenly over what was found."""
+    found, current = [], []
+    for p in paragraphs:
+        current.append(p)
+        if sum(len(c.split()) for c in current) >= min_words:
+            found.append(" ".join(current))
+            current = []
+    if len(found) < count:
+        raise SystemExit(f"found only {len(found)} text samples of {min_words}+ words, need {count}")
+    step = len(found) / count
+    return [found[int(i * step)] for i in range(count)]
+
+
+def stdlib_text() -> list[str]:
+    """Paragraphs of Python's standard library docstrings (modules, public classes and functions)."""
+    paragraphs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in STDLIB_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            objects = [module] + [getattr(module, a) for a in sorted(vars(module)) if not a.startswith("_")]
+            for obj in objects:
+                if obj is not module and not ((inspect.isclass(obj) or inspect.isfunction(obj))
+                                              and getattr(obj, "__module__", None) == module.__name__):
+                    continue
+                doc = inspect.getdoc(obj)
+                if doc:
+                    paragraphs += [p for p in _paragraphs(doc) if _prose(p)]
+    return list(dict.fromkeys(paragraphs))
+
+
+def license_text() -> list[str]:
+    """Paragraphs of the licence texts in /usr/share/common-licenses (one copy of each file)."""
+    if not LICENSES.is_dir():
+        raise SystemExit(f"{LICENSES} is missing: the held-out text for minilm comes from there")
+    paragraphs, seen = [], set()
+    for path in sorted(LICENSES.iterdir()):
+        real = path.resolve()
+        if real in seen or not real.is_file():
+            continue
+        seen.add(real)
+        paragraphs += [p for p in _paragraphs(real.read_text(errors="replace")) if _prose(p)]
+    return list(dict.fromkeys(paragraphs))
+
+
+def tokenize(model_dir: Path, model: Path, text: Path, out: Path, seq: int) -> None:
+    """The text file's lines, tokenized as graphcal export tokenizes --text (padded/truncated to ``seq``)."""
+    import onnx  # lazy: only where MiniLM's data is made
+    import transformers  # lazy: only where MiniLM's data is made
+
+    from graphcal.export import tokenize_lines  # lazy: torch, only where MiniLM's data is made
+
+    names = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    lines = [line.strip() for line in text.read_text().splitlines() if line.strip()]
+    save_npz(out, tokenize_lines(tokenizer, lines, names, seq))
