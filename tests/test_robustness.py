@@ -13,9 +13,8 @@ from tests.helpers import PAUSE_POINTS, paused_run
 
 
 def _digests(folder):
-    # graphcal's manifest records the files' mtimes, so it differs between runs: every other file is compared
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-            if p.name != ".graphcal-manifest.json"}
+    """{name: sha256} of a folder's files, the manifest included (it records content, not times)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
 def _run(model_dir, out, scheme):
@@ -30,10 +29,23 @@ def test_outputs_are_byte_identical_across_runs(tmp_path, bert_dir):
     assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
 
 
+def test_runs_to_different_folders_are_byte_identical_manifest_included(tmp_path, llama_dir):
+    """`graphcal run` to -o A and to -o B (other names, other parent folders): the same bytes in
+    every file, the manifest included (it records sizes and sha256s, nothing of time or of -o)."""
+    a, b = tmp_path / "one" / "A", tmp_path / "two" / "deeper" / "B"
+    for out in (a, b):
+        result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                          "-o", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in a.iterdir()) == [MANIFEST, "model.onnx", "qparams.safetensors",
+                                                   "quantization_config.json"]
+    assert _digests(a) == _digests(b)
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == {p.name: p.read_bytes() for p in b.iterdir()}
+
+
 def _tree(folder):
-    """{name: sha256} of a folder's files, the manifest included (it lists sizes and mtimes): to
-    show a folder set aside or left half-way is exactly what it was."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    """{name: sha256} of a folder's files: to show a folder set aside or left half-way is exactly what it was."""
+    return _digests(folder)
 
 
 @pytest.mark.slow

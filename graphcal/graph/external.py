@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+from onnx.helper import tensor_dtype_to_np_dtype
 
 from graphcal.errors import GraphcalError
 from graphcal.limits import check_fits, file_kind, open_regular
@@ -84,14 +85,29 @@ def is_external(t: onnx.TensorProto) -> bool:
 
 def expected_bytes(t: onnx.TensorProto) -> int:
     """The bytes ``t``'s dims and type need in raw form (sub-byte types packed)."""
-    from graphcal.graph.io import element_bits
-
     bits = element_bits(t.data_type)
     if bits is None:
         raise GraphcalError(f"tensor {t.name!r} has type {t.data_type}, which cannot be kept in external data")
     if any(d < 0 for d in t.dims):
         raise GraphcalError(f"tensor {t.name!r} has a negative dimension {list(t.dims)}")
     return -(-math.prod(t.dims) * bits // 8)
+
+
+def element_bits(data_type: int) -> int | None:
+    """Bits per element of an ONNX tensor type as stored in ``raw_data`` (sub-byte types packed);
+    None for strings and types onnx cannot map."""
+    if data_type in _SUB_BYTE_BITS:
+        return _SUB_BYTE_BITS[data_type]
+    if data_type == onnx.TensorProto.STRING:
+        return None
+    try:
+        return 8 * tensor_dtype_to_np_dtype(data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+_SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4}
+_SUB_BYTE_BITS |= {getattr(onnx.TensorProto, n): 2 for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
 def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:

@@ -1,16 +1,21 @@
-"""Load and save ONNX models: external data, IR/opset versions, atomic writes."""
+"""Load and save ONNX models: external data, IR/opset versions, atomic writes.
+
+What a stored tensor holds and where its bytes are (``element_bits``, ``expected_bytes``, the checked
+external references) is :mod:`graphcal.graph.external`'s; this module builds on it, never the reverse.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
-from graphcal.graph.external import all_tensors, check_external_data, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
 from graphcal.limits import check_fits, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
@@ -173,8 +178,6 @@ def past_protobuf_limit(model: onnx.ModelProto) -> bool:
     size is first estimated from the graph without its weights plus each inline weight's
     ``dims`` x element size; only an estimate within 64 MB of the limit is checked exactly.
     """
-    from google.protobuf.message import EncodeError
-
     estimate = _estimated_size(model)
     if estimate is not None and estimate < PROTOBUF_LIMIT - SIZE_MARGIN:
         return False
@@ -189,8 +192,6 @@ def past_protobuf_limit(model: onnx.ModelProto) -> bool:
 def _estimated_size(model: onnx.ModelProto) -> int | None:
     """The model's serialized size within a few bytes per tensor, or None where it cannot be
     told without encoding (string tensors, large typed fields). Reads no weight bytes."""
-    import math
-
     total = hollow_copy(model).ByteSize()
     for t in model.graph.initializer:
         total += len(t.name) + 16 * len(t.dims) + 32
@@ -206,25 +207,6 @@ def _estimated_size(model: onnx.ModelProto) -> int | None:
         else:
             return None
     return total
-
-
-def element_bits(data_type: int) -> int | None:
-    """Bits per element of an ONNX tensor type as stored in ``raw_data`` (sub-byte types packed);
-    None for strings and types onnx cannot map."""
-    if data_type in _SUB_BYTE_BITS:
-        return _SUB_BYTE_BITS[data_type]
-    if data_type == onnx.TensorProto.STRING:
-        return None
-    from onnx.helper import tensor_dtype_to_np_dtype
-
-    try:
-        return 8 * tensor_dtype_to_np_dtype(data_type).itemsize
-    except (KeyError, ValueError, TypeError):
-        return None
-
-
-_SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.TensorProto.FLOAT4E2M1: 4}
-_SUB_BYTE_BITS |= {getattr(onnx.TensorProto, n): 2 for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,

@@ -7,6 +7,7 @@ one run at a time, turns SIGTERM into Ctrl-C's clean-up, and keeps the modes of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,12 +48,12 @@ def snapshot(folder):
 
 
 def contents(folder):
-    """Each file's bytes, the manifest left out (it records mtimes, which differ between runs)."""
+    """Each file's bytes, the manifest included (it records content only: the same for the same run)."""
     return contents_of(snapshot(folder))
 
 
 def contents_of(snap):
-    return {name: data for name, (data, _mtime) in snap.items() if name != MANIFEST}
+    return {name: data for name, (data, _mtime) in snap.items()}
 
 
 def beside(out):
@@ -87,7 +88,10 @@ def test_own_output_is_replaced_but_not_once_touched(tmp_path, bert_dir):
     assert run(bert_dir, out).exit_code == 0
     assert sorted(p.name for p in out.iterdir()) == OURS
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["graphcal"] == 1 and sorted(manifest["files"]) == OURS[1:]
+    assert manifest["graphcal"] == 2 and sorted(manifest["files"]) == OURS[1:]
+    for name, record in manifest["files"].items():  # content only: size and sha256, no time
+        data = (out / name).read_bytes()
+        assert record == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}, name
     assert run(bert_dir, out, "--scheme", "W8A16").exit_code == 0  # graphcal's own output: replaced
     assert beside(out) == []  # no temporary folder, no lock file left
 
@@ -98,21 +102,57 @@ def test_own_output_is_replaced_but_not_once_touched(tmp_path, bert_dir):
 
     config = out / "quantization_config.json"
     original = config.read_bytes()
-    config.write_bytes(original + b" ")  # edited: size and mtime differ
+    written = config.stat()
+    config.write_bytes(original + b" ")  # edited: size and content differ
     refused("quantization_config.json (changed since graphcal wrote it)")
-    config.write_bytes(bytes([original[0] ^ 1]) + original[1:])  # same size, new mtime
+    config.write_bytes(bytes([original[0] ^ 1]) + original[1:])  # same size, other bytes
     refused("quantization_config.json (changed since graphcal wrote it)")
-    st = config.stat()
-    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # only the mtime
+    os.utime(config, ns=(written.st_atime_ns, written.st_mtime_ns))  # same size and mtime, other bytes
     refused("quantization_config.json (changed since graphcal wrote it)")
+    config.write_bytes(original)  # the bytes graphcal wrote, with a new mtime: unchanged, so replaced
+    os.utime(config, ns=(written.st_atime_ns, written.st_mtime_ns + 1_000_000_000))
+    assert run(bert_dir, out).exit_code == 0
 
     assert run(bert_dir, tmp_path / "out2").exit_code == 0
     (tmp_path / "out2" / "notes.txt").write_text("mine")  # an extra file
     out = tmp_path / "out2"
     refused("holds files graphcal did not write (notes.txt)")
     (out / "notes.txt").unlink()
-    (out / MANIFEST).unlink()  # an older graphcal's output, or a user's folder of the same names
+    (out / MANIFEST).unlink()  # a user's folder of the same names
     refused("no graphcal manifest")
+
+
+def _as_format_1(folder):
+    """Rewrite ``folder``'s manifest as graphcal wrote it before format 2: each file's size and mtime."""
+    files = {p.name: {"mtime_ns": p.stat().st_mtime_ns, "size": p.stat().st_size}
+             for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+    about = "graphcal wrote this folder; a later run replaces it only while these files are unchanged and nothing else is in it"
+    (folder / MANIFEST).write_text(json.dumps({"graphcal": 1, "files": files, "about": about}, indent=1, sort_keys=True)
+                                   + "\n", encoding="utf-8")
+
+
+def test_an_older_graphcals_output_is_still_recognised_by_size_and_mtime(tmp_path, bert_dir):
+    """A format-1 manifest (size and mtime) vouches for its files as it did when it was written: an
+    upgraded graphcal replaces an untouched older output, and refuses one whose files were touched."""
+    out = tmp_path / "out"
+    assert run(bert_dir, out).exit_code == 0
+    fresh = contents(out)
+    _as_format_1(out)
+    assert run(bert_dir, out).exit_code == 0  # replaced by a format-2 output
+    assert contents(out) == fresh and json.loads((out / MANIFEST).read_text())["graphcal"] == 2
+
+    _as_format_1(out)
+    config = out / "quantization_config.json"
+    st = config.stat()
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched, bytes unchanged
+    before = snapshot(out)
+    one_error(run(bert_dir, out), "quantization_config.json (changed since graphcal wrote it)")
+    assert snapshot(out) == before
+
+    for unknown in (3, True, "2"):  # a format this graphcal cannot read: no manifest
+        manifest = json.loads((out / MANIFEST).read_text())
+        (out / MANIFEST).write_text(json.dumps({**manifest, "graphcal": unknown}))
+        one_error(run(bert_dir, out), "no graphcal manifest")
 
 
 def test_a_link_as_output_is_refused(tmp_path, bert_dir):
@@ -154,7 +194,7 @@ def test_leftovers_of_killed_runs_are_removed_by_the_next_run(tmp_path, bert_dir
     (stale / TMP_MARKER).write_text("graphcal 4242\n")
     (stale / "model.onnx").write_bytes(b"\0" * 1_000_000)
     aside = tmp_path / ".out.old-4242-0123abcd"  # a previous output set aside, killed before removal
-    shutil.copytree(out, aside)  # copy2 keeps the mtimes: the manifest vouches for it
+    shutil.copytree(out, aside, copy_function=shutil.copy)  # new mtimes: the manifest vouches by content
     strange = tmp_path / ".out.tmp-7-abcdef12"  # named like ours but unmarked: not ours to delete
     strange.mkdir()
     (strange / "mine.txt").write_text("mine")

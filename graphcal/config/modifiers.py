@@ -1,0 +1,230 @@
+"""llm-compressor's modifiers as graphcal reads them: each modifier's fields with their types
+(pydantic; any other key is refused), the :class:`Recipe` record that holds a recipe's
+modifiers, and the SmoothQuant, AWQ and GPTQ modifiers turned into graphcal's settings records.
+
+Where a recipe's modifiers are found, and how its quantization fields become schemes, is
+:mod:`graphcal.config.recipe`'s.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from graphcal.config.records import (
+    LLMCOMPRESSOR_AWQ_MAPPINGS,
+    LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS,
+    AWQSettings,
+    GPTQSettings,
+    Smoothing,
+    check_awq,
+    check_gptq,
+    check_strength,
+)
+from graphcal.config.untrusted import pydantic_message
+from graphcal.errors import UsageError
+
+MODIFIER = "QuantizationModifier"
+SMOOTHQUANT = "SmoothQuantModifier"
+GPTQ = "GPTQModifier"
+AWQ = "AWQModifier"
+KNOWN = (MODIFIER, GPTQ, SMOOTHQUANT, AWQ)
+NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
+
+# A name or a list of names, as llm-compressor's fields take them.
+Names = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
+
+
+class ModifierFields(BaseModel):
+    """The QuantizationModifier fields graphcal reads, with their types (llm-compressor's
+    QuantizationMixin); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    config_groups: dict[str, dict[str, Any]] | None = None
+    targets: Names = ["Linear"]
+    ignore: Names = []
+    scheme: str | dict[str, Names] | None = None
+    kv_cache_scheme: dict[str, Any] | None = None
+    weight_observer: str | None = None
+    input_observer: str | None = None
+    output_observer: str | None = None
+    observer: dict[Literal["weights", "input", "output"], str] | None = None
+    bypass_divisibility_checks: bool = False
+
+
+FIELDS = set(ModifierFields.model_fields)
+
+
+class GPTQFields(BaseModel):
+    """GPTQModifier's own fields (llm-compressor 0.14); its quantization fields are ModifierFields'."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = 128
+    dampening_frac: float = 0.01
+    actorder: Literal["static", "weight", "group", "dynamic"] | None = "default"  # type: ignore[assignment]
+    batched_quantization: Any = "auto"  # how llm-compressor stacks layers on a GPU; same numbers
+    requires_calibration_data: bool | None = None
+
+
+class AWQMappingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    smooth_layer: str
+    balance_layers: Names
+    activation_hook_target: str | None = None
+
+
+class AWQFields(BaseModel):
+    """AWQModifier's fields (llm-compressor 0.14); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mappings: list[AWQMappingFields] | None = None
+    duo_scaling: bool | Literal["both"] = True
+    n_grid: int = 20
+    offload_device: Any = None  # where llm-compressor keeps cached inputs; graphcal bounds its own
+    requires_calibration_data: bool | None = None
+    index: int | None = None
+    group: str | None = None
+    start: float | None = None
+    end: float | None = None
+    update: Any = None
+
+
+class SmoothQuantFields(BaseModel):
+    """SmoothQuantModifier's fields (llm-compressor 0.14); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    smoothing_strength: float = 0.5
+    mappings: list | None = None
+    ignore: Names = []
+    algorithm: Literal["smoothquant", "log_equalization"] = "smoothquant"
+    num_calibration_steps: int | None = None  # declared and unused in llm-compressor 0.14
+    calibration_function: Any = None  # likewise
+    requires_calibration_data: bool | None = None  # llm-compressor writes it when it saves a recipe
+    index: int | None = None
+    group: str | None = None
+    start: float | None = None
+    end: float | None = None
+    update: Any = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe's quantization fields (its QuantizationModifier's or GPTQModifier's) and, where it
+    has them, its SmoothQuantModifier's, GPTQModifier's own and AWQModifier's fields."""
+
+    quantization: dict[str, Any]
+    smoothquant: dict[str, Any] | None = None
+    gptq: dict[str, Any] | None = None
+    awq: dict[str, Any] | None = None
+
+
+# --- checking a modifier's fields ---------------------------------------------------------------
+
+
+def mapping(args, where: str) -> dict:
+    """A modifier's body: a mapping of its fields (nothing given: none)."""
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise UsageError(f"{where} must be a mapping of its fields")
+    return args
+
+
+def validated(model, args, where: str, one_shot: str = "") -> dict[str, Any]:
+    """A modifier's fields validated by ``model`` (pydantic); with ``one_shot`` (the algorithm's
+    name), its ``start``/``end`` must be unset or -1, as llm-compressor's one-shot modifiers require."""
+    try:
+        fields = model.model_validate(mapping(args, where)).model_dump()
+    except ValidationError as e:
+        raise UsageError(f"{where}.{pydantic_message(e)}") from None
+    for bound in ("start", "end") if one_shot else ():
+        if fields[bound] is not None and fields[bound] != -1:
+            raise UsageError(f"{where}: {bound}: {fields[bound]} is not supported ({one_shot} is one-shot only)")
+    return fields
+
+
+def typed(fields: dict[str, Any], where: str = "recipe") -> ModifierFields:
+    """The quantization fields with their types checked (pydantic); a wrong type is a one-line usage error."""
+    try:
+        return ModifierFields.model_validate(fields)
+    except ValidationError as e:
+        raise UsageError(f"{where}.{pydantic_message(e)}") from None
+
+
+def awq_fields(args, where: str) -> dict[str, Any]:
+    """An AWQModifier's fields, checked as llm-compressor checks them."""
+    fields = validated(AWQFields, args, where, one_shot="AWQ")
+    for m in fields["mappings"] or ():
+        if m["activation_hook_target"] is not None:
+            raise UsageError(f"{where}: activation_hook_target is not supported (graphcal reads the balance layers' "
+                             "shared input)")
+        for p in (m["smooth_layer"], *m["balance_layers"]):
+            check_regex(p, where)
+    return {k: fields[k] for k in ("mappings", "duo_scaling", "n_grid")}
+
+
+def smoothquant_fields(args, where: str) -> dict[str, Any]:
+    """A SmoothQuantModifier's fields, checked as llm-compressor checks them."""
+    fields = validated(SmoothQuantFields, args, where, one_shot="SmoothQuant")
+    return {k: fields[k] for k in ("smoothing_strength", "mappings", "ignore", "algorithm")}
+
+
+def check_regex(pattern: str, where: str) -> None:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as e:
+            raise UsageError(f"{where}: invalid regex {pattern!r}: {e}") from None
+
+
+# --- modifiers to graphcal's settings -------------------------------------------------------------
+
+
+def awq_from(fields: dict[str, Any]) -> AWQSettings:
+    """graphcal's AWQSettings from an AWQModifier's fields (no mappings: llm-compressor's default
+    Llama mappings, matched by module name)."""
+    mappings = LLMCOMPRESSOR_AWQ_MAPPINGS
+    if fields.get("mappings") is not None:
+        mappings = tuple((m["smooth_layer"], tuple(m["balance_layers"])) for m in fields["mappings"])
+    return check_awq(AWQSettings(mappings=mappings, duo_scaling=fields["duo_scaling"], n_grid=fields["n_grid"]))
+
+
+def gptq_from(fields: dict[str, Any]) -> GPTQSettings:
+    """graphcal's GPTQSettings from a GPTQModifier's own fields (llm-compressor's sequential order)."""
+    return check_gptq(GPTQSettings(block_size=fields["block_size"], dampening_frac=fields["dampening_frac"],
+                                   actorder=fields["actorder"]))
+
+
+def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModifier") -> Smoothing:
+    """graphcal's Smoothing from a SmoothQuantModifier's fields (mappings flattened as llm-compressor
+    reads them: the last leaf is the smooth layer, every other leaf a balance layer)."""
+    mappings = LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS
+    if fields.get("mappings") is not None:
+        mappings = []
+        for i, entry in enumerate(fields["mappings"]):
+            leaves = _leaves(entry)
+            if len(leaves) < 2 or not all(isinstance(v, str) for v in leaves):
+                raise UsageError(f"{where}: mappings[{i}] must be [[balance layers...], smooth layer] of names")
+            mappings.append((tuple(leaves[:-1]), leaves[-1]))
+        mappings = tuple(mappings)
+    for balance, smooth in mappings:
+        for p in (*balance, smooth):
+            check_regex(p, where)
+    return Smoothing(strength=check_strength(fields.get("smoothing_strength", 0.5)), mappings=mappings,
+                     ignore=tuple(fields.get("ignore") or ()), algorithm=fields.get("algorithm", "smoothquant"))
+
+
+def _leaves(entry, depth: int = 0) -> list:
+    if isinstance(entry, (list, tuple)):
+        if depth > 8:
+            return []
+        return [leaf for item in entry for leaf in _leaves(item, depth + 1)]
+    return [entry]

@@ -1,0 +1,138 @@
+"""What the user asked for (:class:`Options`, from flags or the Python API) resolved into the run's
+:class:`~graphcal.config.records.RunConfig`: the one place where flags and a recipe meet.
+
+The one override rule: a flag given overrides what the recipe says, and a recipe fills what no
+flag gives; without a recipe, what is not given takes graphcal's defaults (W8A8, targets Linear,
+ignore lm_head).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from graphcal.config.records import (
+    ALGORITHMS,
+    DEFAULT_IGNORE,
+    DEFAULT_SCHEME,
+    DEFAULT_TARGETS,
+    AWQSettings,
+    GPTQSettings,
+    RunConfig,
+    Smoothing,
+    check_awq,
+    check_gptq,
+    check_scope,
+    check_strength,
+)
+from graphcal.config.schemes import build_config, with_actorder, with_group_size
+from graphcal.config.untrusted import shown
+from graphcal.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked for, from flags or the Python API; None means "not given".
+
+    :func:`resolve` turns it into the run's :class:`RunConfig`: the one place where flags and a
+    recipe meet, with one rule: a flag given overrides what the recipe says, and a recipe fills
+    what no flag gives; without a recipe, what is not given takes graphcal's defaults
+    (W8A8, targets Linear, ignore lm_head).
+    """
+
+    scheme: str | None = None
+    targets: tuple[str, ...] | None = None
+    ignore: tuple[str, ...] | None = None
+    observer: str | None = None
+    kv_cache: str | None = None
+    recipe: str | os.PathLike | None = None
+    smoothquant: str | None = None  # --smoothquant: "norms", "all" or "mul"
+    smoothing_strength: float | str | None = None  # a number, or "auto" (searched per mapping)
+    algorithm: str | None = None  # --algorithm: "gptq", "awq" or "awq+gptq"
+    block_size: int | None = None  # GPTQ
+    dampening_frac: float | None = None  # GPTQ
+    actorder: str | None = None  # GPTQ: "static", "weight" or "none"
+    gptq_order: str | None = None  # GPTQ: "sequential" or "one-pass"
+    duo_scaling: str | None = None  # AWQ: "true", "false" or "both"
+    n_grid: int | None = None  # AWQ
+    group_size: int | None = None  # every group/tensor_group weight scheme's group size
+
+
+def resolve(options: Options) -> RunConfig:
+    """The run's config from flags and/or a recipe (see :class:`Options` for the override rule)."""
+    targets = list(options.targets) if options.targets is not None else None
+    ignore = list(options.ignore) if options.ignore is not None else None
+    if options.recipe is not None:
+        from graphcal.config.recipe import load_recipe, recipe_config  # lazy: pydantic models, only for a recipe
+
+        config = recipe_config(load_recipe(options.recipe), scheme=options.scheme, targets=targets, ignore=ignore,
+                               observer=options.observer, kv_cache=options.kv_cache)
+    else:
+        config = build_config(options.scheme or DEFAULT_SCHEME, targets or list(DEFAULT_TARGETS),
+                              list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
+    if options.smoothquant is not None or options.smoothing_strength is not None:
+        smoothing = config.smoothing or Smoothing()
+        if options.smoothquant is not None:
+            smoothing = replace(smoothing, scope=check_scope(options.smoothquant))
+        if options.smoothing_strength is not None:
+            if str(options.smoothing_strength).strip().lower() == "auto":
+                smoothing = replace(smoothing, search=True)
+            else:
+                smoothing = replace(smoothing, strength=check_strength(_number(options.smoothing_strength)),
+                                    search=False)
+        config.smoothing = smoothing
+    if options.group_size is not None:
+        config.groups = {name: with_group_size(scheme, options.group_size) for name, scheme in config.groups.items()}
+    _algorithms(config, options)
+    return config
+
+
+def _algorithms(config: RunConfig, options: Options) -> None:
+    """GPTQ and AWQ settings from --algorithm and its knobs (they override a recipe's modifiers)."""
+    gptq_knobs = {"block_size": options.block_size, "dampening_frac": options.dampening_frac,
+                  "actorder": options.actorder, "order": options.gptq_order}
+    awq_knobs = {"duo_scaling": options.duo_scaling, "n_grid": options.n_grid}
+    if options.algorithm is not None:
+        if options.algorithm not in ALGORITHMS:
+            raise UsageError(f"--algorithm takes one of {', '.join(ALGORITHMS)}, got {shown(str(options.algorithm))!r}")
+        if "gptq" in options.algorithm:
+            config.gptq = config.gptq or GPTQSettings()
+        if "awq" in options.algorithm:
+            config.awq = config.awq or AWQSettings()
+    for knobs, have, flag in ((gptq_knobs, config.gptq, "gptq"), (awq_knobs, config.awq, "awq")):
+        given = [k for k, v in knobs.items() if v is not None]
+        if given and have is None:
+            names = ", ".join("--" + ("gptq-order" if k == "order" else k.replace("_", "-")) for k in given)
+            raise UsageError(f"{names} {'needs' if len(given) == 1 else 'need'} --algorithm {flag} (or a recipe with "
+                             f"its {'GPTQModifier' if flag == 'gptq' else 'AWQModifier'})")
+    if config.gptq is not None:
+        updates = {k: v for k, v in gptq_knobs.items() if v is not None}
+        if "actorder" in updates:
+            updates["actorder"] = None if str(updates["actorder"]).lower() == "none" else updates["actorder"]
+        config.gptq = check_gptq(replace(config.gptq, **updates))
+        config.groups = {name: with_actorder(scheme, config.gptq.actorder) for name, scheme in config.groups.items()}
+    if config.awq is not None:
+        updates = {k: v for k, v in awq_knobs.items() if v is not None}
+        if "duo_scaling" in updates:
+            updates["duo_scaling"] = _duo(updates["duo_scaling"])
+        config.awq = check_awq(replace(config.awq, **updates))
+    if config.awq is not None and config.smoothing is not None:
+        raise UsageError("SmoothQuant and AWQ both rescale the activations of the same layers; use one of them")
+
+
+def _duo(value) -> bool | str:
+    text = str(value).strip().lower()
+    choices = {"true": True, "false": False, "both": "both"}
+    if text not in choices:
+        raise UsageError(f"--duo-scaling takes true, false or both, got {shown(str(value))!r}")
+    return choices[text]
+
+
+def _number(value):
+    """A strength given as text (the command line) as a float; other values as they are."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise UsageError(f"smoothing strength must be a number or auto, got {shown(value)!r}") from None
+    return value
