@@ -13,11 +13,11 @@ __all__ = ["calibrate", "load_data", "GraphcalError", "UsageError", "__version__
 
 def __getattr__(name):  # keep `import graphcal` light: torch/onnx load on first use
     if name == "calibrate":
-        from graphcal.calibration.pipeline import calibrate
+        from graphcal.calibration.pipeline import calibrate  # lazy: keeps `import graphcal` light (torch, onnx load on first use)
 
         return calibrate
     if name == "load_data":
-        from graphcal.data import load_data
+        from graphcal.data import load_data  # lazy: keeps `import graphcal` light (torch, onnx load on first use)
 
         return load_data
     raise AttributeError(name)

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graphcal.errors import GraphcalError, UsageError, first_line
+from graphcal.graph import io as graph_io
+from graphcal.limits import read_regular
 from graphcal.output import releases_outputs, reserve_output
 
 MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
@@ -31,7 +34,7 @@ BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
 def example_ids(vocab_size: int, batch: int, seq: int, seed: int):
     """Seeded random int64 ``[batch, seq]`` token ids in ``[0, vocab_size)``: the example inputs
     exports are traced with (here and in ``tools/builders.py``)."""
-    import torch
+    import torch  # lazy: torch takes seconds to import; graphcal --help does without
 
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randint(0, vocab_size, (batch, seq), generator=g, dtype=torch.int64)
@@ -85,7 +88,7 @@ def export_torch(
     The file is written in one piece (weights inside the protobuf, no external data) and is
     byte-for-byte deterministic for a given torch version when the module's weights are.
     """
-    import onnx
+    import onnx  # lazy: kept off the CLI's start-up path
     import torch
 
     path = Path(path)
@@ -157,7 +160,6 @@ def export_torch(
         module.train(was_training)
 
     _normalise(model)
-    from graphcal.graph import io as graph_io
 
     if graph_io.past_protobuf_limit(model):  # past protobuf's 2 GB: weights in <name>.data beside the graph
         graph_io.save_with_external_data(model, path)
@@ -200,9 +202,8 @@ def tokenize_lines(tokenizer, lines: list[str], names: list[str], seq: int, *, p
     """The model inputs ``names`` for ``lines`` as int64 arrays [samples, seq]: one row per line,
     padded or truncated to ``seq`` (pad: the tokenizer's, else its EOS or UNK), or with ``pack``
     full windows of the joined lines (:func:`pack_windows`, at most ``num_samples``)."""
-    import numpy as np
+    import numpy as np  # lazy: kept off the CLI's start-up path
 
-    from graphcal.errors import GraphcalError
 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -237,13 +238,12 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     and locked first, written in a temporary folder beside it and swapped in. Returns the files
     written and the share of padding in calib.npz.
     """
-    import numpy as np
+    import numpy as np  # lazy: kept off the CLI's start-up path
     import torch
 
-    from graphcal.errors import GraphcalError, UsageError, first_line
 
     try:
-        import transformers
+        import transformers  # lazy: optional dependency (the export extra), seconds to import
     except ImportError:
         raise GraphcalError("graphcal export needs transformers: pip install 'graphcal[export]'") from None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -277,7 +277,6 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     axes = {n: dict(BATCH_SEQ_AXES) for n in [*names, output]}
     arrays = None
     if text is not None:
-        from graphcal.limits import read_regular
 
         raw = read_regular(text, "--text file", MAX_TEXT_BYTES, error=UsageError)  # regular files only, bounded
         try:
@@ -293,7 +292,6 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     def write(tmp: Path) -> list[Path]:
         path = export_torch(model, inputs, tmp / "model.onnx", output_names=[output], dynamic_axes=axes,
                             dynamo=dynamo, constant_folding=True, opset=opset)
-        from graphcal.graph import io as graph_io
 
         graph_io.check_written(path)  # onnx's checker, before the files are moved into place
         data = path.with_name(path.name + ".data")

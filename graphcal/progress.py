@@ -27,7 +27,7 @@ class Progress:
 
     def __init__(self, stage: str, total: int | None, unit: str, *, bar: bool = True, every: float = LOG_EVERY_S,
                  clock=time.monotonic):
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: only a progress bar needs it
 
         self.stage, self.total, self.unit, self.every, self.clock = stage, total, unit, every, clock
         self.done = 0

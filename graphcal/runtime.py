@@ -88,7 +88,7 @@ def _trim_heap() -> None:
 
     The session goes by reference count; a gc.collect() here changed nothing on the bench
     decoder's peak and cost 0.19 s (the whole process's objects) on every run."""
-    import ctypes
+    import ctypes  # lazy: stdlib, needed on this rare path only
 
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -207,7 +207,7 @@ def open_model_runner(
         model = onnx.load(str(model))
     names = list(outputs) if outputs is not None else [o.name for o in model.graph.output]
     if not graph_io.runs_in_onnxruntime(model):
-        from onnx.reference import ReferenceEvaluator
+        from onnx.reference import ReferenceEvaluator  # lazy: only models onnxruntime cannot run
 
         evaluator = ReferenceEvaluator(model)
         return ModelRunner(names, REFERENCE, lambda feeds: dict(zip(names, evaluator.run(names, feeds))))
@@ -282,13 +282,13 @@ def check_device(device: str) -> None:
     _check_device_choice(device)
     if device != "cuda":
         return
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # lazy: kept off the CLI's start-up path
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     probe = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x],
                                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
                               opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-    import contextlib
+    import contextlib  # lazy: stdlib, needed on this rare path only
     import io
 
     opts = ort.SessionOptions()
@@ -347,7 +347,7 @@ def int8_gemm_saturates() -> bool:
     twice gives 32767 instead of 64770. Asked of onnxruntime itself, once, on a 1 x 64 x 1 MatMulInteger."""
     global _SATURATES
     if _SATURATES is None:
-        from onnx import TensorProto, helper, numpy_helper
+        from onnx import TensorProto, helper, numpy_helper  # lazy: kept off the CLI's start-up path
 
         k = 64
         graph = helper.make_graph(

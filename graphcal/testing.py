@@ -24,7 +24,7 @@ UPDATE_ENV = "GRAPHCAL_UPDATE_GOLDEN"
 
 def qparams_of(actual) -> dict[str, torch.Tensor]:
     """The qparams of a CalibrationResult, an output folder, a qparams.safetensors file or a mapping."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: loads safetensors' torch half only when a file is read or written
 
     if isinstance(actual, Mapping):
         return dict(actual)
@@ -36,7 +36,7 @@ def qparams_of(actual) -> dict[str, torch.Tensor]:
 
 def save_golden(actual, golden: str | os.PathLike) -> Path:
     """Write ``actual``'s qparams to ``golden`` (safetensors)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: loads safetensors' torch half only when a file is read or written
 
     golden = Path(golden)
     golden.parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,9 @@ from graphcal.data import MASK_INPUT, Calibration, batch_samples
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
 from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
-from graphcal.limits import format_size
+from graphcal.limits import check_fits, format_size
 from graphcal.observers.helpers import extrema, finite_extrema
+from graphcal.progress import Progress
 from graphcal.runtime import open_runtime
 
 log = logging.getLogger("graphcal")
@@ -153,7 +154,6 @@ def check_state(observers: Consumers, world: int = 1) -> None:
     """Refuse, before the pass, statistics that every observer holds at once (histograms: ``bins``
     of them per tap) when they would take more than half the memory available. Under torchrun every
     rank receives every rank's copy at the exchange, and rank 0 makes one more of each to merge."""
-    from graphcal.limits import check_fits
 
     nbytes = sum(o.state_bytes() for o in observers.activation_observers() if hasattr(o, "state_bytes"))
     copies = 1 if world <= 1 else 2 * world
@@ -243,7 +243,6 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
                   padding: Padding | None = None, label: str = "calibrating", count: bool = True) -> int:
     """Run every batch (under torchrun: every world-th, from this rank) and feed the consumers of
     ``tapped``'s taps; ``count``: count the padding (the first of several passes does)."""
-    from graphcal.progress import Progress
 
     # this pass's consumers: those whose taps its graph makes (a tensor's others are fed in another pass)
     routes = {t: mine for t, cs in observers.by_tensor().items()

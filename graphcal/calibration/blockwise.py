@@ -26,6 +26,9 @@ from graphcal.calibration.plan import RunPlan
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
+from graphcal.graph.io import value_types
+from graphcal.graph.taps import build_tapped
+from graphcal.limits import check_fits
 from graphcal.runtime import open_runtime
 from graphcal.types import Target
 
@@ -71,7 +74,6 @@ class Blockwise:
         """A runtime over the subgraph computing ``outputs`` (plus the in-graph reductions of
         ``requests``, graph.taps.TapRequest) from ``cut``; ``weights``: targets whose weights
         are fed per run (:meth:`feed_weight`). Returns (runtime, tapped graph or None)."""
-        from graphcal.graph.taps import build_tapped
 
         model = self.run.model
         fed = [self._fed[t.name][0] for t in weights]
@@ -141,7 +143,6 @@ class Blockwise:
     def check_cache(self, k: int, first: dict[str, np.ndarray], what: str = "") -> None:
         """Refuse to go on when block ``k``'s tensors for all the data (``first``: their first batch's,
         times the batches), with what is cached already, would not fit."""
-        from graphcal.limits import check_fits
 
         batches = self.calib.num_batches or 1
         nbytes = sum(a.nbytes for a in first.values()) * batches
@@ -153,7 +154,6 @@ class Blockwise:
 
 def value_types_of(sub: onnx.ModelProto, types: dict) -> dict:
     """Types for a subgraph: the model's, plus shape inference where the subgraph has new names."""
-    from graphcal.graph.io import value_types
 
     known = {v.name for v in sub.graph.input} | {o for n in sub.graph.node for o in n.output}
     if all(n in types for n in known if n):

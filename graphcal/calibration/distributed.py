@@ -50,14 +50,14 @@ def from_env() -> Dist | None:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return None
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only under torchrun
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     name = backend()
     if not dist.is_initialized():
         options = {}
         if name == "nccl":
-            import torch
+            import torch  # lazy: torch takes seconds to import; graphcal --help does without
 
             if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
                 raise GraphcalError(f"rank {rank}: {BACKEND_ENV}=nccl needs a CUDA GPU for LOCAL_RANK {local_rank} "
@@ -94,7 +94,7 @@ def gather_statistics(d: Dist, observers: list, error: BaseException | None, cou
     """Fold every rank's activation statistics into ``observers`` (the same list, in the same
     order, on every rank), or raise on every rank if any rank failed before this point.
     ``counts`` (e.g. the padded and all positions a rank saw) are summed over the ranks and returned."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only under torchrun
 
     payload = {
         "error": None if error is None else f"{type(error).__name__}: {error}",
@@ -143,7 +143,7 @@ def settle(error: BaseException, seconds: float = 10.0) -> None:
     barrier); a no-op for other errors and outside a job."""
     if not getattr(error, "graphcal_exchanged", False):
         return
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: only under torchrun
 
     try:
         if dist.is_initialized() and dist.get_backend() == "gloo":

@@ -26,8 +26,9 @@ from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.io import default_opset, load_model_info, value_types
 from graphcal.graph.qdq import Runtime, form_notes, items_opset, required_kv_opset, runtime_notes
-from graphcal.graph.scaling import Resolution
+from graphcal.graph.scaling import Resolution, candidates, resolve
 from graphcal.graph.targets import Skipped, find_targets, select
+from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
@@ -142,7 +143,6 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     warnings += runtime_notes(items, runtime)
     forms = form_notes(items, runtime, matmulnbits)  # raises for a target with no form
     if any("u8 x s8" in f for f in forms):
-        from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 
         if int8_gemm_saturates():
             warnings.append(INT8_SATURATION_NOTE)
@@ -184,7 +184,6 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
 
 def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
     """SmoothQuant's mappings in this graph (graph.smooth), or None when the run asks for none."""
-    from graphcal.graph.scaling import candidates, resolve
 
     settings = config.smoothing
     if settings is None:
@@ -197,7 +196,6 @@ def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConf
 def _awq(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
     """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or linear
     layer before them (no node added), by structure or by llm-compressor's names; None without AWQ."""
-    from graphcal.graph.scaling import candidates, resolve
 
     settings = config.awq
     if settings is None:
@@ -271,7 +269,7 @@ def _dividing_width(width: int, features: list[int]) -> int | None:
 
 def _with_width(scheme, width: int, new: int) -> str:
     """The scheme as --scheme JSON, its groups (or blocks) of ``width`` made ``new`` wide."""
-    import json
+    import json  # lazy: stdlib, needed on this rare path only
 
     fields = {}
     for key in ("weights", "input_activations"):

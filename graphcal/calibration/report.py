@@ -13,6 +13,7 @@ from pathlib import Path
 
 from graphcal.calibration.plan import RunPlan, plan
 from graphcal.config import RunConfig
+from graphcal.graph.blocks import blocks
 from graphcal.graph.targets import matches
 from graphcal.types import FusedGroup, KVState, Target, enum_value
 
@@ -90,7 +91,6 @@ def _blocks(run: RunPlan) -> list[str]:
     gptq = run.config.gptq
     if not ((gptq is not None and gptq.order == "sequential") or (run.awq is not None and run.awq.mappings)):
         return []
-    from graphcal.graph.blocks import blocks
 
     return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in blocks(run.model, list(run.chosen))]
 

@@ -14,6 +14,7 @@ import onnx
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import model_files
+from graphcal.graph.qdq import dead_weight_paths
 from graphcal.types import QuantizedTarget, Target
 
 # Scale dtypes stored as one byte per scale (NVFP4's fp8 scales, MX's uint8 exponents).
@@ -102,7 +103,6 @@ def _scale_size(w) -> int:
 
 def _removed_by_writer(graph: onnx.GraphProto, targets: list[Target]) -> list[str]:
     """Initializers nothing reads once every target reads its dequantized weight (tied weights stay)."""
-    from graphcal.graph.qdq import dead_weight_paths
 
     by_node = {t.node for t in targets}
     detached = {n.input[1] for n in graph.node if n.name in by_node} | {t.weight for t in targets}

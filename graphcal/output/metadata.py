@@ -23,7 +23,7 @@ def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], i
                               kv_items: list[QuantizedKV] = ()):
     """A compressed-tensors QuantizationConfig for what was quantized (status "frozen"); the
     kv_cache_scheme is recorded when key/value states were quantized."""
-    import compressed_tensors
+    import compressed_tensors  # lazy: compressed-tensors takes seconds to import; only this path needs it
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
+from graphcal.observers import Observer, share_global_scale
 from graphcal.types import enum_value
 
 log = logging.getLogger("graphcal")
@@ -197,10 +199,6 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
     ``fused_global_scale``: groups of balance names (a fused q/k/v or gate/up) whose TENSOR_GROUP
     observers share one global scale, from the joint absmax of their scaled weights.
     """
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-
-    from graphcal.observers import Observer, share_global_scale
-
     scaled: dict[str, torch.Tensor] = {}
     observers: dict[str, Observer] = {}
     for name, w in weights.items():

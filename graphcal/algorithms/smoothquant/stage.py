@@ -171,7 +171,7 @@ def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
         smoothed = scales_from(run, mappings, ranges.extrema(), ranges.rows())
     if dist is not None:
-        import torch.distributed as tdist
+        import torch.distributed as tdist  # lazy: only under torchrun
 
         box = [smoothed]
         tdist.broadcast_object_list(box, src=0)

@@ -1,0 +1,148 @@
+"""The house's import contract, checked on every run: no import cycle between graphcal's modules
+(in-function imports count), the layers (graph/, observers/ and the algorithms' math never import a
+stage or a command), and every in-function import saying why it is one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "graphcal"
+
+#: modules that know nothing of stages, commands or outputs (their imports stay below them)
+LEAVES = ("graphcal.graph", "graphcal.observers", "graphcal.algorithms.smoothquant.math",
+          "graphcal.algorithms.awq.math", "graphcal.algorithms.gptq.math", "graphcal.algorithms.gptq.hessian",
+          "graphcal.types", "graphcal.errors", "graphcal.limits")
+#: what a leaf may never import: the stages, the pipeline, the commands and what they write
+ABOVE = ("graphcal.calibration", "graphcal.cli", "graphcal.evaluation", "graphcal.bench", "graphcal.export",
+         "graphcal.output", "graphcal.algorithms.smoothquant.stage", "graphcal.algorithms.awq.stage",
+         "graphcal.algorithms.gptq.stage", "graphcal.algorithms.channel_scales")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, ast.stmt, bool]]:
+    """(imported graphcal module, the statement, whether it sits inside a function) for each import."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in names:
+            while target and target not in modules:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("graphcal"):
+                found.append((target, node, id(node) in nested))
+                break
+        else:
+            found.append(("", node, id(node) in nested))  # a third-party or stdlib import
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def _graph():
+    modules = _modules()
+    imports = {m: _imports(m, p, modules) for m, p in modules.items()}
+    # a package's __init__ re-exporting its own modules is its public face, not a dependency back
+    edges = {m: {t for t, _, _ in found if t and not (modules[m].name == "__init__.py" and t.startswith(m + "."))}
+             for m, found in imports.items()}
+    return modules, imports, edges
+
+
+def test_no_import_cycle():
+    _, _, edges = _graph()
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_layers_graph_observers_and_math_import_no_stage_or_command():
+    _, imports, _ = _graph()
+    broken = [f"{m} imports {t}" for m, found in imports.items() if m.startswith(LEAVES)
+              for t, _, _ in found if t.startswith(ABOVE)]
+    assert broken == []
+
+
+def test_only_the_cli_imports_the_cli():
+    _, imports, _ = _graph()
+    assert [m for m, found in imports.items() if not m.startswith("graphcal.cli") and m != "graphcal.__main__"
+            and any(t.startswith("graphcal.cli") for t, _, _ in found)] == []
+
+
+def test_every_in_function_import_says_why():
+    """An import inside a function is one on purpose (a heavy or optional dependency kept off the
+    start-up path); the line, the one above it, or the first of its run of imports says why."""
+    modules, imports, _ = _graph()
+    silent = []
+    for m, found in imports.items():
+        lines = modules[m].read_text().splitlines()
+        for _, node, nested in found:
+            if not nested:
+                continue
+            first = node.lineno
+            while first > 1 and lines[first - 2].strip().startswith(("import ", "from ")):
+                first -= 1  # the run of imports this one belongs to
+            said = any("#" in lines[k - 1] for k in range(first, node.end_lineno + 1))
+            said = said or (first > 1 and lines[first - 2].strip().startswith("#"))
+            if not said:
+                silent.append(f"{modules[m].relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert sorted(set(silent)) == []
