@@ -42,6 +42,16 @@ class Target:
 
 
 @dataclass(frozen=True)
+class NamedMapping:
+    """llm-compressor's mapping of one smooth layer to the balance layers reading its output, by
+    torch module name or ``re:`` regex: the one shape SmoothQuant's and AWQ's named mappings take
+    (their recipes write them in opposite orders; config/modifiers.py reads both into this)."""
+
+    smooth: str
+    balance: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FusedGroup:
     """Modules that share one global scale (q/k/v, gate/up, ...), found by name.
 

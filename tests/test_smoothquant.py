@@ -61,8 +61,10 @@ def _case(vectors, name):
 def _mappings(case) -> tuple:
     """The case's llm-compressor mapping (one ``[[balance regexes], smooth regex]``) as graphcal's
     Smoothing takes mappings."""
+    from graphcal.types import NamedMapping
+
     balance, smooth = case["args"]["mappings"]
-    return ((tuple(balance), smooth),)
+    return (NamedMapping(smooth, tuple(balance)),)
 
 
 #: the level whose numbers the written int8 models are checked at: onnxruntime's default, except where

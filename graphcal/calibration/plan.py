@@ -200,8 +200,7 @@ def _awq(model, found: list[Target], chosen: list[Target], config: RunConfig, ba
     settings = config.awq
     if settings is None:
         return None
-    named = None if settings.mappings is None else [(balance, smooth) for smooth, balance in settings.mappings]
-    resolution = resolve(candidates(model, found, base_dir), chosen, "all", named, what="AWQ")
+    resolution = resolve(candidates(model, found, base_dir), chosen, "all", settings.mappings, what="AWQ")
     log.info("AWQ: %d mappings to search", len(resolution.mappings))
     return resolution
 

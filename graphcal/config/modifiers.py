@@ -26,6 +26,7 @@ from graphcal.config.records import (
 )
 from graphcal.config.untrusted import pydantic_message
 from graphcal.errors import UsageError
+from graphcal.types import NamedMapping
 
 MODIFIER = "QuantizationModifier"
 SMOOTHQUANT = "SmoothQuantModifier"
@@ -193,7 +194,7 @@ def awq_from(fields: dict[str, Any]) -> AWQSettings:
     Llama mappings, matched by module name)."""
     mappings = LLMCOMPRESSOR_AWQ_MAPPINGS
     if fields.get("mappings") is not None:
-        mappings = tuple((m["smooth_layer"], tuple(m["balance_layers"])) for m in fields["mappings"])
+        mappings = tuple(NamedMapping(m["smooth_layer"], tuple(m["balance_layers"])) for m in fields["mappings"])
     return check_awq(AWQSettings(mappings=mappings, duo_scaling=fields["duo_scaling"], n_grid=fields["n_grid"]))
 
 
@@ -213,10 +214,10 @@ def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModi
             leaves = _leaves(entry)
             if len(leaves) < 2 or not all(isinstance(v, str) for v in leaves):
                 raise UsageError(f"{where}: mappings[{i}] must be [[balance layers...], smooth layer] of names")
-            mappings.append((tuple(leaves[:-1]), leaves[-1]))
+            mappings.append(NamedMapping(leaves[-1], tuple(leaves[:-1])))
         mappings = tuple(mappings)
-    for balance, smooth in mappings:
-        for p in (*balance, smooth):
+    for m in mappings:
+        for p in (*m.balance, m.smooth):
             check_regex(p, where)
     return Smoothing(strength=check_strength(fields.get("smoothing_strength", 0.5)), mappings=mappings,
                      ignore=tuple(fields.get("ignore") or ()), algorithm=fields.get("algorithm", "smoothquant"))

@@ -14,7 +14,7 @@ from graphcal.config.untrusted import shown
 from graphcal.errors import UsageError
 from graphcal.graph.scaling import SCOPES
 from graphcal.graph.targets import matches
-from graphcal.types import Target
+from graphcal.types import NamedMapping, Target
 
 DEFAULT_SCHEME = "W8A8"
 DEFAULT_TARGETS = ("Linear",)
@@ -23,8 +23,8 @@ DEFAULT_IGNORE = ("lm_head",)
 # llm-compressor's SmoothQuant defaults (SmoothQuantModifier; its DEFAULT_SMOOTHQUANT_MAPPINGS, the Llama entry)
 DEFAULT_SMOOTHING_STRENGTH = 0.5
 LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS = (
-    (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm"),
-    (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm"),
+    NamedMapping("re:.*input_layernorm", ("re:.*q_proj", "re:.*k_proj", "re:.*v_proj")),
+    NamedMapping("re:.*post_attention_layernorm", ("re:.*gate_proj", "re:.*up_proj")),
 )
 
 
@@ -33,14 +33,14 @@ class Smoothing:
     """SmoothQuant settings (llm-compressor's SmoothQuantModifier fields, plus where graphcal may smooth).
 
     ``mappings`` None: every activation of the quantized layers whose producer allows an exact
-    fold, found by graph structure; otherwise llm-compressor's ``(balance regexes, smooth regex)``
-    pairs matched by module name. ``scope`` (graphcal's): "norms" folds into norms and constant
+    fold, found by graph structure; otherwise llm-compressor's mappings (smooth and balance names or
+    regexes) matched by module name. ``scope`` (graphcal's): "norms" folds into norms and constant
     scales, "all" also into linear layers (up_proj -> down_proj), "mul" also smooths what has no
     fold through an explicit Mul.
     """
 
     strength: float = DEFAULT_SMOOTHING_STRENGTH
-    mappings: tuple[tuple[tuple[str, ...], str], ...] | None = None
+    mappings: tuple[NamedMapping, ...] | None = None
     ignore: tuple[str, ...] = ()
     algorithm: str = "smoothquant"  # or "log_equalization"
     scope: str = "norms"
@@ -49,10 +49,10 @@ class Smoothing:
 
 # llm-compressor's AWQ default mappings (its LlamaForCausalLM entry): (smooth layer, balance layers)
 LLMCOMPRESSOR_AWQ_MAPPINGS = (
-    ("re:.*input_layernorm$", ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")),
-    ("re:.*v_proj$", ("re:.*o_proj$",)),
-    ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$")),
-    ("re:.*up_proj$", ("re:.*down_proj$",)),
+    NamedMapping("re:.*input_layernorm$", ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")),
+    NamedMapping("re:.*v_proj$", ("re:.*o_proj$",)),
+    NamedMapping("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$")),
+    NamedMapping("re:.*up_proj$", ("re:.*down_proj$",)),
 )
 
 # llm-compressor's GPTQModifier and AWQModifier defaults (0.14)
@@ -83,7 +83,7 @@ class AWQSettings:
     """AWQModifier's fields: ``mappings`` as (smooth layer, balance layers) names or regexes (None: the
     activations of the quantized layers whose producer allows an exact fold, found by graph structure)."""
 
-    mappings: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    mappings: tuple[NamedMapping, ...] | None = None
     duo_scaling: bool | str = True  # True, False or "both"
     n_grid: int = 20
 

@@ -20,6 +20,7 @@ regex]`` mappings by module name and then checked against the same structure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphcal.graph.targets import scoped_module
-from graphcal.types import Target
+from graphcal.types import NamedMapping, Target
 
 SHAPE_ONLY = {"Shape", "Size"}  # readers that see an activation's shape, not its values
 _NORMS = {  # op type -> (domain, input indices of the per-channel scale and bias)
@@ -168,14 +169,14 @@ def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None
 
 
 def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
-            named: list[tuple[tuple[str, ...], str]] | None = None, ignore: tuple[str, ...] = (),
+            named: Sequence[NamedMapping] | None = None, ignore: tuple[str, ...] = (),
             what: str = "SmoothQuant") -> Resolution:
     """The mappings to apply.
 
     ``named`` None: found by structure, for every candidate with a quantized balance target
     (``scope``: "norms" folds into norms and constant scales, "all" also into linear layers,
     "mul" also smooths what has no fold through an explicit Mul). ``named``: llm-compressor's
-    mappings (balance regexes, smooth regex) matched by module name, each match checked for
+    mappings (types.NamedMapping: smooth and balance names or regexes) matched by module name, each match checked for
     exactness; ``ignore`` skips a match whose smooth layer and every balance layer it lists.
     """
     out = Resolution()
@@ -200,7 +201,8 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
                                  "--smoothquant mul smooths it through an explicit Mul)")
         return out
     taken: dict[str, str] = {}  # activation -> the mapping that smooths it (llm-compressor smooths a layer once)
-    for balance_patterns, smooth_pattern in named:
+    for named_mapping in named:
+        balance_patterns, smooth_pattern = named_mapping.balance, named_mapping.smooth
         label = f"[{', '.join(balance_patterns)}] <- {smooth_pattern}"
         hits = [c for c in cands if _name_matches(c.smooth, smooth_pattern)
                 and any(_name_matches(b, p) for b in c.balance for p in balance_patterns)]
