@@ -33,7 +33,6 @@ output and parents fall back to the structural post-dominator.
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,12 +41,11 @@ import onnx
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.check import node_reads
-from graphcal.graph.targets import scoped_module
+from graphcal.graph.index import SHAPE_OPS, GraphIndex
+from graphcal.graph.io import hollow_copy, value_types
+from graphcal.graph.targets import find_targets, scoped_module
 from graphcal.types import Target
 
-# Ops whose output tells a tensor's shape, never its values (their outputs do not carry a
-# weight's *values* on: AWQ's parent search skips them).
-_SHAPE_OPS = frozenset({"Shape", "Size"})
 _NUMERIC = re.compile(r"[0-9]+")
 
 
@@ -81,7 +79,7 @@ class Block:
 def weight_dependent(model: onnx.ModelProto, targets: Iterable[Target]) -> set[str]:
     """Every tensor that depends transitively on the output of any target node (the outputs
     themselves included): the tensors a quantized or rescaled weight can change."""
-    index = _Index(model)
+    index = _index(model)
     outs = [index.output_of(i) for i in _target_nodes(index, targets).values()]
     return index.descendants(outs)
 
@@ -114,13 +112,13 @@ def blocks(model: onnx.ModelProto, targets: Sequence[Target]) -> list[Block]:
     themselves); its ``inputs`` the weight-dependent tensors made by earlier blocks that its
     nodes read. Tensors that depend on no target are never inputs or outputs.
     """
-    index = _Index(model)
+    index = _index(model)
     nodes_of = _target_nodes(index, targets)
     dep = index.descendants([index.output_of(i) for i in nodes_of.values()])
     ordered = sorted(targets, key=lambda t: index.position[nodes_of[_key(t)]])
     groups = _contiguous_groups(ordered) or [(t.name, [t]) for t in ordered]
 
-    scoped = index.nodes_by_scope_prefix()
+    scoped = _nodes_by_scope_prefix(index)
     owner: dict[int, int] = {}  # node -> the block it belongs to (len(groups): after the last block)
     done: set[int] = set()
     for k, (name, members) in enumerate(groups):
@@ -181,7 +179,7 @@ def subgraph(model: onnx.ModelProto, outputs: Sequence[str], cut: Sequence[str],
     weight-dependent tensor from before the cut (one a cut tensor is computed from): the cut does
     not separate the outputs from the earlier weights.
     """
-    index = _Index(model)
+    index = _index(model)
     outputs, cut, weight_inputs = (list(dict.fromkeys(x)) for x in (outputs, cut, weight_inputs))
     if not outputs:
         raise GraphcalError("a subgraph needs at least one output")
@@ -198,8 +196,6 @@ def subgraph(model: onnx.ModelProto, outputs: Sequence[str], cut: Sequence[str],
         raise GraphcalError(f"weight input {unread[0]!r} is not read by the nodes computing {outputs[0]!r}")
 
     if dependent is None:
-        from graphcal.graph.targets import find_targets
-
         dependent = weight_dependent(model, find_targets(model)[0])
     upstream = index.ancestors([c for c in cut if c in dependent], set())
     bad = [i for i in nodes if i in upstream and any(o in dependent for o in index.nodes[i].output)]
@@ -209,8 +205,6 @@ def subgraph(model: onnx.ModelProto, outputs: Sequence[str], cut: Sequence[str],
         raise GraphcalError(
             f"cannot compute {outputs[0]!r} from the cut {cut}: it needs the weight-dependent tensor {tensor!r}, "
             "which the cut tensors are themselves computed from (it is not in the cut)")
-
-    from graphcal.graph.io import hollow_copy, value_types
 
     sub = hollow_copy(model)
     g = sub.graph
@@ -278,7 +272,7 @@ def parent_output(model: onnx.ModelProto, targets: Sequence[Target]) -> str:
     """
     if not targets:
         raise GraphcalError("parent_output needs at least one target")
-    index = _Index(model)
+    index = _index(model)
     outs = [index.output_of(i) for i in _target_nodes(index, targets).values()]
     if len(outs) == 1:
         return outs[0]
@@ -296,14 +290,12 @@ def parent_inputs(model: onnx.ModelProto, targets: Sequence[Target], output: str
     :func:`subgraph`, so ``subgraph(model, [output], parent_inputs(...), [t.weight for t in
     targets])`` is the parent with its balance weights fed per run. ``dependent``: as for
     :func:`subgraph`. In topological order of their producers (graph inputs first)."""
-    index = _Index(model)
+    index = _index(model)
     outs = [index.output_of(i) for i in _target_nodes(index, targets).values()]
     changed = index.descendants(outs)
     if output not in changed:
         raise GraphcalError(f"{output!r} does not depend on the outputs of {[t.name for t in targets]}")
     if dependent is None:
-        from graphcal.graph.targets import find_targets
-
         dependent = weight_dependent(model, find_targets(model)[0])
     activations = {t.activation for t in targets}
     stop = {t for t in activations if t not in changed}
@@ -317,149 +309,37 @@ def parent_inputs(model: onnx.ModelProto, targets: Sequence[Target], output: str
     return sorted(found, key=lambda t: (rank.get(t, index.position.get(index.producer.get(t), -1)), t))
 
 
-# --------------------------------------------------------------------------------------------
-# The graph as names
-# --------------------------------------------------------------------------------------------
+def _index(model: onnx.ModelProto) -> GraphIndex:
+    """The model's main graph indexed, its topological order made up front (GraphcalError for a
+    cycle, before any walk)."""
+    index = GraphIndex(model.graph)
+    index.order  # noqa: B018 -- computed for its check
+    return index
 
 
-class _Index:
-    """The main graph's structure by name: producers, consumers, reads (a node holding a
-    subgraph reads what its bodies read from outside), and a stable topological order."""
+def _scopes(index: GraphIndex) -> list[str | None]:
+    """Each node's module scope (:func:`graphcal.graph.targets.scoped_module`), by node index."""
+    return [scoped_module(n) for n in index.nodes]
 
-    def __init__(self, model: onnx.ModelProto):
-        g = model.graph
-        self.nodes = list(g.node)
-        self.inits = {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
-        self.graph_inputs = [v.name for v in g.input if v.name not in self.inits]
-        self.graph_input_set = set(self.graph_inputs)
-        self.graph_outputs = [o.name for o in g.output]
-        self.producer: dict[str, int] = {}
-        self.consumers: dict[str, list[int]] = {}
-        self.reads: list[list[str]] = []
-        for i, node in enumerate(self.nodes):
-            names = node_reads(node)
-            self.reads.append(names)
-            for name in names:
-                self.consumers.setdefault(name, []).append(i)
-            for out in node.output:
-                if out:
-                    self.producer[out] = i
-        self.order = self._topological()
-        self.position = {i: p for p, i in enumerate(self.order)}
-        self._scopes: list[str | None] | None = None
 
-    def _topological(self) -> list[int]:
-        """Kahn's algorithm, taking the lowest original index first: the graph's own order when it
-        is already topological."""
-        pending = [0] * len(self.nodes)
-        users: list[list[int]] = [[] for _ in self.nodes]
-        for i, names in enumerate(self.reads):
-            deps = {self.producer[n] for n in names if n in self.producer}
-            pending[i] = len(deps)
-            for d in deps:
-                users[d].append(i)
-        ready = [i for i, n in enumerate(pending) if n == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(i)
-            for u in users[i]:
-                pending[u] -= 1
-                if pending[u] == 0:
-                    heapq.heappush(ready, u)
-        if len(order) != len(self.nodes):
-            raise GraphcalError("the graph has a cycle; an ONNX graph must be acyclic")
-        return order
-
-    def knows(self, name: str) -> bool:
-        return name in self.producer or name in self.graph_input_set or name in self.inits
-
-    def output_of(self, i: int) -> str:
-        return self.nodes[i].output[0]
-
-    def scopes(self) -> list[str | None]:
-        if self._scopes is None:
-            self._scopes = [scoped_module(n) for n in self.nodes]
-        return self._scopes
-
-    def nodes_by_scope_prefix(self) -> dict[str, list[int]]:
-        """{module prefix: the nodes scoped at it or inside it, in topological order}."""
-        found: dict[str, list[int]] = {}
-        scopes = self.scopes()
-        for i in self.order:
-            if not scopes[i]:
-                continue
-            parts = scopes[i].split(".")
-            for k in range(1, len(parts) + 1):
-                found.setdefault(".".join(parts[:k]), []).append(i)
-        return found
-
-    def descendants(self, tensors: Iterable[str], through_shapes: bool = True) -> set[str]:
-        """``tensors`` and every tensor computed from them (without ``through_shapes``, a
-        ``Shape``/``Size`` node does not pass dependence on)."""
-        found = set(tensors)
-        stack = list(found)
-        while stack:
-            for c in self.consumers.get(stack.pop(), ()):
-                node = self.nodes[c]
-                if not through_shapes and node.op_type in _SHAPE_OPS and node.domain in ("", "ai.onnx"):
-                    continue
-                for out in node.output:
-                    if out and out not in found:
-                        found.add(out)
-                        stack.append(out)
-        return found
-
-    def ancestors(self, tensors: Iterable[str], done: set[int]) -> set[int]:
-        """The nodes not in ``done`` that ``tensors`` are computed from (their producers
-        included); added to ``done`` and returned."""
-        new: set[int] = set()
-        stack = list(tensors)
-        while stack:
-            p = self.producer.get(stack.pop())
-            if p is None or p in done:
-                continue
-            done.add(p)
-            new.add(p)
-            stack.extend(self.reads[p])
-        return new
-
-    def walk(self, wanted: Iterable[str], stop: set[str]) -> tuple[set[int], set[str], set[str], set[str]]:
-        """Back from ``wanted`` to ``stop`` tensors, graph inputs and initializers: (nodes met,
-        graph inputs reached, initializers reached, stop tensors reached)."""
-        nodes: set[int] = set()
-        inputs: set[str] = set()
-        inits: set[str] = set()
-        stops: set[str] = set()
-        seen: set[str] = set()
-        stack = list(wanted)
-        while stack:
-            t = stack.pop()
-            if t in seen:
-                continue
-            seen.add(t)
-            if t in stop:
-                stops.add(t)
-            elif t in self.graph_input_set:
-                inputs.add(t)
-            elif t in self.producer:
-                p = self.producer[t]
-                if p not in nodes:
-                    nodes.add(p)
-                    stack.extend(self.reads[p])
-            elif t in self.inits:
-                inits.add(t)
-            else:
-                raise GraphcalError(f"no tensor {t!r} in the graph")
-        return nodes, inputs, inits, stops
+def _nodes_by_scope_prefix(index: GraphIndex) -> dict[str, list[int]]:
+    """{module prefix: the nodes scoped at it or inside it, in topological order}."""
+    found: dict[str, list[int]] = {}
+    scopes = _scopes(index)
+    for i in index.order:
+        if not scopes[i]:
+            continue
+        parts = scopes[i].split(".")
+        for k in range(1, len(parts) + 1):
+            found.setdefault(".".join(parts[:k]), []).append(i)
+    return found
 
 
 def _key(target: Target) -> str:
     return target.name
 
 
-def _target_nodes(index: _Index, targets: Iterable[Target]) -> dict[str, int]:
+def _target_nodes(index: GraphIndex, targets: Iterable[Target]) -> dict[str, int]:
     """{target name: its node's index}, matched by node name, op type and activation."""
     by_name: dict[str, list[int]] = {}
     for i, node in enumerate(index.nodes):
@@ -476,7 +356,7 @@ def _target_nodes(index: _Index, targets: Iterable[Target]) -> dict[str, int]:
     return found
 
 
-def _b_source(index: _Index, b: str, target: Target):
+def _b_source(index: GraphIndex, b: str, target: Target):
     """What feeds a B input in the terms of ``target``: the initializer's name, or a one-tuple of
     its last weight-path node's name."""
     if not target.weight_path:
@@ -532,12 +412,12 @@ def _common_prefix(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _scoped_output(index: _Index, targets: Sequence[Target], outs: list[str]) -> str | None:
+def _scoped_output(index: GraphIndex, targets: Sequence[Target], outs: list[str]) -> str | None:
     """The single value tensor the targets' common module scope hands out; None if not exactly one."""
     scope = _common_prefix([t.name for t in targets])
     if not scope:
         return None
-    scopes = index.scopes()
+    scopes = _scopes(index)
 
     def inside(i: int) -> bool:
         s = scopes[i]
@@ -555,7 +435,7 @@ def _scoped_output(index: _Index, targets: Sequence[Target], outs: list[str]) ->
     return found[0] if len(found) == 1 else None
 
 
-def _common_post_dominator(index: _Index, outs: list[str], names: list[str]) -> str:
+def _common_post_dominator(index: GraphIndex, outs: list[str], names: list[str]) -> str:
     """The immediate common post-dominator of ``outs`` in the graph of value tensors (edges into
     Shape/Size dropped), with every graph output leading to one exit (Cooper, Harvey and
     Kennedy's intersection on the reversed DAG; each tensor after all its successors)."""
@@ -580,7 +460,7 @@ def _common_post_dominator(index: _Index, outs: list[str], names: list[str]) -> 
             succ = [exit_] if t in graph_outputs else []
             for c in index.consumers.get(t, ()):
                 node = index.nodes[c]
-                if node.op_type in _SHAPE_OPS and node.domain in ("", "ai.onnx"):
+                if node.op_type in SHAPE_OPS and node.domain in ("", "ai.onnx"):
                     continue
                 succ += [o for o in node.output if o in ipdom]  # those that reach a graph output
             if not succ:
