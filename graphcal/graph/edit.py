@@ -80,13 +80,6 @@ def place_after_producers(graph: onnx.GraphProto, added: dict[str, list[onnx.Nod
     graph.node.extend(order)
 
 
-def insert_after_producer(graph: onnx.GraphProto, tensor: str, node: onnx.NodeProto) -> None:
-    """Insert one ``node`` right after the first node producing ``tensor`` (a graph input: first),
-    leaving every other node where it is (the nodes a caller holds stay the graph's)."""
-    position = next((i + 1 for i, n in enumerate(graph.node) if tensor in n.output), 0)
-    graph.node.insert(position, node)
-
-
 def dead_paths(graph: onnx.GraphProto, detached: set[str],
                inputs_of: Callable[[onnx.NodeProto], list[str]] | None = None) -> tuple[list, list[str]]:
     """(nodes, initializer names) nothing reads any more once ``detached`` values lost a reader.

@@ -14,7 +14,9 @@ Two kinds of reader, on purpose:
   (:func:`graphcal.graph.check.node_reads`; the blocks' dependence walks).
 
 Only the main graph is indexed; a producer is the *last* node making a value (an ONNX graph
-makes each once: :func:`graphcal.graph.check.check_graph`).
+makes each once: :func:`graphcal.graph.check.check_graph`). A view describes the graph as it
+was when that view was first asked for: an index is for reading, and code that edits the graph
+(:mod:`graphcal.graph.edit`) asks its questions before it edits, or builds a new index.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, insert_after_producer
+from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, place_after_producers
 from graphcal.graph.index import SHAPE_OPS, GraphIndex
 from graphcal.graph.io import value_types
 from graphcal.graph.targets import scoped_module
@@ -463,7 +463,7 @@ def explicit_mul(model: onnx.ModelProto, mapping: Mapping, inverse: np.ndarray, 
     for n in model.graph.node:
         if n.name in target_nodes and n.input[0] == x:
             n.input[0] = mapping.tapped
-    insert_after_producer(model.graph, x, mul)
+    place_after_producers(model.graph, {x: [mul]})  # right after x's producer
 
 
 def replace_weight(model: onnx.ModelProto, target: Target, weight: np.ndarray, base_dir: str | None = None) -> None:
