@@ -31,7 +31,8 @@ class Edits:
         return self.names.unique(name)
 
     def const(self, name: str, array: np.ndarray) -> str:
-        """An initializer; ml_dtypes arrays (int4, fp4, fp8, e8m0) are packed by onnx.numpy_helper."""
+        """An initializer; ml_dtypes arrays (int4, fp4, fp8, e8m0) are packed by onnx.numpy_helper. A 0-d
+        array is stored with shape [1] (np.ascontiguousarray's rule; the written models rely on it)."""
         return add_initializer(self.inits, self.names, name, np.ascontiguousarray(array))
 
     def add(self, anchor: str, node: onnx.NodeProto) -> None:
