@@ -20,7 +20,9 @@ import re
 
 import onnx
 
+from graphcal.graph.index import GraphIndex
 from graphcal.graph.targets import module_name
+from graphcal.graph.weight_path import trace_weight
 from graphcal.types import KVState
 
 # compressed-tensors' KV_CACHE_TARGETS, as a regex
@@ -30,13 +32,12 @@ KV_MODULE = re.compile(r".*(self_attn|attention)$")
 def find_kv_states(model: onnx.ModelProto) -> tuple[list[KVState], list[str]]:
     """(the key/value states of every recognised attention, problems with the others)."""
     graph = model.graph
-    inits = {t.name for t in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
+    values = GraphIndex(graph, keep_unnamed=True)
     by_module: dict[str, list[onnx.NodeProto]] = {}
     for index, node in enumerate(graph.node):
         if node.op_type != "MatMul" or len(node.input) != 2:
             continue
-        if any(_is_constant(name, inits, producers) for name in node.input):
+        if any(trace_weight(values, name, addressable=False, max_nodes=9) is not None for name in node.input):
             continue  # a weight MatMul
         module = module_name(node, "", index)
         if KV_MODULE.match(module):
@@ -47,8 +48,8 @@ def find_kv_states(model: onnx.ModelProto) -> tuple[list[KVState], list[str]]:
             problems.append(f"{module}: expected 2 activation MatMuls (scores, context), found {len(nodes)}")
             continue
         scores, context = nodes
-        key = _skip_repeat_kv(_skip_key_transpose(scores.input[1], producers), producers)
-        value = _skip_repeat_kv(context.input[1], producers)
+        key = _skip_repeat_kv(_skip_key_transpose(scores.input[1], values), values)
+        value = _skip_repeat_kv(context.input[1], values)
         if key is None:
             problems.append(f"{module}: the scores MatMul's B input is not Transpose(key states)")
             continue
@@ -56,18 +57,8 @@ def find_kv_states(model: onnx.ModelProto) -> tuple[list[KVState], list[str]]:
     return states, problems
 
 
-def _is_constant(name: str, inits: set[str], producers: dict) -> bool:
-    seen = 0
-    while name not in inits:
-        node = producers.get(name)
-        if node is None or node.op_type not in ("Transpose", "Cast", "Reshape", "Identity") or seen > 8:
-            return False
-        name, seen = node.input[0], seen + 1
-    return True
-
-
-def _skip_key_transpose(name: str, producers: dict) -> str | None:
-    node = producers.get(name)
+def _skip_key_transpose(name: str, values: GraphIndex) -> str | None:
+    node = values.producer_node(name)
     if node is None or node.op_type != "Transpose":
         return None
     perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
@@ -76,11 +67,11 @@ def _skip_key_transpose(name: str, producers: dict) -> str | None:
     return node.input[0]
 
 
-def _skip_repeat_kv(name: str, producers: dict) -> str:
+def _skip_repeat_kv(name: str, values: GraphIndex) -> str:
     """Reshape(Expand(Unsqueeze(x))) -> x; anything else is left as is."""
     current = name
     for op in ("Reshape", "Expand", "Unsqueeze"):
-        node = producers.get(current)
+        node = values.producer_node(current)
         if node is None or node.op_type != op:
             return name
         current = node.input[0]

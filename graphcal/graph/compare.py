@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.compose import add_prefix
 
-from graphcal.graph.io import default_opset
+from graphcal.graph.index import GraphIndex
+from graphcal.graph.io import default_opset, hollow_copy
 
 PREFIX = "graphcal-quantized/"
 SUMS = ("ref_sq", "cand_sq", "dot", "err_sq", "max_abs_err", "max_abs_ref")
@@ -28,13 +30,9 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
     order per tensor; the weights it reads, as (name in the graph, the models' own initializer),
     for ``runtime.open_runtime``'s ``renamed_weights``; and {tensor: where its six sums start}. ``reference`` is raised to
     the candidate's opset in place if below it; no weight is copied."""
-    from onnx.compose import add_prefix
-
-    from graphcal.graph.io import hollow_copy
-
     opset = max(default_opset(reference), default_opset(candidate))
     if default_opset(reference) < opset:
-        from graphcal.graph.qdq.opset import upgrade_opset
+        from graphcal.graph.qdq.opset import upgrade_opset  # lazy: the graph.qdq package loads torch
 
         reference = upgrade_opset(reference, opset)
     cand = hollow_copy(candidate)  # its initializers as dims-only stubs, so add_prefix renames their readers
@@ -57,8 +55,8 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
     weight_names = {t.name for t in reference.graph.initializer}  # an initializer may be listed as an input too
     graph.input.extend(i for i in reference.graph.input if i.name not in weight_names)
     ref_nodes, cand_nodes = list(reference.graph.node), list(cand.graph.node)
-    ref_at = {o: i for i, n in enumerate(ref_nodes) for o in n.output}
-    cand_at = {o: i for i, n in enumerate(cand_nodes) for o in n.output}
+    ref_at = GraphIndex(reference.graph, keep_unnamed=True).producer  # {output: index of its node}
+    cand_at = GraphIndex(cand.graph, keep_unnamed=True).producer
     order: list[onnx.NodeProto] = [helper.make_node("Identity", [i.name], [PREFIX + i.name],
                                                     name=f"{PREFIX}input/{i.name}") for i in graph.input]
     done = {"ref": 0, "cand": 0}

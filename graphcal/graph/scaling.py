@@ -16,21 +16,29 @@ This module only reads graphs and writes the edits it is told to; the statistics
 :mod:`graphcal.algorithms.smoothquant.stage`'s. Mappings are found by structure (every activation read by weight
 MatMuls, its producer classified) or resolved from llm-compressor's ``[[balance regexes], smooth
 regex]`` mappings by module name and then checked against the same structure.
+
+(About 490 lines, one job: SmoothQuant's graph side, its records, search and edits. It is left
+whole until SmoothQuant's and AWQ's mappings become one type, the change that will reshape it.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, place_after_producers
+from graphcal.graph.index import SHAPE_OPS, GraphIndex
+from graphcal.graph.io import value_types
 from graphcal.graph.targets import scoped_module
+from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.types import NamedMapping, Target
 
-SHAPE_ONLY = {"Shape", "Size"}  # readers that see an activation's shape, not its values
+SHAPE_ONLY = SHAPE_OPS  # readers that see an activation's shape, not its values
 _NORMS = {  # op type -> (domain, input indices of the per-channel scale and bias)
     "LayerNormalization": ("", (1, 2)),
     "RMSNormalization": ("", (1,)),
@@ -108,37 +116,25 @@ class Resolution:
     notes: list[str] = field(default_factory=list)
 
 
-class GraphIndex:
-    """Producers, readers and constants of a graph, looked up by value name."""
+class _Values(GraphIndex):
+    """The graph's index (:class:`graphcal.graph.index.GraphIndex`), and what smoothing also asks
+    of it: the values of constants (external ones read under ``base_dir``) and the types of values."""
 
     def __init__(self, model: onnx.ModelProto, base_dir: str | None = None):
-        graph = model.graph
-        self.graph = graph
+        super().__init__(model.graph)
         self.base_dir = base_dir
-        self.inits = {t.name: t for t in graph.initializer}
-        self.producer = {o: n for n in graph.node for o in n.output if o}
-        self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for n in graph.node:
-            for i in n.input:
-                if i:
-                    self.readers.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in graph.output}
-        self._model, self._types = model, None
+        self._model = model
 
-    @property
+    @cached_property
     def types(self) -> dict:
         """Element types and shapes of the graph's values (shape inference, on first use only)."""
-        if self._types is None:
-            from graphcal.graph.io import value_types
-
-            self._types = value_types(self._model)
-        return self._types
+        return value_types(self._model)
 
     def const(self, name: str) -> np.ndarray | None:
         """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise."""
         seen = 0
-        while name not in self.inits:
-            node = self.producer.get(name)
+        while name not in self.initializers:
+            node = self.producer_node(name)
             if node is None or seen > 16:
                 return None
             if node.op_type == "Identity":
@@ -149,18 +145,12 @@ class GraphIndex:
                     if a.name == "value":
                         return numpy_helper.to_array(a.t)
             return None
-        init = self.inits[name]
-        from graphcal.graph.targets import weight_as_consumed
-
-        return weight_as_consumed(init, [], self.inits, self.base_dir)
-
-    def value_readers(self, name: str) -> list[onnx.NodeProto]:
-        return self.readers.get(name, [])
+        return weight_as_consumed(self.initializers[name], [], self.initializers, self.base_dir)
 
 
 def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None = None) -> list[Candidate]:
     """Every activation read by weight MatMul/Gemm targets, classified (graph order)."""
-    index = GraphIndex(model, base_dir)
+    index = _Values(model, base_dir)
     by_activation: dict[str, list[Target]] = {}
     for t in found:
         by_activation.setdefault(t.activation, []).append(t)
@@ -248,7 +238,7 @@ def _listed(names, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _target_outputs(index: GraphIndex, found: list[Target]) -> dict[str, tuple[Target, Param | None]]:
+def _target_outputs(index: _Values, found: list[Target]) -> dict[str, tuple[Target, Param | None]]:
     """A linear layer's output (after its bias Add, if any) -> (target, its bias as a Param)."""
     by_node = {t.node: t for t in found}
     out: dict[str, tuple[Target, Param | None]] = {}
@@ -264,7 +254,7 @@ def _target_outputs(index: GraphIndex, found: list[Target]) -> dict[str, tuple[T
         out[y] = (t, None)
         readers = index.value_readers(y)
         value_readers = [r for r in readers if r.op_type not in SHAPE_ONLY]
-        if len(value_readers) == 1 and value_readers[0].op_type == "Add" and y not in index.outputs:
+        if len(value_readers) == 1 and value_readers[0].op_type == "Add" and y not in index.graph_output_set:
             add = value_readers[0]
             other = 1 - list(add.input).index(y)
             value = index.const(add.input[other])
@@ -273,20 +263,20 @@ def _target_outputs(index: GraphIndex, found: list[Target]) -> dict[str, tuple[T
     return out
 
 
-def _classify(index: GraphIndex, x: str, readers: list[Target], by_output) -> Candidate:
+def _classify(index: _Values, x: str, readers: list[Target], by_output) -> Candidate:
     channels = readers[0].in_features
     balance = tuple(t.name for t in readers)
     reader_nodes = {t.node for t in readers}
 
     def only_balance(value: str) -> str:
         """"" if only the balance targets (and shape readers) read ``value``; else what else does."""
-        if value in index.outputs:
+        if value in index.graph_output_set:
             return f"{value} is a graph output"
         others = [n for n in index.value_readers(value) if n.name not in reader_nodes and n.op_type not in SHAPE_ONLY]
         return "" if not others else f"{value} is also read by {others[0].op_type} {others[0].name or '(unnamed)'}"
 
     def mul_candidate(reason: str, blocked: str = "") -> Candidate:
-        producer = index.producer.get(x)
+        producer = index.producer_node(x)
         name = node_module(producer) if producer is not None else x
         return Candidate(x, balance, "mul", name or x, x, channels, reason=reason,
                          blocked=blocked or "no op before it scales each channel by constants")
@@ -302,7 +292,7 @@ def _classify(index: GraphIndex, x: str, readers: list[Target], by_output) -> Ca
     if linear is not None:
         t, bias = linear
         return _linear(index, x, balance, t, bias, x, channels)
-    producer = index.producer.get(x)
+    producer = index.producer_node(x)
     if producer is None:
         return mul_candidate("")
     norm = _norm_params(index, producer, x, channels)
@@ -324,7 +314,7 @@ def _classify(index: GraphIndex, x: str, readers: list[Target], by_output) -> Ca
     return mul_candidate("")
 
 
-def _attention_value(index: GraphIndex, merge: onnx.NodeProto, by_output):
+def _attention_value(index: _Values, merge: onnx.NodeProto, by_output):
     """(v_proj, its bias, its output) when ``merge`` ends an attention that reads v_proj's output as V:
 
         y = v_proj(h) -> Reshape [b, s, heads, d] -> Transpose(0, 2, 1, 3) -> MatMul(probs, V)
@@ -349,16 +339,16 @@ def _attention_value(index: GraphIndex, merge: onnx.NodeProto, by_output):
 
     if merge.op_type != "Reshape" or rank(merge.output[0]) != 3:
         return None
-    back = index.producer.get(merge.input[0])
+    back = index.producer_node(merge.input[0])
     if back is None or back.op_type != "Transpose" or perm(back) != [0, 2, 1, 3] or not single(back.output[0], merge):
         return None
-    mm = index.producer.get(back.input[0])
+    mm = index.producer_node(back.input[0])
     if mm is None or mm.op_type != "MatMul" or not single(mm.output[0], back):
         return None
-    forward = index.producer.get(mm.input[1])
+    forward = index.producer_node(mm.input[1])
     if forward is None or forward.op_type != "Transpose" or perm(forward) != [0, 2, 1, 3] or not single(mm.input[1], mm):
         return None
-    split = index.producer.get(forward.input[0])
+    split = index.producer_node(forward.input[0])
     if split is None or split.op_type != "Reshape" or rank(split.output[0]) != 4 or not single(split.output[0], forward):
         return None
     y = split.input[0]
@@ -368,8 +358,8 @@ def _attention_value(index: GraphIndex, merge: onnx.NodeProto, by_output):
     return t, bias, y
 
 
-def only_single_reader(index: GraphIndex, value: str, node: onnx.NodeProto) -> bool:
-    if value in index.outputs:
+def only_single_reader(index: _Values, value: str, node: onnx.NodeProto) -> bool:
+    if value in index.graph_output_set:
         return False
     readers = [n for n in index.value_readers(value) if n.op_type not in SHAPE_ONLY]
     return len(readers) == 1 and readers[0] is node
@@ -381,7 +371,7 @@ def _linear(index, x, balance, t: Target, bias: Param | None, tensor: str, chann
     return Candidate(x, balance, "linear", t.name, tensor, channels, params=(bias,) if bias else (), linear=t.name)
 
 
-def _const_shape(index: GraphIndex, name: str, channels: int) -> tuple[int, ...] | None:
+def _const_shape(index: _Values, name: str, channels: int) -> tuple[int, ...] | None:
     """The shape of a constant that scales or shifts each of ``channels`` channels (a scalar, [C]
     or [1, ..., C]); None when ``name`` is no such constant."""
     value = index.const(name)
@@ -392,7 +382,7 @@ def _const_shape(index: GraphIndex, name: str, channels: int) -> tuple[int, ...]
     return None
 
 
-def _norm_params(index: GraphIndex, node: onnx.NodeProto, x: str, channels: int) -> tuple[Param, ...] | None:
+def _norm_params(index: _Values, node: onnx.NodeProto, x: str, channels: int) -> tuple[Param, ...] | None:
     """The per-channel constants of the norm (or constant scale) producing ``x``, or None."""
     y = node.output[0]
     if y != x:
@@ -422,7 +412,7 @@ def _norm_params(index: GraphIndex, node: onnx.NodeProto, x: str, channels: int)
         for k in (0, 1):
             if _const_shape(index, node.input[k], channels) is None:
                 continue
-            inner = index.producer.get(node.input[1 - k])
+            inner = index.producer_node(node.input[1 - k])
             if inner is None or inner.op_type != "Mul" or not only_single_reader(index, inner.output[0], node):
                 return None
             scale = _norm_params(index, inner, inner.output[0], channels)
@@ -451,55 +441,47 @@ def divide_params(model: onnx.ModelProto, params: list[Param], scales: dict[Para
                   base_dir: str | None = None) -> None:
     """Point each param's node at a new initializer holding its constant divided by the scales
     (``scales[param]``, one per channel); the old constant stays for its other readers."""
-    from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
-
-    index = GraphIndex(model, base_dir)
-    names = {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
+    index = _Values(model, base_dir)
+    names = Names({t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output})
     old = set()
     for p in params:
-        node = index.producer[p.node]
+        node = index.nodes[index.producer[p.node]]
         value = index.const(node.input[p.index])
         s = scales[p]
         wide = np.result_type(value.dtype, s.dtype)  # as torch divides: in the wider type, stored in the constant's
         divided = (value.astype(wide) / s.astype(wide)).astype(value.dtype)  # a scalar becomes one per channel
         if value.size > 1:
             divided = divided.reshape(value.shape)
-        name = _unique(f"{node_module(node)}.smoothed_{p.index}", names)
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(divided), name))
+        name = add_initializer(model.graph.initializer, names, f"{node_module(node)}.smoothed_{p.index}",
+                               np.ascontiguousarray(divided))
         old.add(node.input[p.index])
         node.input[p.index] = name
-    drop_dead_weight_paths(model.graph, old)  # a constant nothing else reads goes
+    drop_dead_paths(model.graph, old)  # a constant nothing else reads goes
 
 
 def explicit_mul(model: onnx.ModelProto, mapping: Mapping, inverse: np.ndarray, target_nodes: set[str]) -> None:
     """Put ``Mul(x, inverse)`` in front of the mapping's balance targets (their input 0 rewired)."""
     x = mapping.candidate.activation
-    names = {t.name for t in model.graph.initializer} | {n.name for n in model.graph.node}
-    const = _unique(f"{TAP_PREFIX}{x}/inverse_scale", names)
-    model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(inverse), const))
-    mul = helper.make_node("Mul", [x, const], [mapping.tapped], name=_unique(f"{TAP_PREFIX}{x}/Mul", names))
-    nodes = list(model.graph.node)
-    position = next((i + 1 for i, n in enumerate(nodes) if x in n.output), 0)
-    for n in nodes:
+    names = Names({t.name for t in model.graph.initializer} | {n.name for n in model.graph.node})
+    const = add_initializer(model.graph.initializer, names, f"{TAP_PREFIX}{x}/inverse_scale", np.ascontiguousarray(inverse))
+    mul = helper.make_node("Mul", [x, const], [mapping.tapped], name=names.unique(f"{TAP_PREFIX}{x}/Mul"))
+    for n in model.graph.node:
         if n.name in target_nodes and n.input[0] == x:
             n.input[0] = mapping.tapped
-    model.graph.node.insert(position, mul)
+    place_after_producers(model.graph, {x: [mul]})  # right after x's producer
 
 
 def replace_weight(model: onnx.ModelProto, target: Target, weight: np.ndarray, base_dir: str | None = None) -> None:
     """Point ``target``'s B input at a new initializer holding ``weight`` (torch [out, in]) as the
     node consumes it; its old weight path stays for other readers (a tied embedding) or goes."""
-    from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
-
     graph = model.graph
     node = next(n for n in graph.node if n.name == target.node)
     consumed = weight.T if target.layout == "in_out" else weight
-    names = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
-    name = _unique(f"{target.name}.weight.smoothed", names)
-    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(consumed), name))
+    names = Names({t.name for t in graph.initializer} | {o for n in graph.node for o in n.output})
+    name = add_initializer(graph.initializer, names, f"{target.name}.weight.smoothed", np.ascontiguousarray(consumed))
     old = node.input[1]
     node.input[1] = name
-    drop_dead_weight_paths(graph, {old, target.weight})
+    drop_dead_paths(graph, {old, target.weight})
 
 
 def tap_nodes(mappings: list[Mapping], inverses: dict[str, np.ndarray]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
@@ -513,11 +495,4 @@ def tap_nodes(mappings: list[Mapping], inverses: dict[str, np.ndarray]) -> tuple
         nodes.append(helper.make_node("Mul", [x, const], [m.tapped], name=f"{TAP_PREFIX}{x}/Mul"))
     return nodes, inits
 
-
-def _unique(base: str, names: set[str]) -> str:
-    candidate, i = base, 1
-    while candidate in names:
-        candidate, i = f"{base}_{i}", i + 1
-    names.add(candidate)
-    return candidate
 

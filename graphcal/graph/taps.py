@@ -13,12 +13,18 @@ itself (:func:`graphcal.runtime.open_runtime`'s ``weights``).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
+from onnx import helper
 
 from graphcal.errors import GraphcalError
+from graphcal.graph.check import node_reads
+from graphcal.graph.edit import Names, add_initializer, place_after_producers
+from graphcal.graph.io import hollow_copy, value_types
 
 
 class Reduction(enum.Enum):
@@ -82,8 +88,6 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
     nodes its outputs need: onnxruntime runs every node of a graph whatever a run fetches, and
     keeps every graph output alive until the run ends, fetched or not (the model's logits, say).
     """
-    from graphcal.graph.io import hollow_copy, value_types
-
     types = value_types(model) if types is None else types
     hollow = hollow_copy(model)  # nodes, inputs, outputs: no initializer is copied
     reserved = {t.name for t in model.graph.initializer}
@@ -101,7 +105,7 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
         for n in nodes:
             if n.input[0] in types:
                 types[n.output[0]] = types[n.input[0]]
-        _place_after_producers(hollow.graph, {n.input[0]: [n] for n in nodes})
+        place_after_producers(hollow.graph, {n.input[0]: [n] for n in nodes})
     whole = [r.tensor for r in requests if r.reduction is Reduction.WHOLE]
     reduced = [r for r in requests if r.reduction is not Reduction.WHOLE]
     _, fetch = _add_outputs(hollow, whole, types, reserved)
@@ -117,8 +121,6 @@ def build_tapped(model: onnx.ModelProto, requests: list[TapRequest], types: dict
 
 def _prune(graph: onnx.GraphProto) -> None:
     """Drop (in place) the nodes no graph output needs, walking back from the outputs."""
-    from graphcal.graph.check import node_reads
-
     needed = {o.name for o in graph.output}
     kept = []
     for node in reversed(graph.node):
@@ -134,19 +136,15 @@ def _shape_probes(model: onnx.ModelProto, tensors: list[str], reserved: set[str]
     """A Shape output for each of ``tensors`` (in place: the weightless tapped copy), placed right
     after the tensor's producer so that it keeps no activation alive longer; {tensor: shape output}."""
     graph = model.graph
-    names = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
-        i.name for i in graph.input} | {t.name for t in graph.initializer} | reserved
+    names = Names({n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
+        i.name for i in graph.input} | {t.name for t in graph.initializer} | reserved)
     probes, added = {}, {}
     for tensor in dict.fromkeys(tensors):
-        base, i = f"{TAP_PREFIX}{tensor}/shape", 1
-        name = base
-        while name in names:
-            name, i = f"{base}_{i}", i + 1
-        names.add(name)
+        name = names.unique(f"{TAP_PREFIX}{tensor}/shape")
         added[tensor] = [onnx.helper.make_node("Shape", [tensor], [name], name=name)]
         graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64, None))
         probes[tensor] = name
-    _place_after_producers(graph, added)
+    place_after_producers(graph, added)
     return probes
 
 
@@ -179,8 +177,6 @@ def _add_outputs(tapped: onnx.ModelProto, tensors: list[str], types: dict | None
 
 def _elem_types(model: onnx.ModelProto, types: dict | None = None) -> dict[str, int]:
     """Element types of graph values (shape inference on a hollow copy where not given)."""
-    from graphcal.graph.io import value_types
-
     types = value_types(model) if types is None else types
     return {name: t.elem_type for name, t in types.items() if t.elem_type}
 
@@ -201,7 +197,7 @@ def gram_chunks(columns: int) -> list[tuple[int, int]]:
 def gram(values: list, columns: int) -> tuple:
     """(x^T x, the number of sequences) from a GRAM request's outputs (``outputs[request]``'s values):
     the upper blocks placed, the lower ones mirrored; sequences: x's first dim, 1 for a 2-D x."""
-    import torch
+    import torch  # lazy: keeps graphcal --help fast
 
     *blocks, dims = values
     bounds = gram_chunks(columns)
@@ -232,28 +228,17 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
             reserved: set[str]) -> dict:
     """Add ReduceMin/ReduceMax outputs to ``model`` (in place: the weightless tapped copy) for each
     request; returns {request: (min output, max output)} and, under (tensor, "finite"), the probe."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-
     graph = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     known = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     types = _elem_types(model, types)
-    names: set[str] = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
-        t.name for t in graph.initializer} | reserved
+    names = Names({n.name for n in graph.node} | {o for n in graph.node for o in n.output} | {
+        t.name for t in graph.initializer} | reserved)
+    unique = names.unique
     out: dict = {}
 
-    def unique(base: str) -> str:
-        candidate, i = base, 1
-        while candidate in names:
-            candidate, i = f"{base}_{i}", i + 1
-        names.add(candidate)
-        return candidate
-
     def const(base: str, array) -> str:
-        name = unique(base)
-        graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
+        return add_initializer(graph.initializer, names, base, np.asarray(array))
 
     added: dict[str, list] = {}  # tapped tensor -> its reduction nodes, placed after its producer
     current: list = []
@@ -325,22 +310,8 @@ def _reduce(model: onnx.ModelProto, requests: list[TapRequest], types: dict,
         expose(hi, elem)
         out[request] = (lo, hi)
     if added:
-        _place_after_producers(graph, added)
+        place_after_producers(graph, added)
     return out
-
-
-def _place_after_producers(graph: onnx.GraphProto, added: dict[str, list]) -> None:
-    """Insert ``added[tensor]`` (nodes) right after the node producing ``tensor`` (graph inputs: first)."""
-    added = dict(added)
-    order = []
-    for n in graph.node:
-        order.append(n)
-        for produced in n.output:
-            order.extend(added.pop(produced, []))
-    for nodes in added.values():  # graph inputs: at the front
-        order[:0] = nodes
-    del graph.node[:]
-    graph.node.extend(order)
 
 
 def tap_bytes(model: onnx.ModelProto, tensors: Sequence[str], input_shapes: dict[str, tuple[int, ...]],
@@ -349,10 +320,6 @@ def tap_bytes(model: onnx.ModelProto, tensors: Sequence[str], input_shapes: dict
     shape inference on a weightless copy with those dims fixed, propagating values through the
     Shape -> Gather -> Concat -> Reshape chains exporters write. None where it cannot tell. A
     ``prelude_nodes`` output (``x * (1/s)``) has its input's shape."""
-    import math
-
-    from graphcal.graph.io import hollow_copy
-
     hollow = hollow_copy(model)
     del hollow.graph.value_info[:]  # inferred again from the fixed dims, not merged with symbolic ones
     for t in model.graph.initializer:

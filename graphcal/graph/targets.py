@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphcal.errors import GraphcalError, UsageError
+from graphcal.graph.index import GraphIndex
+from graphcal.graph.weight_path import consumed_shape, trace_weight, weight_as_consumed
 from graphcal.types import Target
 
+__all__ = ["NAME_SCOPES_KEY", "Skipped", "find_targets", "matches", "module_from_scopes", "module_name", "scoped_module",
+           "select", "torch_weight", "weight_as_consumed", "weight_tensor"]
+
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-# Ops that may sit between a weight initializer and the MatMul/Gemm B input.
-_WEIGHT_PATH_OPS = {"Transpose", "Cast", "Reshape", "Identity"}
 # Node names from the legacy exporter end in the op, e.g. ".../q_proj/MatMul_1".
 _LEGACY_OP_SUFFIX = re.compile(r"^(MatMul|Gemm)(_\d+)?$")
 
@@ -45,15 +46,15 @@ class Skipped:
 def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
     """All weight MatMul/Gemm nodes of ``model``'s main graph, in graph order."""
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    producers = {out: node for node in graph.node for out in node.output}
+    values = GraphIndex(graph, keep_unnamed=True)
+    inits = values.initializers
     targets: list[Target] = []
     skipped: list[Skipped] = []
     for index, node in enumerate(graph.node):
         if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx"):
             continue
         label = node.name or f"{node.op_type}#{index}"
-        source = _trace_weight(node.input[1], inits, producers)
+        source = trace_weight(values, node.input[1])
         if source is None:
             skipped.append(Skipped(label, "B input is an activation, not a weight"))
             continue
@@ -63,7 +64,7 @@ def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
         if node.op_type == "Gemm" and attrs.get("transA", 0):
             skipped.append(Skipped(label, "Gemm with transA=1 is not supported"))
             continue
-        shape = _consumed_shape(inits[init_name], path_nodes, inits)
+        shape = consumed_shape(inits[init_name], path_nodes, inits)
         if len(shape) != 2:
             skipped.append(Skipped(label, f"weight has rank {len(shape)}, expected 2"))
             continue
@@ -104,7 +105,7 @@ def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None =
     order."""
     import warnings
 
-    import torch
+    import torch  # lazy: keeps graphcal --help fast
 
     b = np.ascontiguousarray(_consumed(model, target, base_dir))
     with warnings.catch_warnings():
@@ -115,8 +116,8 @@ def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None =
 
 def _consumed(model: onnx.ModelProto, target: Target, base_dir: str | None) -> np.ndarray:
     """The target's weight as its node consumes it (its initializer through the weight path)."""
-    inits = {t.name: t for t in model.graph.initializer}
-    path_nodes = [producers_by_name(model.graph, p) for p in target.weight_path]
+    inits = GraphIndex(model.graph).initializers
+    path_nodes = [_node_named(model.graph, p) for p in target.weight_path]
     return weight_as_consumed(inits[target.weight], path_nodes, inits, base_dir)
 
 
@@ -171,7 +172,7 @@ def matches(target: Target, pattern: str) -> bool:
     """compressed-tensors' target matching (exact name, or ``re:`` regex matched from the start,
     by its own ``match_name``); the class name ``Linear`` matches every target, since every
     weight MatMul/Gemm is a torch Linear, and ``MatMul``/``Gemm`` match by op type."""
-    from compressed_tensors.utils.match import match_name
+    from compressed_tensors.utils.match import match_name  # lazy: a slow import, needed only to match names
 
     if pattern == "Linear":
         return True
@@ -180,84 +181,12 @@ def matches(target: Target, pattern: str) -> bool:
     return match_name(target.name, pattern)
 
 
-def producers_by_name(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
+def _node_named(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:
+    """The first node called ``node_name`` (a weight path's nodes are named: trace_weight)."""
     for node in graph.node:
         if node.name == node_name:
             return node
     raise KeyError(node_name)
-
-
-#: element types whose raw bytes are the little-endian numpy array itself
-_PLAIN_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
-
-
-def weight_as_consumed(
-    init: onnx.TensorProto, path: list[onnx.NodeProto], inits: dict[str, onnx.TensorProto],
-    base_dir: str | None = None,
-) -> np.ndarray:
-    """Apply the Transpose/Cast/Reshape path to the initializer, as the graph would."""
-    external = init.data_location == onnx.TensorProto.EXTERNAL
-    if external:  # checked against the model's folder as it is read
-        from graphcal.graph.external import read_tensor_buffer
-
-        if base_dir is None:
-            raise GraphcalError(f"weight {init.name!r} is in external data, but no model folder was given to read it")
-        raw = read_tensor_buffer(init, base_dir)
-    else:
-        raw = init.raw_data if init.HasField("raw_data") else None
-    if raw is not None and init.data_type in _PLAIN_FLOATS and sys.byteorder == "little":  # the bytes are the array
-        value = np.frombuffer(raw, dtype=onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(tuple(init.dims))
-    elif external:  # other element types: numpy_helper decodes them
-        value = numpy_helper.to_array(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type,
-                                                       raw_data=bytes(raw)))
-    else:
-        value = numpy_helper.to_array(init)
-    for node in path:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == "Transpose":
-            value = np.transpose(value, attrs.get("perm"))
-        elif node.op_type == "Cast":
-            value = value.astype(onnx.helper.tensor_dtype_to_np_dtype(attrs["to"]))
-        elif node.op_type == "Reshape":
-            shape = numpy_helper.to_array(inits[node.input[1]]).tolist()
-            value = value.reshape([value.shape[i] if s == 0 else s for i, s in enumerate(shape)])
-    return value
-
-
-def _consumed_shape(init: onnx.TensorProto, path: list[onnx.NodeProto], inits) -> list[int]:
-    """The shape reaching the node's B input, from dims and the path ops alone (no weight is read)."""
-    shape = list(init.dims)
-    for node in path:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == "Transpose":
-            perm = attrs.get("perm") or list(range(len(shape)))[::-1]
-            shape = [shape[p] for p in perm]
-        elif node.op_type == "Reshape":
-            target = [int(v) for v in numpy_helper.to_array(inits[node.input[1]]).tolist()]
-            target = [shape[i] if v == 0 else v for i, v in enumerate(target)]
-            if -1 in target:
-                known = int(np.prod([v for v in target if v != -1]))
-                target[target.index(-1)] = int(np.prod(shape)) // max(known, 1)
-            shape = target
-    return shape
-
-
-def _trace_weight(name, inits, producers) -> tuple[str, list[onnx.NodeProto]] | None:
-    """Walk B back through weight-path ops to an initializer: (initializer, path nodes in order)."""
-    path: list[onnx.NodeProto] = []
-    while name not in inits:
-        node = producers.get(name)
-        if node is None or node.op_type not in _WEIGHT_PATH_OPS:
-            return None
-        if len(path) > len(producers):  # a loop (load_model refuses cyclic graphs; this never walks forever)
-            raise GraphcalError(f"the weight path into {name!r} loops (node {node.name!r}); the graph has a cycle")
-        if node.op_type == "Reshape" and node.input[1] not in inits:
-            return None
-        if not node.name:
-            return None  # unnamed path nodes cannot be addressed later
-        path.append(node)
-        name = node.input[0]
-    return name, path[::-1]
 
 
 def module_from_scopes(value: str) -> str:

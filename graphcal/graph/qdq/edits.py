@@ -2,14 +2,16 @@
 
 The form modules (:mod:`.weights`, :mod:`.activations`, :mod:`.kv`) build into an
 :class:`Edits`; only the writer changes the graph, and :meth:`Edits.place` puts each new node in
-front of the node it was built for.
+front of the node it was built for (names and placement: :mod:`graphcal.graph.edit`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from graphcal.graph.edit import Names, add_initializer, place_around
 
 
 class Edits:
@@ -19,25 +21,19 @@ class Edits:
     def __init__(self, graph: onnx.GraphProto, types: dict, opset: int):
         self.types = types  # value name -> element type and shape, as graph.io.value_types gives them
         self.opset = opset  # of the graph written into
-        self.names = {n.name for n in graph.node} | {t.name for t in graph.initializer}
+        self.names = Names({n.name for n in graph.node} | {t.name for t in graph.initializer})
         self.nodes_before: dict[str, list[onnx.NodeProto]] = {}  # anchor node name -> nodes to insert before it
         self.nodes_after: dict[str, list[onnx.NodeProto]] = {}  # anchor node name -> nodes to insert after it
         self.inits: list[onnx.TensorProto] = []
         self.domains: set[str] = set()  # custom op domains the new nodes use
 
     def unique(self, name: str) -> str:
-        candidate, i = name, 1
-        while candidate in self.names:
-            candidate = f"{name}_{i}"
-            i += 1
-        self.names.add(candidate)
-        return candidate
+        return self.names.unique(name)
 
     def const(self, name: str, array: np.ndarray) -> str:
-        """An initializer; ml_dtypes arrays (int4, fp4, fp8, e8m0) are packed by onnx.numpy_helper."""
-        name = self.unique(name)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
+        """An initializer; ml_dtypes arrays (int4, fp4, fp8, e8m0) are packed by onnx.numpy_helper. A 0-d
+        array is stored with shape [1] (np.ascontiguousarray's rule; the written models rely on it)."""
+        return add_initializer(self.inits, self.names, name, np.ascontiguousarray(array))
 
     def add(self, anchor: str, node: onnx.NodeProto) -> None:
         self.nodes_before.setdefault(anchor, []).append(node)
@@ -83,11 +79,5 @@ class Edits:
 
     def place(self, graph: onnx.GraphProto) -> None:
         """Put the new nodes in front of (or after) their anchors and the new initializers in the graph."""
-        new_nodes = []
-        for node in graph.node:
-            new_nodes.extend(self.nodes_before.get(node.name, []))
-            new_nodes.append(node)
-            new_nodes.extend(self.nodes_after.get(node.name, []))
-        del graph.node[:]
-        graph.node.extend(new_nodes)
+        place_around(graph, self.nodes_before, self.nodes_after)
         graph.initializer.extend(self.inits)

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from graphcal.graph.qdq.policy import is_mx
 from graphcal.types import QParams
 from graphcal.types import enum_value as _name
 
@@ -66,8 +67,6 @@ def quantized_array(args, qp: QParams, w: torch.Tensor, qtype) -> np.ndarray:
 
 def _fast_route(args, qtype, w: torch.Tensor) -> tuple[str, int | None] | None:
     """("int" | "fp8" | "fp4", group size or None) when the fast route computes this, else None."""
-    from graphcal.graph.qdq.policy import is_mx
-
     strategy = _name(args.strategy)
     if strategy not in ("tensor", "channel", "group", "tensor_group") or is_mx(args) or w.ndim != 2:
         return None

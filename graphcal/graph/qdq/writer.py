@@ -7,9 +7,9 @@ import onnx
 import torch
 from onnx import helper
 
+from graphcal.graph.edit import drop_dead_paths, replace_input
 from graphcal.graph.io import default_opset, value_types
 from graphcal.graph.qdq.activations import input_dq, input_key
-from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.kv import state_dq
 from graphcal.graph.qdq.opset import upgrade_opset
@@ -116,14 +116,12 @@ class QDQWriter:
                 continue
             dq = state_dq(self.edits, kv, base, tensor, readers[0].name, self.runtime)
             for node in readers:
-                for i, name in enumerate(node.input):
-                    if name == tensor:
-                        node.input[i] = dq
+                replace_input(node, tensor, dq)
 
     def finish(self) -> onnx.ModelProto:
         """Place the new nodes, drop what nothing reads any more; returns the model."""
         self.edits.place(self.graph)
-        drop_dead_weight_paths(self.graph, self.detached)
+        drop_dead_paths(self.graph, self.detached)
         have = {o.domain for o in self.model.opset_import}
         for domain in sorted(self.edits.domains - have):
             self.model.opset_import.append(helper.make_opsetid(domain, 1))
