@@ -224,7 +224,7 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
 
 def _name_matches(name: str, pattern: str) -> bool:
     """compressed-tensors' name matching (exact, or ``re:`` from the start), as targets are matched."""
-    from compressed_tensors.utils.match import match_name
+    from compressed_tensors.utils.match import match_name  # lazy: compressed-tensors takes seconds to import; only this path needs it
 
     return match_name(name, pattern)
 

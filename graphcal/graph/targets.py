@@ -103,7 +103,7 @@ def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None =
     where the bytes are the model's own (nothing writes into a weight: GPTQ, the smoothing and the
     quantizer make new tensors). What reads it whole (observers, the quantizer) reads it in memory
     order."""
-    import warnings
+    import warnings  # lazy: stdlib, needed on this rare path only
 
     import torch  # lazy: keeps graphcal --help fast
 

@@ -24,7 +24,7 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     (weights as dims-only stubs), and its graph replaces the model's while the weights stay put,
     so a big model is never copied. Falls back to converting the whole model if the hollow one
     cannot be converted (an adapter that reads weight values)."""
-    from onnx import version_converter
+    from onnx import version_converter  # lazy: only when the opset must be raised
 
     hollow = hollow_copy(model)
     hollow.graph.initializer.extend(

@@ -83,6 +83,7 @@ def qtype_of(args, where: str, what: str) -> QType:
 
 def is_mx(args) -> bool:
     """MX formats: float elements, groups of 32, power-of-two scales kept as uint8 exponents."""
+    # lazy: compressed-tensors takes seconds to import; only this path needs it
     from compressed_tensors.quantization.utils import should_generate_mx_scales
 
     return should_generate_mx_scales(args)

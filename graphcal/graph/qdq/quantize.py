@@ -33,6 +33,7 @@ def quantized_array(args, qp: QParams, w: torch.Tensor, qtype) -> np.ndarray:
     """``w`` (torch [out, in], any strides) on the grid of ``qp``, as ``qtype``'s numpy storage array."""
     fast = _fast_route(args, qtype, w)
     if fast is None:
+        # lazy: compressed-tensors takes seconds to import; only this path needs it
         from compressed_tensors.quantization.lifecycle.forward import quantize
 
         return qtype.array(quantize(w, qp.scale.to(w.dtype), qp.zero_point, args, global_scale=qp.global_scale))
@@ -88,6 +89,7 @@ def _fast_route(args, qtype, w: torch.Tensor) -> tuple[str, int | None] | None:
 
 
 def _range(args) -> tuple[float, float]:
+    # lazy: compressed-tensors takes seconds to import; only this path needs it
     from compressed_tensors.quantization.utils import calculate_range
 
     q_min, q_max = calculate_range(args, torch.device("cpu"))
