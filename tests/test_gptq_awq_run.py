@@ -113,8 +113,12 @@ def _grid(observers, run, t, w):
 @pytest.mark.parametrize("name, recipe", [("gptq_w4a16_asym_g32_none", GPTQ_W4_RECIPE),
                                           ("sq_gptq_w8a8", SQ_GPTQ_RECIPE)])
 def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recipe, tmp_path):
-    from graphcal.algorithms.gptq.stage import sequential_gptq
+    """Sequential GPTQ is the weight pass's order: each weight it writes (recorded here in place of
+    the Q/DQ writer) is llm-compressor's, on llm-compressor's grid."""
+    from graphcal.algorithms.gptq.stage import Sequential
     from graphcal.algorithms.smoothquant.stage import collect
+    from graphcal.calibration.seams import PassSettings
+    from graphcal.calibration.weights import quantize_weights
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
@@ -123,20 +127,31 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
     smoothed = collect(run, calib, device="cpu") if run.smoothing is not None else None
     observers = ObserverSet(run)
-    rounded = sequential_gptq(run, observers, calib, device="cpu", smoothed=smoothed)
+    rounding = Sequential(run, calib, PassSettings(device="cpu"), smoothed)
+
+    class Recorder:  # the writer's part the weight pass uses
+        model, written = run.model, {}
+
+        def quantize_weight(self, item, weight):
+            assert item.target.name not in self.written
+            self.written[item.target.name] = (item, weight)
+
+    writer = Recorder()
+    quantize_weights(run, observers, writer, torch.device("cpu"), smoothed=smoothed, rounding=rounding)
+    assert set(writer.written) == {t.name for t in run.chosen}
     for t in run.chosen:
-        qp = rounded.grids[t.name].qparams["weight"]  # the one grid, taken by the run's observers
+        item, q = writer.written[t.name]
+        qp = item.qparams["weight"]  # the one grid, taken by the run's observers
         np.testing.assert_allclose(qp.scale, ref["qparams"][f"{t.name}.weight_scale"], rtol=1e-6, atol=0,
                                    err_msg=t.name)
-        q = rounded.weights[t.name]
         codes = _codes(q, qp.scale, qp.zero_point)
         assert torch.equal(codes, ref["weight_codes"][t.name].float()), (t.name, float((codes != ref["weight_codes"][
             t.name].float()).float().mean()))
         assert torch.equal(q, (codes - _codes(torch.zeros_like(q), qp.scale, qp.zero_point)) *
                            qp.scale.repeat_interleave(q.shape[1] // qp.scale.shape[1], dim=1))  # on the grid
         expected = ref["gptq"][t.name]
-        assert rounded.log.losses[t.name] == pytest.approx(expected["loss"], rel=1e-4), t.name
-        assert not expected["rtn_fallback"] and t.name not in rounded.log.rtn_fallback
+        assert rounding.log.losses[t.name] == pytest.approx(expected["loss"], rel=1e-4), t.name
+        assert not expected["rtn_fallback"] and t.name not in rounding.log.rtn_fallback
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import onnx
 import torch
 
 from graphcal.calibration.plan import RunPlan
+from graphcal.graph.index import GraphIndex
 from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
 from graphcal.graph.targets import torch_weight
 from graphcal.types import Target
@@ -167,6 +168,26 @@ class ChannelScales:
         for name in dict.fromkeys([*self.columns, *self.rows]):
             if name not in quantized:
                 self.write_float(model, by_name[name], run.base_dir)
+
+    def replaced_initializers(self, model: onnx.ModelProto, run: RunPlan, quantized: set[str]) -> set[str]:
+        """The initializers :meth:`fold` replaces in ``model`` (and may drop): the constants it divides
+        by s and the float weights of layers left unquantized (``quantized``: those that are not),
+        with the initializers behind them (through a Constant, Identity or Cast)."""
+        index = GraphIndex(model.graph)
+        start = [p.value for m in self.mappings for p in m.candidate.params]
+        by_name = {t.name: t for t in run.found}
+        start += [by_name[n].weight for n in dict.fromkeys([*self.columns, *self.rows]) if n not in quantized]
+        out, todo, seen = set(), list(start), set()
+        while todo:
+            value = todo.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            if value in index.initializers:
+                out.add(value)
+            elif (node := index.producer_node(value)) is not None:
+                todo.extend(i for i in node.input if i)
+        return out
 
     def write_float(self, model, t: Target, base_dir: str | None) -> None:
         """Store a target's smoothed weight in float in ``model`` (a layer left unquantized)."""

@@ -26,7 +26,7 @@ from graphcal.calibration.plan import RunPlan
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
-from graphcal.graph.io import value_types
+from graphcal.graph.io import skeleton, value_types
 from graphcal.graph.taps import build_tapped
 from graphcal.limits import check_fits
 from graphcal.runtime import open_runtime
@@ -42,6 +42,12 @@ class Blockwise:
 
     def __init__(self, run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0):
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
+        # the subgraphs are cut from the graph as loaded (``frame``), the initializers read from the
+        # model itself (``model``, which the pipeline may edit into the output meanwhile: it adds
+        # nodes and initializers, and replaces only what was pinned first, :meth:`pin`)
+        self.model = run.model
+        self.frame = skeleton(run.model)
+        self.pinned: dict[str, onnx.TensorProto] = {}
         self.targets = list(run.chosen)
         self.blocks: list[Block] = blocks(run.model, self.targets)
         self.dependent = weight_dependent(run.model, self.targets)
@@ -75,10 +81,9 @@ class Blockwise:
         ``requests``, graph.taps.TapRequest) from ``cut``; ``weights``: targets whose weights
         are fed per run (:meth:`feed_weight`). Returns (runtime, tapped graph or None)."""
 
-        model = self.run.model
         fed = [self._fed[t.name][0] for t in weights]
         # a weight behind a Transpose/Cast path is fed where the node reads it (a cut tensor)
-        sub = subgraph(model, list(outputs) or [r.tensor for r in requests],
+        sub = subgraph(self.frame, list(outputs) or [r.tensor for r in requests],
                        [*cut, *(n for n in fed if n not in self._inits)], [n for n in fed if n in self._inits],
                        dependent=self.dependent, types=self.types)
         tapped, fetch = None, list(outputs)
@@ -86,8 +91,23 @@ class Blockwise:
             tapped = build_tapped(sub, list(requests), value_types_of(sub, self.types))
             sub, fetch = tapped.model, [*outputs, *tapped.fetch]
         runtime = open_runtime(sub, fetch, self.device, device_id=self.device_id, external_folder=self.run.base_dir,
-                               weights=needed_initializers(sub, model))
+                               weights=self._initializers(sub))
         return runtime, tapped
+
+    def pin(self, names: set[str]) -> None:
+        """Keep these initializers as loaded: an edit of the model to come replaces or drops them
+        (SmoothQuant's and AWQ's folds), and the subgraphs compute the model as loaded."""
+        for t in self.model.graph.initializer:
+            if t.name in names:
+                self.pinned[t.name] = onnx.TensorProto()
+                self.pinned[t.name].CopyFrom(t)
+
+    def _initializers(self, sub: onnx.ModelProto) -> list[onnx.TensorProto]:
+        """The initializers ``sub`` reads: the pinned ones, else the model's own."""
+        names = [t.name for t in needed_initializers(sub, self.frame)]
+        wanted = set(names) - set(self.pinned)
+        live = {t.name: t for t in self.model.graph.initializer if t.name in wanted}
+        return [self.pinned[n] if n in self.pinned else live[n] for n in names]
 
     def feed_weight(self, t: Target, w: torch.Tensor) -> tuple[str, np.ndarray]:
         """The feed that stands ``w`` (torch [out, in]) in for ``t``'s weight, as the node reads it."""

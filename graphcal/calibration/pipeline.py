@@ -10,7 +10,7 @@
         .activation_pass        the one pass over the data feeding the observers (SmoothQuant takes its
                                 ranges in it; torchrun ranks gathered)
         .scales()               ChannelScales, or None
-    rounding_for                GPTQ: one-pass (the pass's Hessians) or sequential (block by block now)
+    rounding_for                GPTQ: one-pass (the pass's Hessians), or sequential: the weight pass block by block
     the weight pass             scales folded, each weight read once, observed (one grid), rounded,
                                 quantized into the QDQ writer; then input and k/v Q/DQ
     output.OutputSlot.write     model.onnx, quantization_config.json, qparams.safetensors (all or none)
@@ -135,7 +135,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
-    rounding = rounding_for(run, observers, calib, settings, scales, torch_device)
+    rounding = rounding_for(run, observers, calib, settings, scales)
     weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
                                                 skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -86,8 +87,12 @@ class Member:
 
 class Rounding(Protocol):
     """Puts the members of one fused unit on their grids (GPTQ); gives target name -> rounded weight.
-    ``log`` records what it did (losses, fallbacks) and ``log.warnings()`` what to tell the user."""
+    ``units`` gives the weight pass's units in the order it needs them (and may run the data between
+    them: sequential GPTQ's blocks). ``log`` records what it did (losses, fallbacks) and
+    ``log.warnings()`` what to tell the user."""
 
     log: object
+
+    def units(self, all_units: list[list[Target]]) -> Iterable[list[Target]]: ...
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]: ...

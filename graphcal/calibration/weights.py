@@ -40,15 +40,15 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                      rounding: Rounding | None = None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
     ``smoothed`` (graphcal.algorithms.channel_scales.ChannelScales) each weight is smoothed before it
-    is observed. ``rounding(members)`` (GPTQ, graphcal.algorithms.gptq.stage; one call per fused unit)
-    gives each weight on the grid of its member's qparams, which the observer took from the weight
-    before it, or which ``rounding.grids`` holds already (None: round to nearest)."""
+    is observed. ``rounding`` (GPTQ, graphcal.algorithms.gptq.stage) orders the units
+    (``rounding.units``: sequential GPTQ takes them block by block) and gives each weight of a unit
+    on the grid the observer took from it (``rounding(members)``; None: round to nearest)."""
     log.info("observing and quantizing %d weights", len(plan.chosen))
     by_name: dict[str, QuantizedTarget] = {}
     result = WeightResult([])
     bar = Progress("weights", len(plan.chosen), "weight", bar=progress)
     with bar:
-        for unit in units(plan):
+        for unit in (rounding.units(units(plan)) if rounding is not None else units(plan)):
             weights = {}
             for t in unit:
                 w = weight_tensor(writer.model, t, plan.base_dir)  # [out, in], a view of [in, out] for MatMul
@@ -65,11 +65,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                     bar.update(1)
                     continue
                 weights[t.name] = smoothed.weight(t, w) if smoothed is not None else w
-            grids = getattr(rounding, "grids", {})
-            if weights and all(name in grids for name in weights):  # taken by the rounding already (one grid)
-                members = [Member(t, weights[t.name], grids[t.name]) for t in unit if t.name in weights]
-            else:
-                members = observe_unit(plan, observers, unit, weights, device, smoothed)
+            members = observe_unit(plan, observers, unit, weights, device, smoothed)
             rounded = rounding([Member(m.target, m.weight.to(device), m.item) for m in members]) \
                 if rounding is not None else {}
             for m in members:

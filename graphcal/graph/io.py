@@ -171,6 +171,15 @@ def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return hollow
 
 
+def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """:func:`hollow_copy` plus each initializer's name, type and dims (no data): the graph's
+    structure as it is now, for walks that must not see the edits made to ``model`` later."""
+    frame = hollow_copy(model)
+    for t in model.graph.initializer:
+        frame.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+    return frame
+
+
 def past_protobuf_limit(model: onnx.ModelProto) -> bool:
     """Whether ``model`` cannot be one protobuf (2 GB); upb refuses to even size such a message.
 

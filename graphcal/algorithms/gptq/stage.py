@@ -6,11 +6,12 @@ Two orders, as llm-compressor has them:
   every quantized layer's input to ``x^T x`` inside onnxruntime (:class:`HessianObserver`, a
   GRAM tap), so no activation leaves the session; the weight pass then quantizes each weight with
   its Hessian. One pass over the data; every Hessian is held until the weight pass.
-* **sequential** (llm-compressor's default): :func:`sequential_gptq` takes the graph layer block
-  by layer block (graph.blocks). Each block's subgraph runs on the cached outputs of the blocks
-  before it, which were computed with their weights already quantized, so every Hessian sees
-  the error of the layers before it; the block's weights are quantized, and the block runs again
-  with them to give the next block its inputs. Two runs of each block in all (two passes over the
+* **sequential** (llm-compressor's default): :class:`Sequential` is the weight pass's order. It
+  takes the graph layer block by layer block (graph.blocks). Each block's subgraph runs on the
+  cached outputs of the blocks before it, which were computed with their weights already
+  quantized, so every Hessian sees the error of the layers before it; the weight pass quantizes
+  and writes the block's weights, and the block runs again with them to give the next block its
+  inputs. Two runs of each block in all (two passes over the
   data, as llm-compressor's calibration and propagation passes); one block's Hessians and the
   blocks' boundary tensors (the residual stream) are held at a time.
 
@@ -23,6 +24,7 @@ or AWQ the weights are the smoothed ones and the Hessians those of the smoothed 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +36,9 @@ from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, PassSettings
-from graphcal.calibration.weights import nonfinite_count, observe_unit, units
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest, gram
-from graphcal.graph.targets import torch_weight
 from graphcal.limits import check_fits
 from graphcal.progress import Progress
 from graphcal.types import QuantizedTarget, enum_value
@@ -110,13 +110,15 @@ class OnePass:
     """The weight pass's rounding for the one-pass order: each weight with the Hessian of the
     activation it reads (from the calibration pass), which goes once its last reader is done."""
 
-    grids: dict[str, QuantizedTarget] = {}  # the weight pass observes the grid itself
-
     def __init__(self, hessians: dict[str, HessianObserver], settings):
         self.hessians, self.settings, self.log = hessians, settings, GPTQLog()
         self._left: dict[int, int] = {}
         for obs in hessians.values():
             self._left[id(obs)] = self._left.get(id(obs), 0) + 1
+
+    def units(self, all_units: list[list]) -> list[list]:
+        """The weight pass's units in its own order: every Hessian is there already."""
+        return all_units
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -156,21 +158,10 @@ def check_one_pass(run, world: int = 1) -> None:
                hint="--gptq-order sequential holds one layer block's Hessians at a time")
 
 
-class Rounded:
-    """The weight pass's rounding for the sequential order: the weights GPTQ already put on the grid,
-    and the grids it took (``grids``: the weight pass takes them as they are, observing nothing again)."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], grids: dict[str, QuantizedTarget], record: GPTQLog):
-        self.weights, self.grids, self.log = weights, grids, record
-
-    def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
-        return {m.target.name: self.weights.pop(m.target.name) for m in members}
-
-
-def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings, scales: ChannelScales | None,
-                 torch_device: torch.device):
+def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None):
     """The weight pass's rounding the plan asks for: None (to nearest), GPTQ's one-pass order on the
-    Hessians of the activation pass, or its sequential order run now, layer block by layer block."""
+    Hessians of the activation pass, or its sequential order, which the weight pass runs block by block."""
     gptq = run.config.gptq
     if gptq is None:
         return None
@@ -178,63 +169,68 @@ def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, setti
         return OnePass(observers.hessians, gptq)
     if settings.dist is not None:
         log.info("GPTQ's sequential order runs on rank 0 over all the data")
-    return sequential_gptq(run, observers, calib, device=settings.device, device_id=settings.device_id,
-                           progress=settings.progress, smoothed=scales, torch_device=torch_device)
+    return Sequential(run, calib, settings, scales)
 
 
-def sequential_gptq(run, observers, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False,
-                    smoothed: ChannelScales | None = None, torch_device: torch.device | None = None) -> Rounded:
-    """GPTQ layer block by layer block (llm-compressor's sequential pipeline with propagate_error):
-    each block's Hessians from its inputs as the quantized blocks before it made them, its weights
-    observed (the run's one grid) and quantized, then the block run again with them for the next
-    block's inputs. A weight holding NaN or Inf is left to the weight pass, which reports it."""
-    settings = run.config.gptq
-    device_t = torch_device or torch.device("cpu")
-    walk = Blockwise(run, calib, device=device, device_id=device_id)
-    record, rounded, grids = GPTQLog(), {}, {}
-    all_units = units(run)
-    bar = Progress("GPTQ blocks", len(walk.blocks), "block", bar=progress)
-    with bar, torch.no_grad():
-        for k, block in enumerate(walk.blocks):
-            hessians = _block_hessians(walk, k)
-            # the block's weights: observed (the grid), then GPTQ on it
-            effective: dict[str, torch.Tensor] = {}
-            in_block = {t.name for t in block.targets}
-            for unit in [u for u in all_units if u[0].name in in_block]:
-                weights = {}
-                for t in unit:
-                    w = torch.from_numpy(torch_weight(run.model, t, run.base_dir))
-                    if not nonfinite_count(w):
-                        weights[t.name] = smoothed.weight(t, w) if smoothed is not None else w
-                members = [Member(m.target, m.weight.to(device_t), m.item)
-                           for m in observe_unit(run, observers, unit, weights, device_t, smoothed)]
-                grids.update({m.target.name: m.item for m in members})
+class Sequential:
+    """GPTQ layer block by layer block (llm-compressor's sequential pipeline with propagate_error),
+    as the weight pass's order and rounding.
 
-                def key(t):  # one Hessian: the same input, smoothed by the same scales
-                    s = smoothed.column_scale(t) if smoothed is not None else None
-                    return t.activation, None if s is None else tuple(s.tolist())
+    The weight pass takes its fused units in the order :meth:`units` gives: block by block, and
+    before each block's units, the Hessians of the block's inputs as the quantized blocks before it
+    made them. It observes each weight (the run's one grid) and hands the unit here
+    (:meth:`__call__`): GPTQ on that grid, and the weight pass writes the result at once. After a
+    block's units, the block runs again with its rounded weights for the next block's inputs. No
+    rounded weight is held past its block. The blocks run on the model as loaded (Blockwise's frame;
+    the initializers the channel scales' fold replaces are pinned), whatever the weight pass has
+    written into it meanwhile."""
 
-                for reading in _by_input(members, key):
-                    t0 = reading[0].target
-                    h = hessians[t0.activation].value().to(device_t)
-                    if smoothed is not None:
-                        h = smoothed.smooth_hessian(t0, h)
-                    by_name = {m.target.name: m.target for m in reading}
-                    for name, q in gptq_weights(reading, h, settings, record).items():
-                        rounded[name] = q.cpu()
-                        effective[name] = smoothed.unsmooth(by_name[name], rounded[name]) if smoothed is not None \
-                            else rounded[name]
-            del hessians
-            # the block again with its quantized weights: the next blocks' inputs
-            needed = walk.needed(k)
-            if needed:
-                walk.keep(k, walk.run_block(k, needed, effective))
-            bar.update(1)
-    in_blocks = {t.name for b in walk.blocks for t in b.targets}
-    missing = [t.name for t in run.chosen if t.name not in in_blocks]
-    if missing:
-        raise GraphcalError(f"GPTQ: {len(missing)} target(s) were in no layer block: {', '.join(missing[:3])}")
-    return Rounded(rounded, grids, record)
+    def __init__(self, run: RunPlan, calib: Calibration, settings: PassSettings, scales: ChannelScales | None):
+        self.run, self.scales, self.settings, self.log = run, scales, run.config.gptq, GPTQLog()
+        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id)
+        if scales is not None:
+            self.walk.pin(scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}))
+        self._hessians: dict[str, HessianObserver] = {}
+        self._effective: dict[str, torch.Tensor] = {}
+        self._by_name = {t.name: t for t in run.chosen}
+
+    def units(self, all_units: list[list]) -> Iterator[list]:
+        """``all_units`` (the weight pass's) block by block, each block's Hessians taken before its
+        units and the block run again with their rounded weights after them."""
+        in_blocks = {t.name for b in self.walk.blocks for t in b.targets}
+        missing = [t.name for t in self.run.chosen if t.name not in in_blocks]
+        if missing:
+            raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
+        bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
+        with bar, torch.no_grad():
+            for k, block in enumerate(self.walk.blocks):
+                self._hessians = _block_hessians(self.walk, k)
+                names = {t.name for t in block.targets}
+                yield from (u for u in all_units if u[0].name in names)
+                self._hessians = {}
+                needed = self.walk.needed(k)
+                if needed:
+                    self.walk.keep(k, self.walk.run_block(k, needed, self._effective))
+                self._effective = {}
+                bar.update(1)
+
+    def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
+        smoothed, out = self.scales, {}
+
+        def key(t):  # one Hessian: the same input, smoothed by the same scales
+            s = smoothed.column_scale(t) if smoothed is not None else None
+            return t.activation, None if s is None else tuple(s.tolist())
+
+        for reading in _by_input(members, key):
+            t0 = reading[0].target
+            h = self._hessians[t0.activation].value().to(reading[0].weight.device)
+            if smoothed is not None:
+                h = smoothed.smooth_hessian(t0, h)
+            for name, q in gptq_weights(reading, h, self.settings, self.log).items():
+                out[name] = q
+                q = q.cpu()
+                self._effective[name] = smoothed.unsmooth(self._by_name[name], q) if smoothed is not None else q
+        return out
 
 
 def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
