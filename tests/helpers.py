@@ -144,7 +144,7 @@ def write_qdq(model: onnx.ModelProto, items: list, runtime: str = "onnxruntime",
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    writer = QDQWriter(copy, items_opset(items, runtime=runtime), runtime, matmulnbits=matmulnbits)
+    writer = QDQWriter(copy, items_opset(items, target_runtime=runtime), runtime, matmulnbits=matmulnbits)
     for item in items:
         writer.quantize_weight(item, torch.from_numpy(torch_weight(writer.model, item.target)))
     for item in items:

@@ -2,7 +2,7 @@
 # sha256 of every file graphcal writes (model.onnx, quantization_config.json, qparams.safetensors)
 # for a fixed set of runs on the shipped models: every preset for onnxruntime (fp4 for --target qdq,
 # onnxruntime has no fp4) and as literal Q/DQ, MatMulNBits, the TensorRT forms, a kv-cache scheme,
-# MSE and imatrix observers. Run it before and after a refactor and diff the two lists:
+# MSE and imatrix observers, SmoothQuant, GPTQ and AWQ. Run it before and after a refactor and diff the two lists:
 #   tools/output_digests.sh > before.txt; (change); tools/output_digests.sh > after.txt; diff before.txt after.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +27,11 @@ run kv "${llama[@]}" --scheme W8A8_STATIC --kv-cache-scheme FP8
 run mse "${llama[@]}" --scheme W8A8_STATIC --observer mse
 run imatrix "${llama[@]}" --observer imatrix_mse \
   --scheme '{"weights":{"num_bits":4,"strategy":"group","group_size":64},"input_activations":{"num_bits":8,"strategy":"tensor","dynamic":false}}'
+# the algorithms: SmoothQuant (a fold, explicit Muls), GPTQ in both orders, AWQ, and sequential GPTQ after each
+run sq "${llama[@]}" --scheme W8A8_STATIC --smoothquant all
+run sq-mul-gptq "${llama[@]}" --scheme W8A8_STATIC --smoothquant mul --algorithm gptq
+run gptq "${llama[@]}" --scheme W4A16 --algorithm gptq
+run gptq-one-pass "${llama[@]}" --scheme W4A16 --algorithm gptq --gptq-order one-pass
+run awq-gptq "${llama[@]}" --scheme W4A16 --algorithm awq+gptq
+run bert-gptq models/tiny-bert/model.onnx --data models/tiny-bert/calib.npz --scheme W4A16 --algorithm gptq
 (cd "$out" && sha256sum */model.onnx */quantization_config.json */qparams.safetensors | sort -k2)

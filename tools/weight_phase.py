@@ -44,7 +44,7 @@ def measure(model: str, scheme: str, repeat: int = 3) -> dict:
     for _ in range(repeat):
         run = plan(Path(model), resolve(Options(scheme=scheme)), TARGETS.get(scheme, "onnxruntime"), None)
         observers = ObserverSet(run)
-        writer = QDQWriter(run.model, run.opset, run.runtime, dict(run.types), matmulnbits=run.matmulnbits)
+        writer = QDQWriter(run.model, run.opset, run.target_runtime, dict(run.types), matmulnbits=run.matmulnbits)
         start = time.perf_counter()
         quantize_weights(run, observers, writer, torch.device("cpu"))
         seconds = time.perf_counter() - start

@@ -154,7 +154,7 @@ def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | N
     model = run.take_model()
     if scales is not None:
         scales.fold(model, run, {t.name for t in run.chosen}, types)
-    writer = QDQWriter(model, run.opset, run.runtime, types, matmulnbits=run.matmulnbits)
+    writer = QDQWriter(model, run.opset, run.target_runtime, types, matmulnbits=run.matmulnbits)
     weights = quantize_weights(run, observers, writer, device, skip_nonfinite=skip_nonfinite, progress=progress,
                                smoothed=scales, rounding=rounding)
     kv_items = observers.kv_qparams()

@@ -25,7 +25,7 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.io import default_opset, load_model_info, value_types
-from graphcal.graph.qdq import Runtime, form_notes, items_opset, required_kv_opset, runtime_notes
+from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
 from graphcal.graph.scaling import Resolution, candidates, resolve
 from graphcal.graph.targets import Skipped, find_targets, select
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
@@ -54,7 +54,7 @@ class RunPlan:
     held: _Held
     data_files: tuple[str, ...]  # external data files the model reads (empty: every weight inline)
     config: RunConfig
-    runtime: Runtime
+    target_runtime: TargetRuntime
     found: tuple[Target, ...]  # every weight MatMul/Gemm, in graph order
     not_targets: tuple[Skipped, ...]  # MatMul/Gemm nodes that take no weight
     chosen: tuple[Target, ...]  # the ones to quantize
@@ -117,12 +117,12 @@ class RunPlan:
         return [QuantizedTarget(t, self.schemes[t.name]) for t in self.chosen]
 
 
-def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Runtime.ONNXRUNTIME,
+def plan(model_path: str | Path, config: RunConfig, target_runtime: str | TargetRuntime = TargetRuntime.ONNXRUNTIME,
          matmulnbits: int | None = None) -> RunPlan:
     """Load ``model_path`` (checked: see graphcal.graph.io) and decide what a run with ``config``
-    writes for ``runtime`` (``matmulnbits``: write integer weights as com.microsoft.MatMulNBits with
+    writes for ``target_runtime`` (``matmulnbits``: write integer weights as com.microsoft.MatMulNBits with
     this accuracy level); raises GraphcalError for everything that would fail before calibrating."""
-    model_path, runtime = Path(model_path), Runtime(runtime)
+    model_path, target_runtime = Path(model_path), TargetRuntime(target_runtime)
     model, data_files = load_model_info(model_path, lazy=True)
     log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(model),
              len(model.graph.node), len(model.graph.initializer))
@@ -139,16 +139,16 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     schemes = {t.name: config.scheme_for(t) for t in chosen}
     _check_divisible(chosen, schemes, config)  # before any pass: a group that does not divide fails here
     items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
-    opset = items_opset(items, runtime=runtime)  # raises for a scheme with no ONNX form here
-    warnings += runtime_notes(items, runtime)
-    forms = form_notes(items, runtime, matmulnbits)  # raises for a target with no form
+    opset = items_opset(items, target_runtime=target_runtime)  # raises for a scheme with no ONNX form here
+    warnings += runtime_notes(items, target_runtime)
+    forms = form_notes(items, target_runtime, matmulnbits)  # raises for a target with no form
     if any("u8 x s8" in f for f in forms):
 
         if int8_gemm_saturates():
             warnings.append(INT8_SATURATION_NOTE)
     kv_states: list[KVState] = []
     if config.kv_cache is not None:
-        kv_opset = required_kv_opset(config.kv_cache, runtime)
+        kv_opset = required_kv_opset(config.kv_cache, target_runtime)
         kv_states, problems = find_kv_states(model)
         if kv_states:
             opset = max(opset, kv_opset)
@@ -173,7 +173,7 @@ def plan(model_path: str | Path, config: RunConfig, runtime: str | Runtime = Run
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
     return RunPlan(
-        model_path=model_path, held=_Held(model), data_files=data_files, config=config, runtime=runtime,
+        model_path=model_path, held=_Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,

@@ -48,7 +48,7 @@ class Inspection:
     size_parts: dict[str, int]
     warnings: list[str] = field(default_factory=list)
     kv_states: list[KVState] = field(default_factory=list)
-    runtime: str = "onnxruntime"
+    target_runtime: str = "onnxruntime"
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
     smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
     awq: object | None = None  # graph.smooth.Resolution of AWQ's mappings (None: no AWQ asked for)
@@ -81,7 +81,7 @@ def from_plan(run: RunPlan) -> Inspection:
         model_opset=run.model_opset, required_opset=run.opset, output_opset=run.output_opset,
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
-        runtime=str(run.runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
+        target_runtime=str(run.target_runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
         blocks=_blocks(run),
     )
 
@@ -134,7 +134,7 @@ def to_dict(report: Inspection) -> dict:
         "fused_groups": [{"parent": g.parent, "members": list(g.members)} for g in report.fused_groups],
         "fusion_warnings": report.fusion_warnings,
         "kv_states": [{"attention": k.name, "key": k.key, "value": k.value} for k in report.kv_states],
-        "runtime": report.runtime,
+        "runtime": report.target_runtime,
         "unmatched_patterns": report.unmatched,
         "warnings": report.warnings,
         "onnxruntime_kernels": report.forms,

@@ -19,7 +19,7 @@ from graphcal.output import check_output_dir
 @options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
-def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, target_runtime, smoothquant,
                     smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
                     exclude_padding, tap_limit_mb, as_json, debug, **algorithm):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
@@ -43,7 +43,7 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
             check_output_dir(output, [model, *([data] if data is not None else [])])
         config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength,
                                  **algorithm)
-        ready = prepare(model, config, target=runtime, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
+        ready = prepare(model, config, target=target_runtime, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
                         num_samples=num_samples, exclude_padding=exclude_padding, device=device)
         return from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
 

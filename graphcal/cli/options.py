@@ -58,7 +58,7 @@ CONFIG_OPTIONS = (
                       "ignore, observer fields, kv_cache_scheme), optionally after a SmoothQuantModifier "
                       "(smoothing_strength, mappings, ignore, algorithm). --scheme, --targets, --ignore, --observer and "
                       "--kv-cache-scheme, --smoothquant and --smoothing-strength given on the command line override it."),
-    click.option("--target", "runtime", type=click.Choice(["onnxruntime", "tensorrt", "qdq"]), default="onnxruntime",
+    click.option("--target", "target_runtime", type=click.Choice(["onnxruntime", "tensorrt", "qdq"]), default="onnxruntime",
                  show_default=True,
                  help="Runtime the model is for. onnxruntime: compressed-tensors' numbers in forms onnxruntime's "
                       "optimizer turns into integer kernels, loading at its default ORT_ENABLE_ALL (no fp4). "

@@ -20,7 +20,7 @@ from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, dat
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
-def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, runtime, smoothquant,
+def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, target_runtime, smoothquant,
         smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
         tap_limit_mb, as_json, quiet, debug, **algorithm):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
@@ -35,7 +35,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         return calibrate(
             model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe,
                                                         smoothquant, smoothing_strength, **algorithm),
-            device=device, target=runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
+            device=device, target=target_runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
             progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
             exclude_padding=exclude_padding, tap_limit_mb=tap_limit_mb,
         )

@@ -16,7 +16,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, compute_dyn
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.errors import GraphcalError
-from graphcal.graph.qdq import QDQWriter, Runtime, ir_for_opset, items_opset
+from graphcal.graph.qdq import QDQWriter, TargetRuntime, ir_for_opset, items_opset
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import run_model
 from graphcal.types import QParams, QuantizedTarget
@@ -169,15 +169,15 @@ WEIGHT_FORMS = {
 }
 
 
-@pytest.mark.parametrize("runtime", ["onnxruntime", "qdq"])
+@pytest.mark.parametrize("target_runtime", ["onnxruntime", "qdq"])
 @pytest.mark.parametrize("op", ["MatMul", "Gemm"])
 @pytest.mark.parametrize("form", sorted(WEIGHT_FORMS))
-def test_weight_forms_match_compressed_tensors(rng, form, op, runtime):
+def test_weight_forms_match_compressed_tensors(rng, form, op, target_runtime):
     """Every weight form on both layouts: [in, out] MatMul and [out, in] Gemm transB=1, with
     out = 6 rows (a partial block of 4) and in = 64 (whole groups of 16 and 32), as written for
     onnxruntime (fp4 excepted: it has no fp4 kernels) and as literal Q/DQ."""
     args = WEIGHT_FORMS[form]
-    if runtime == "onnxruntime" and form in ("nvfp4", "mxfp4"):
+    if target_runtime == "onnxruntime" and form in ("nvfp4", "mxfp4"):
         pytest.skip("fp4 is written for --target qdq or tensorrt only (onnxruntime 1.31 has no fp4 kernels)")
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w = (rng.standard_normal((6, 64)) * np.linspace(0.2, 2, 64)).astype(np.float32)  # torch [out, in]
@@ -190,7 +190,7 @@ def test_weight_forms_match_compressed_tensors(rng, form, op, runtime):
     t = find_targets(model)[0][0]
     qp = _ct_qparams(torch.from_numpy(w), args)
     out = write_qdq(model, [QuantizedTarget(t, QuantizationScheme(targets=["Linear"], weights=args), {"weight": qp})],
-                    runtime)
+                    target_runtime)
     onnx.checker.check_model(out, full_check=True)
     got = run_model(out, {"x": x})["y"]
     wq = fake_quantize(torch.from_numpy(w), qp.scale, qp.zero_point, args, global_scale=qp.global_scale)
@@ -258,12 +258,12 @@ def test_opset_upgrade_in_place_equals_onnx_converting_the_whole_model(llama_dir
 
 
 def test_target_runtime_is_an_enum_and_an_unknown_one_fails_clearly(rng):
-    assert Runtime("tensorrt") is Runtime.TENSORRT and Runtime.ONNXRUNTIME == "onnxruntime"
+    assert TargetRuntime("tensorrt") is TargetRuntime.TENSORRT and TargetRuntime.ONNXRUNTIME == "onnxruntime"
     x = rng.standard_normal((2, 4)).astype(np.float32)
     model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="/f/MatMul")],
                    [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")], x.shape)
     items = _items(model, torch.from_numpy(x))
-    for call in (lambda: items_opset(items, runtime="trt"), lambda: QDQWriter(model, 13, "trt")):
+    for call in (lambda: items_opset(items, target_runtime="trt"), lambda: QDQWriter(model, 13, "trt")):
         with pytest.raises(GraphcalError, match=r"^unknown target runtime 'trt'; choose one of: onnxruntime, tensorrt, qdq$"):
             call()
 

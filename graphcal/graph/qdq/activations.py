@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import FP8, InputForm, QType, Runtime, qtype_of
+from graphcal.graph.qdq.policy import FP8, InputForm, QType, TargetRuntime, qtype_of
 from graphcal.types import QParams, Target
 from graphcal.types import enum_value as _name
 
@@ -43,23 +43,23 @@ def input_key(t: Target, args, qp: QParams | None) -> tuple:
     return (t.activation, "dynamic", args.model_dump_json(), None if gs is None else gs.numpy().tobytes())
 
 
-def input_dq(edits: Edits, t: Target, args, qp: QParams | None, runtime: Runtime, form: InputForm = InputForm.QDQ
+def input_dq(edits: Edits, t: Target, args, qp: QParams | None, target_runtime: TargetRuntime, form: InputForm = InputForm.QDQ
              ) -> tuple[str, str | None]:
     """Build the Q/DQ of the target's input: returns the tensor that replaces the node's A input,
     and for the row-normalized form the scale the node's output must be multiplied by."""
     qtype = qtype_of(args, t.name, "input activations")
     if form is InputForm.ROWNORM:
         return _row_normalized(edits, t, args, qtype)
-    return _input_dq(edits, t, args, qp, runtime, qtype, form), None
+    return _input_dq(edits, t, args, qp, target_runtime, qtype, form), None
 
 
-def _input_dq(edits: Edits, t: Target, args, qp: QParams | None, runtime: Runtime, qtype: QType, form: InputForm) -> str:
+def _input_dq(edits: Edits, t: Target, args, qp: QParams | None, target_runtime: TargetRuntime, qtype: QType, form: InputForm) -> str:
     if args.dynamic is False:
         if form is InputForm.CAST_MUL:
             return _static_cast_mul(edits, t, qp, qtype)
         return _static(edits, t, args, qp, qtype, unsigned=form is InputForm.UINT8)
     gs = _global_scale(args, qp)
-    if gs is not None and runtime is Runtime.TENSORRT:
+    if gs is not None and target_runtime is TargetRuntime.TENSORRT:
         return _tensorrt_fp4(edits, t, args, gs)
     return _dynamic(edits, t, args, qtype, gs)
 

@@ -17,13 +17,13 @@ import torch
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.activations import fp8_rounded
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import FP8, Runtime, qtype_of
+from graphcal.graph.qdq.policy import FP8, TargetRuntime, qtype_of
 from graphcal.types import QuantizedKV
 from graphcal.types import enum_value as _name
 
 
 def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str,
-             runtime: Runtime = Runtime.ONNXRUNTIME) -> str:
+             target_runtime: TargetRuntime = TargetRuntime.ONNXRUNTIME) -> str:
     """Build the Q/DQ of state ``tensor`` ("k" or "v" in ``base``) before node ``anchor``; returns
     the tensor its readers take instead."""
     per_head = _name(kv.args.strategy) == "attn_head"
@@ -35,7 +35,7 @@ def state_dq(edits: Edits, kv: QuantizedKV, base: str, tensor: str, anchor: str,
     if not anchor:
         raise GraphcalError(f"{kv.state.name}: the node reading {tensor!r} has no name; cannot place its Q/DQ")
     label = f"{kv.state.name}/{base}"
-    if runtime is Runtime.ONNXRUNTIME and qtype is FP8:
+    if target_runtime is TargetRuntime.ONNXRUNTIME and qtype is FP8:
         # per kv head: [kv_heads, 1, 1] broadcasts over [batch, kv_heads, seq, head_dim]
         s = edits.const(f"{kv.state.name}.{base}_scale", scale.reshape(-1, 1, 1) if per_head else scale)
         return fp8_rounded(edits, anchor, tensor, s, scale.dtype, label)

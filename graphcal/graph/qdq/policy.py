@@ -20,7 +20,7 @@ from graphcal.types import QuantizedTarget
 from graphcal.types import enum_value as _name
 
 
-class Runtime(enum.StrEnum):
+class TargetRuntime(enum.StrEnum):
     """The runtime a QDQ model is written for.
 
     - ``onnxruntime``: compressed-tensors' numbers in the forms onnxruntime's optimizer turns into
@@ -29,7 +29,7 @@ class Runtime(enum.StrEnum):
     - ``qdq``: compressed-tensors' operations written literally as standard ONNX Q/DQ, for other
       runtimes and readers (onnx.reference runs every form).
 
-    ``Runtime("tensorrt")`` converts a command-line string; an unknown one is a GraphcalError.
+    ``TargetRuntime("tensorrt")`` converts a command-line string; an unknown one is a GraphcalError.
     """
 
     ONNXRUNTIME = "onnxruntime"
@@ -94,16 +94,16 @@ def fp8_scales(args) -> bool:
     return args.scale_dtype == torch.float8_e4m3fn
 
 
-def items_opset(items: list[QuantizedTarget], runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+def items_opset(items: list[QuantizedTarget], target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME) -> int:
     """The opset a model with these targets needs (never below 13)."""
-    runtime = Runtime(runtime)
-    return max([required_opset(item, runtime) for item in items] + [13])
+    target_runtime = TargetRuntime(target_runtime)
+    return max([required_opset(item, target_runtime) for item in items] + [13])
 
 
-def required_opset(item: QuantizedTarget, runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+def required_opset(item: QuantizedTarget, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME) -> int:
     """The lowest opset that expresses this target's scheme; raises for what has no ONNX form here,
     or, for TensorRT, for what TensorRT does not build."""
-    runtime = Runtime(runtime)
+    target_runtime = TargetRuntime(target_runtime)
     scheme = item.scheme
     where = item.target.name
     if scheme.output_activations is not None:
@@ -113,31 +113,31 @@ def required_opset(item: QuantizedTarget, runtime: Runtime | str = Runtime.ONNXR
     opsets = [_weight_opset(scheme.weights, where)]
     if scheme.input_activations is not None:
         opsets.append(_input_opset(scheme.input_activations, where))
-    if runtime is Runtime.TENSORRT:
+    if target_runtime is TargetRuntime.TENSORRT:
         problem = tensorrt_problem(scheme)
         if problem:
             raise GraphcalError(f"{where}: --target tensorrt: {problem}")
     return max(opsets)
 
 
-def required_kv_opset(args, runtime: Runtime | str = Runtime.ONNXRUNTIME) -> int:
+def required_kv_opset(args, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME) -> int:
     """The opset for static Q/DQ on key/value states (per tensor, or per kv head on axis 1)."""
-    runtime = Runtime(runtime)
+    target_runtime = TargetRuntime(target_runtime)
     qtype = qtype_of(args, "kv-cache scheme", "key/value states")
     if args.dynamic is not False or _name(args.strategy) not in ("tensor", "attn_head"):
         raise GraphcalError("kv-cache scheme: key/value states are written as static tensor or attn_head Q/DQ only")
     if qtype.opset > 19 and _name(args.type) == "float":
         raise GraphcalError("kv-cache scheme: fp4 key/value states have no ONNX form here; use fp8 or int8")
-    if runtime is Runtime.TENSORRT and (not args.symmetric or _name(args.strategy) != "tensor" or args.num_bits != 8):
+    if target_runtime is TargetRuntime.TENSORRT and (not args.symmetric or _name(args.strategy) != "tensor" or args.num_bits != 8):
         raise GraphcalError("kv-cache scheme: --target tensorrt: TensorRT takes int8/fp8 key/value states "
                             "per tensor, symmetric")
     return qtype.opset
 
 
-def runtime_notes(items: list[QuantizedTarget], runtime: Runtime | str) -> list[str]:
+def runtime_notes(items: list[QuantizedTarget], target_runtime: TargetRuntime | str) -> list[str]:
     """Warnings about what the chosen runtime can execute of the written model."""
     fp4 = any(_is_fp4(i.scheme.weights) for i in items if i.scheme.weights is not None)
-    if Runtime(runtime) is Runtime.QDQ and fp4:
+    if TargetRuntime(target_runtime) is TargetRuntime.QDQ and fp4:
         return ["onnxruntime 1.31 has no float4 (or e8m0) Q/DQ kernels: the written model is standard ONNX "
                 "(opset 23+, checked with onnx.reference) for runtimes that have them; for TensorRT use --target tensorrt"]
     return []
@@ -175,14 +175,14 @@ MATMULNBITS_BITS = (4, 8)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
-def choose_form(item: QuantizedTarget, runtime: Runtime | str, matmulnbits: int | None = None) -> Form:
+def choose_form(item: QuantizedTarget, target_runtime: TargetRuntime | str, matmulnbits: int | None = None) -> Form:
     """The form written for ``item``; raises for a combination with no form. ``matmulnbits`` is
     the MatMulNBits accuracy level asked for (None: write DequantizeLinear)."""
-    runtime = Runtime(runtime)
+    target_runtime = TargetRuntime(target_runtime)
     w, a = item.scheme.weights, item.scheme.input_activations
     where = item.target.name
     wkind = (_name(w.type), w.num_bits)
-    if runtime is not Runtime.ONNXRUNTIME:
+    if target_runtime is not TargetRuntime.ONNXRUNTIME:
         if matmulnbits is not None:
             raise GraphcalError("--matmulnbits writes onnxruntime's com.microsoft.MatMulNBits: use it with --target "
                                 "onnxruntime")
@@ -331,14 +331,14 @@ def _input_opset(args, where: str) -> int:
     raise GraphcalError(f"{where}: dynamic={dynamic} input activations with strategy {strategy} are not written to ONNX")
 
 
-def form_notes(items: list[QuantizedTarget], runtime: Runtime | str, matmulnbits: int | None = None) -> list[str]:
+def form_notes(items: list[QuantizedTarget], target_runtime: TargetRuntime | str, matmulnbits: int | None = None) -> list[str]:
     """One line per kernel: how many targets onnxruntime runs on it (checks every form: raises
     where there is none). Empty for other runtimes."""
     counts: dict[str, int] = {}
     for item in items:
-        form = choose_form(item, runtime, matmulnbits)
+        form = choose_form(item, target_runtime, matmulnbits)
         counts[form.kernel] = counts.get(form.kernel, 0) + 1
-    if Runtime(runtime) is not Runtime.ONNXRUNTIME:
+    if TargetRuntime(target_runtime) is not TargetRuntime.ONNXRUNTIME:
         return []
     notes = [f"{n} layer{'s' if n != 1 else ''}: {kernel}" for kernel, n in counts.items()]
     if any(not kernel.startswith("MatMulNBits") for kernel in counts):

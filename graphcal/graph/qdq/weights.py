@@ -30,13 +30,13 @@ from onnx import helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import FP4, FP8, Runtime, fp8_scales, is_mx, qtype_of
+from graphcal.graph.qdq.policy import FP4, FP8, TargetRuntime, fp8_scales, is_mx, qtype_of
 from graphcal.graph.qdq.quantize import quantized_array
 from graphcal.types import QParams, Target
 from graphcal.types import enum_value as _name
 
 
-def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runtime: Runtime,
+def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, target_runtime: TargetRuntime,
               stored: str | None = None, zero_point: bool = False) -> str:
     """Build the target's quantized weight ``w`` (torch [out, in]) and its DequantizeLinear;
     returns the tensor that replaces the node's B input. ``stored`` overrides the layout the
@@ -48,7 +48,7 @@ def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, runti
     q = quantized_array(args, qp, w, qtype)
     # TensorRT's NVFP4 weights are blocked along the last axis of [out, in] (NVIDIA's exporter
     # form); a MatMul then reads them through a Transpose.
-    transpose = runtime is Runtime.TENSORRT and qtype is FP4 and t.layout == "in_out"
+    transpose = target_runtime is TargetRuntime.TENSORRT and qtype is FP4 and t.layout == "in_out"
     layout = _WeightLayout(t, strategy, args, "out_in" if transpose else (stored or t.layout))
     stored = edits.const(f"{t.name}.weight_quantized", layout.weight(q))
     scale = _weight_scale(edits, t, args, qp, w.dtype, layout)

@@ -13,26 +13,26 @@ from graphcal.graph.qdq.activations import input_dq, input_key
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.kv import state_dq
 from graphcal.graph.qdq.opset import upgrade_opset
-from graphcal.graph.qdq.policy import Form, InputForm, Runtime, WeightForm, choose_form
+from graphcal.graph.qdq.policy import Form, InputForm, TargetRuntime, WeightForm, choose_form
 from graphcal.graph.qdq.weights import weight_cast_mul, weight_dq, weight_matmulnbits
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 
 class QDQWriter:
-    """Writes Q/DQ into ``model`` in place, in the forms ``runtime`` builds (policy.choose_form):
+    """Writes Q/DQ into ``model`` in place, in the forms ``target_runtime`` builds (policy.choose_form):
     weights one at a time (so a caller can read each weight once, observe it, quantize it and let
     it go), then activations and key/value states, then ``finish()``. A model below ``opset``
     (from ``items_opset``) is converted first (``self.model`` is then the converted copy).
     ``matmulnbits``: the accuracy level of com.microsoft.MatMulNBits written for integer weights
     (onnxruntime only; None writes DequantizeLinear)."""
 
-    def __init__(self, model: onnx.ModelProto, opset: int, runtime: Runtime | str = Runtime.ONNXRUNTIME,
+    def __init__(self, model: onnx.ModelProto, opset: int, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME,
                  types: dict | None = None, matmulnbits: int | None = None):
         types = value_types(model) if types is None else types  # activation dtypes and ranks
         if default_opset(model) < opset:
             model = upgrade_opset(model, opset)
         self.model = model
-        self.runtime = Runtime(runtime)
+        self.target_runtime = TargetRuntime(target_runtime)
         self.matmulnbits = matmulnbits
         self.graph = model.graph
         self.edits = Edits(self.graph, types, default_opset(model))
@@ -54,15 +54,15 @@ class QDQWriter:
             node.input[1] = weight_cast_mul(self.edits, t, args, qp, weight)
             return
         stored = None
-        if self.runtime is Runtime.ONNXRUNTIME and t.layout == "out_in":
+        if self.target_runtime is TargetRuntime.ONNXRUNTIME and t.layout == "out_in":
             # onnxruntime fuses DQ -> Gemm into MatMulNBits only for a weight stored [in, out] (transB=0)
             stored = "in_out"
             _set_attr(node, "transB", 0)
         gemm_kernel = t.op_type == "Gemm" and form.input in (InputForm.UINT8, InputForm.ROWNORM)
-        node.input[1] = weight_dq(self.edits, t, args, qp, weight, self.runtime, stored, zero_point=gemm_kernel)
+        node.input[1] = weight_dq(self.edits, t, args, qp, weight, self.target_runtime, stored, zero_point=gemm_kernel)
 
     def form(self, item: QuantizedTarget) -> Form:
-        return choose_form(item, self.runtime, self.matmulnbits)
+        return choose_form(item, self.target_runtime, self.matmulnbits)
 
     def quantize_input(self, item: QuantizedTarget) -> None:
         """Q/DQ the item's input activation; targets reading one activation with the same args and
@@ -76,7 +76,7 @@ class QDQWriter:
         t, qp = item.target, item.qparams.get("input")
         key = (form, *input_key(t, args, qp))
         if key not in self.shared:
-            self.shared[key] = input_dq(self.edits, t, args, qp, self.runtime, form)
+            self.shared[key] = input_dq(self.edits, t, args, qp, self.target_runtime, form)
         replacement, scale = self.shared[key]
         node = self.node_by_name[t.node]
         node.input[0] = replacement
@@ -114,7 +114,7 @@ class QDQWriter:
             readers = [n for n in self.graph.node if tensor in n.input]
             if not readers:
                 continue
-            dq = state_dq(self.edits, kv, base, tensor, readers[0].name, self.runtime)
+            dq = state_dq(self.edits, kv, base, tensor, readers[0].name, self.target_runtime)
             for node in readers:
                 replace_input(node, tensor, dq)
 
