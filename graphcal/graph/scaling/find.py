@@ -1,39 +1,18 @@
-"""SmoothQuant in an ONNX graph: which tensors can be smoothed exactly, and the edits that do it.
-
-Smoothing divides each input channel j of a MatMul's activation by ``s_j`` and multiplies the
-matching weight rows (torch's columns) by ``s_j``: the product is unchanged. The division must
-come from somewhere. It is *folded* (no node added) into the op that produces the activation
-when that op scales each channel by constants: a norm's scale and bias (LayerNormalization,
-RMSNormalization, SimplifiedLayerNormalization, the Skip* forms, or the decomposed ``Mul(gamma)``
-[``Add(beta)``] exporters write), a ``Mul`` by a constant (GELU's final ``* 0.5``), or a linear
-layer's output rows and bias (``up_proj`` before ``down_proj``, also through the elementwise
-``Mul`` of a gated MLP). A fold is exact only if nothing but the balance MatMuls reads the
-activation (shape-only readers aside): a post-LN encoder's LayerNorm output is also the residual,
-so it has no fold; there an explicit ``Mul(x, 1/s)`` in front of the MatMuls is exact instead,
-at the cost of one elementwise Mul per smoothed tensor at inference.
-
-This module only reads graphs and writes the edits it is told to; the statistics and scales are
-:mod:`graphcal.algorithms.smoothquant.stage`'s. Mappings are found by structure (every activation read by weight
-MatMuls, its producer classified) or resolved from llm-compressor's ``[[balance regexes], smooth
-regex]`` mappings by module name and then checked against the same structure.
-
-(About 490 lines, one job: SmoothQuant's graph side, its records, search and edits. It is left
-whole until SmoothQuant's and AWQ's mappings become one type, the change that will reshape it.)
-"""
+"""Where channel scales fold: each activation read by weight MatMuls, its producer classified, and
+the mappings resolved by structure or by llm-compressor's names."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, place_after_producers
 from graphcal.graph.index import SHAPE_OPS, GraphIndex
 from graphcal.graph.io import value_types
+from graphcal.graph.scaling.records import SCOPE_OF_KIND, SCOPES, Candidate, Mapping, Param, Resolution
 from graphcal.graph.targets import scoped_module
 from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.types import NamedMapping, Target
@@ -46,75 +25,6 @@ _NORMS = {  # op type -> (domain, input indices of the per-channel scale and bia
     "SkipLayerNormalization": ("com.microsoft", (2, 3)),
     "SkipSimplifiedLayerNormalization": ("com.microsoft", (2,)),
 }
-SCOPES = ("norms", "all", "mul")  # what --smoothquant smooths (cumulative; see Candidate.kind)
-SCOPE_OF_KIND = {"norm": "norms", "linear": "all", "mul": "mul"}  # the least scope that smooths a kind
-TAP_PREFIX = "graphcal_smooth/"
-
-
-@dataclass(frozen=True)
-class Param:
-    """A constant input of a node that a fold divides by s: ``node`` is named by its first output."""
-
-    node: str
-    index: int
-    value: str  # the constant's name as the node reads it now
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One activation read by weight MatMuls, and how it can be smoothed.
-
-    ``kind``: "norm" (a norm or a per-channel constant scale produces it), "linear" (a linear
-    layer produces it, directly or through a gated MLP's Mul), "mul" (no fold: only an explicit
-    Mul is exact) and, with ``reason``, why not even that ("" when it can be smoothed).
-    """
-
-    activation: str  # what the balance targets read
-    balance: tuple[str, ...]  # every weight MatMul/Gemm reading it (target names, graph order)
-    kind: str
-    smooth: str  # the smooth layer's module name (the activation for "mul")
-    tensor: str  # the smooth layer's output: where llm-compressor's statistics are taken
-    channels: int
-    params: tuple[Param, ...] = ()  # constants divided by s (norm scale/bias, linear bias, a Mul's constant)
-    linear: str | None = None  # "linear": the target whose output rows are divided by s
-    reason: str = ""  # why it cannot be smoothed exactly ("" when it can)
-    blocked: str = ""  # "mul": why no fold is exact (what else reads the activation)
-
-
-@dataclass(frozen=True)
-class Mapping:
-    """One smoothing to do: a candidate, and whether it is folded or needs an explicit Mul."""
-
-    candidate: Candidate
-    explicit: bool = False  # True: Mul(x, 1/s) in front of the balance targets (post-LN encoders)
-
-    @property
-    def smooth(self) -> str:
-        return self.candidate.smooth
-
-    @property
-    def balance(self) -> tuple[str, ...]:
-        return self.candidate.balance
-
-    @property
-    def tapped(self) -> str:
-        """The name of the smoothed activation ``x / s`` (a tap, or the explicit Mul's output)."""
-        return TAP_PREFIX + self.candidate.activation
-
-    def describe(self) -> str:
-        kind = self.candidate.kind
-        how = ("explicit Mul (one elementwise Mul at inference)" if self.explicit else
-               f"folded into {'the scale of ' if kind == 'norm' else 'linear '}{self.smooth}")
-        return f"{', '.join(self.balance)} <- {how}"
-
-
-@dataclass
-class Resolution:
-    """The mappings a run applies, and notes on what was left unsmoothed and why."""
-
-    mappings: list[Mapping] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
 
 class _Values(GraphIndex):
     """The graph's index (:class:`graphcal.graph.index.GraphIndex`), and what smoothing also asks
@@ -435,64 +345,5 @@ def node_module(node: onnx.NodeProto, params: tuple[Param, ...] = ()) -> str:
 
 
 # -- the edits ------------------------------------------------------------------------------
-
-
-def divide_params(model: onnx.ModelProto, params: list[Param], scales: dict[Param, np.ndarray],
-                  base_dir: str | None = None) -> None:
-    """Point each param's node at a new initializer holding its constant divided by the scales
-    (``scales[param]``, one per channel); the old constant stays for its other readers."""
-    index = _Values(model, base_dir)
-    names = Names({t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output})
-    old = set()
-    for p in params:
-        node = index.nodes[index.producer[p.node]]
-        value = index.const(node.input[p.index])
-        s = scales[p]
-        wide = np.result_type(value.dtype, s.dtype)  # as torch divides: in the wider type, stored in the constant's
-        divided = (value.astype(wide) / s.astype(wide)).astype(value.dtype)  # a scalar becomes one per channel
-        if value.size > 1:
-            divided = divided.reshape(value.shape)
-        name = add_initializer(model.graph.initializer, names, f"{node_module(node)}.smoothed_{p.index}",
-                               np.ascontiguousarray(divided))
-        old.add(node.input[p.index])
-        node.input[p.index] = name
-    drop_dead_paths(model.graph, old)  # a constant nothing else reads goes
-
-
-def explicit_mul(model: onnx.ModelProto, mapping: Mapping, inverse: np.ndarray, target_nodes: set[str]) -> None:
-    """Put ``Mul(x, inverse)`` in front of the mapping's balance targets (their input 0 rewired)."""
-    x = mapping.candidate.activation
-    names = Names({t.name for t in model.graph.initializer} | {n.name for n in model.graph.node})
-    const = add_initializer(model.graph.initializer, names, f"{TAP_PREFIX}{x}/inverse_scale", np.ascontiguousarray(inverse))
-    mul = helper.make_node("Mul", [x, const], [mapping.tapped], name=names.unique(f"{TAP_PREFIX}{x}/Mul"))
-    for n in model.graph.node:
-        if n.name in target_nodes and n.input[0] == x:
-            n.input[0] = mapping.tapped
-    place_after_producers(model.graph, {x: [mul]})  # right after x's producer
-
-
-def replace_weight(model: onnx.ModelProto, target: Target, weight: np.ndarray, base_dir: str | None = None) -> None:
-    """Point ``target``'s B input at a new initializer holding ``weight`` (torch [out, in]) as the
-    node consumes it; its old weight path stays for other readers (a tied embedding) or goes."""
-    graph = model.graph
-    node = next(n for n in graph.node if n.name == target.node)
-    consumed = weight.T if target.layout == "in_out" else weight
-    names = Names({t.name for t in graph.initializer} | {o for n in graph.node for o in n.output})
-    name = add_initializer(graph.initializer, names, f"{target.name}.weight.smoothed", np.ascontiguousarray(consumed))
-    old = node.input[1]
-    node.input[1] = name
-    drop_dead_paths(graph, {old, target.weight})
-
-
-def tap_nodes(mappings: list[Mapping], inverses: dict[str, np.ndarray]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """For a tapped copy of the unsmoothed model: ``Mul(x, 1/s)`` per mapping, named as the
-    smoothed activation, so observers see what the smoothed model's balance targets read."""
-    nodes, inits = [], []
-    for m in mappings:
-        x = m.candidate.activation
-        const = f"{TAP_PREFIX}{x}/inverse_scale"
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(inverses[x]), const))
-        nodes.append(helper.make_node("Mul", [x, const], [m.tapped], name=f"{TAP_PREFIX}{x}/Mul"))
-    return nodes, inits
 
 
