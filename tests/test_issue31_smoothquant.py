@@ -1,0 +1,125 @@
+"""Issue 31: SmoothQuant never writes a scale that is not finite, and a CalibrationDataReader is
+refused up front where SmoothQuant would read the data twice.
+
+* ``--smoothing-strength`` (and a recipe's ``smoothing_strength``) outside llm-compressor's range
+  0..1 is refused before anything is read, by ``run`` and ``inspect`` (50 gave inf/NaN norm
+  constants and qparams; -1 on a constant channel gave inf weight scales);
+* on a model whose norm has a channel with weight 0 (a constant output channel, range 0), every
+  strength in range writes finite constants and qparams, and where the formula still overflows
+  (a balance column of denormals at strength 0) the run fails naming the mapping, writing nothing;
+* ``calibrate(reader, smoothquant=..., observer="mse")`` is refused before the reader is read.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from graphcal.cli import cli
+
+HIDDEN, OUT = 8, 4
+ZERO = 3  # the norm channel whose weight (and bias) is 0
+
+
+def _cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _one_line_error(result, code: int) -> str:
+    assert result.exit_code == code, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def _zero_channel_model(path, column_scale: float = 1.0, residual: bool = False):
+    """x [batch, seq, 8] -> LayerNormalization whose scale and bias are 0 on channel ZERO -> q_proj
+    and k_proj MatMuls ([8, 4] weights, as the legacy exporter names them). ``column_scale``
+    multiplies every balance weight's row ZERO (1e-40: denormals); ``residual``: the norm's output
+    is a graph output too (no fold is exact: only an explicit Mul smooths it)."""
+    rng = np.random.default_rng(0)
+    gamma = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
+    beta = rng.uniform(-0.2, 0.2, HIDDEN).astype(np.float32)
+    gamma[ZERO] = beta[ZERO] = 0.0
+    inits = [numpy_helper.from_array(gamma, "layers.0.input_layernorm.weight"),
+             numpy_helper.from_array(beta, "layers.0.input_layernorm.bias")]
+    ln = "/layers.0/input_layernorm/LayerNormalization"
+    h = f"{ln}_output_0"
+    nodes = [helper.make_node("LayerNormalization", ["x", inits[0].name, inits[1].name], [h], name=ln,
+                              axis=-1, epsilon=1e-5)]
+    outputs = []
+    for i, proj in enumerate(("q_proj", "k_proj")):
+        w = rng.normal(0, 0.5, (HIDDEN, OUT)).astype(np.float32)
+        w[ZERO] *= np.float32(column_scale)
+        name = f"onnx::MatMul_{100 + i}"
+        inits.append(numpy_helper.from_array(w, name))
+        path_ = f"/layers.0/self_attn/{proj}/MatMul"
+        nodes.append(helper.make_node("MatMul", [h, name], [f"{path_}_output_0"], name=path_))
+        outputs.append(helper.make_tensor_value_info(f"{path_}_output_0", TensorProto.FLOAT, ["batch", "seq", OUT]))
+    if residual:
+        outputs.append(helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", "seq", HIDDEN]))
+    graph = helper.make_graph(nodes, "zero_norm_channel",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])],
+                              outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    path.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path / "model.onnx")
+    x = rng.normal(0, 1, (16, 5, HIDDEN)).astype(np.float32)
+    x[..., 1] *= 20  # an outlier channel for SmoothQuant to move
+    np.savez(path / "calib.npz", x=x)
+    return path
+
+
+def _assert_all_finite(out):
+    from safetensors.numpy import load_file
+
+    model = onnx.load(out / "model.onnx")
+    for init in model.graph.initializer:
+        value = numpy_helper.to_array(init)
+        if value.dtype.kind == "f":
+            assert np.isfinite(value).all(), init.name
+    for key, value in load_file(str(out / "qparams.safetensors")).items():
+        if value.dtype.kind == "f":
+            assert np.isfinite(value).all(), key
+
+
+# --- the strength outside llm-compressor's range ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["50", "-1", "1.5", "-0.01"])
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_strength_outside_0_to_1_is_refused_before_calibrating(llama_dir, tmp_path, command, value):
+    out = tmp_path / "out"
+    result = _cli(command, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out,
+                  "--scheme", "W8A8_STATIC", "--smoothquant", "all", f"--smoothing-strength={value}")
+    line = _one_line_error(result, 2)
+    assert "smoothing strength must be from 0 to 1" in line and value in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["50", "-1", "1.000001"])
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_recipe_strength_outside_0_to_1_is_refused(llama_dir, tmp_path, command, value):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("quant_stage:\n  quant_modifiers:\n    SmoothQuantModifier:\n"
+                      f"      smoothing_strength: {value}\n    QuantizationModifier:\n      scheme: W8A8_STATIC\n")
+    out = tmp_path / "out"
+    result = _cli(command, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out, "--recipe", recipe)
+    line = _one_line_error(result, 2)
+    assert "SmoothQuantModifier: smoothing_strength must be from 0 to 1" in line and str(recipe) in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "1", "0.5"])
+def test_strength_at_the_ends_of_the_range_is_accepted(llama_dir, value):
+    result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W8A8_STATIC", "--smoothing-strength", value, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["smoothquant"]["strength"] == float(value)
