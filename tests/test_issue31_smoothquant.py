@@ -123,3 +123,43 @@ def test_strength_at_the_ends_of_the_range_is_accepted(llama_dir, value):
     result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W8A8_STATIC", "--smoothing-strength", value, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["smoothquant"]["strength"] == float(value)
+
+
+# --- a norm channel whose weight is 0 -----------------------------------------------------------------
+
+
+def test_negative_strength_on_a_zero_norm_channel_is_refused(tmp_path):
+    model = _zero_channel_model(tmp_path / "m")
+    result = _cli("run", model / "model.onnx", "--data", model / "calib.npz", "-o", tmp_path / "out",
+                  "--scheme", "W8A8_STATIC", "--smoothing-strength", "-1")
+    assert "from 0 to 1" in _one_line_error(result, 2)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("strength", ["0", "0.5", "1", "auto"])
+@pytest.mark.parametrize("scope", ["norms", "mul"])
+def test_a_zero_norm_channel_writes_finite_constants(tmp_path, strength, scope):
+    """The channel's range is 0, so its scale is llm-compressor's floor 1e-5: the folded norm
+    constants (or the explicit Mul's 1/s), the balance weights and every qparam stay finite."""
+    model = _zero_channel_model(tmp_path / "m", residual=scope == "mul")
+    out = tmp_path / "out"
+    result = _cli("run", model / "model.onnx", "--data", model / "calib.npz", "-o", out, "-q", "--json",
+                  "--scheme", "W8A8_STATIC", "--smoothquant", scope, "--smoothing-strength", strength)
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["smoothquant"]) == 1
+    _assert_all_finite(out)
+    smoothed = onnx.load(out / "model.onnx")
+    assert any(".smoothed_" in i.name or "graphcal_smooth/" in i.name for i in smoothed.graph.initializer)
+
+
+def test_scales_that_overflow_in_range_fail_naming_the_mapping(tmp_path):
+    """Strength 0 divides by the balance columns' maximum: a column of denormals (1e-40) makes
+    1 / 2e-40, past float32's range. The run fails naming the mapping and writes nothing."""
+    model = _zero_channel_model(tmp_path / "m", column_scale=1e-40)
+    out = tmp_path / "out"
+    result = _cli("run", model / "model.onnx", "--data", model / "calib.npz", "-o", out,
+                  "--scheme", "W8A8_STATIC", "--smoothing-strength", "0")
+    line = _one_line_error(result, 1)
+    assert "SmoothQuant" in line and "layers.0.input_layernorm" in line and "q_proj" in line, line
+    assert "not finite" in line and "overflows" in line, line
+    assert not out.exists()

@@ -29,7 +29,7 @@ import logging
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from graphcal.algorithms.channel_scales import ChannelScales, taps_of
+from graphcal.algorithms.channel_scales import ChannelScales, check_scales, taps_of
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
@@ -197,11 +197,22 @@ def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: di
         else:
             strength = settings.strength
         s, raw = smoothing_scales(lo, hi, weights, strength, settings.algorithm)
+        check_scales(m, s, why=_why_not_finite(m, lo, hi, strength, settings.algorithm))
         scales[x], unclamped[x], strengths[x] = s, raw, strength
         log.info("smoothing %s: strength %g, scales %.3g..%.3g", m.describe(), strength, float(s.min()), float(s.max()))
     return ChannelScales(mappings, scales, unclamped, dict(ranges), strengths=strengths)
 
 
+def _why_not_finite(m: Mapping, lo: torch.Tensor, hi: torch.Tensor, strength: float, algorithm: str) -> str:
+    """Why a mapping's scales may come out not finite: its smooth layer's range, or the formula.
+    llm-compressor has no rule for it (it writes them); graphcal refuses them (ChannelScales)."""
+    bad = ~torch.isfinite(hi - lo)
+    if bool(bad.any()):
+        return (f"the calibration data gives {m.candidate.tensor} no finite range on {int(bad.sum())} channel(s) "
+                "(it overflows or is NaN there)")
+    if algorithm == "log_equalization":
+        return "range / log2(2 + range) overflows"
+    return f"range^{strength:g} / (2 max|W|)^{1 - strength:g} overflows"
 
 
 class SmoothQuant:
