@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from graphcal.cli import cli
 
@@ -38,15 +38,17 @@ def _one_line_error(result, code: int) -> str:
     return lines[0]
 
 
-def _zero_channel_model(path, column_scale: float = 1.0, residual: bool = False):
+def _zero_channel_model(path, column_scale: float = 1.0, residual: bool = False, dtype=np.float32, bias: float = 0.0):
     """x [batch, seq, 8] -> LayerNormalization whose scale and bias are 0 on channel ZERO -> q_proj
     and k_proj MatMuls ([8, 4] weights, as the legacy exporter names them). ``column_scale``
     multiplies every balance weight's row ZERO (1e-40: denormals); ``residual``: the norm's output
-    is a graph output too (no fold is exact: only an explicit Mul smooths it)."""
+    is a graph output too (no fold is exact: only an explicit Mul smooths it); ``dtype`` the model's
+    float type; ``bias`` the norm's bias on channel ZERO (the channel's constant value)."""
     rng = np.random.default_rng(0)
-    gamma = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
-    beta = rng.uniform(-0.2, 0.2, HIDDEN).astype(np.float32)
-    gamma[ZERO] = beta[ZERO] = 0.0
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    gamma = rng.uniform(0.5, 1.5, HIDDEN).astype(dtype)
+    beta = rng.uniform(-0.2, 0.2, HIDDEN).astype(dtype)
+    gamma[ZERO], beta[ZERO] = 0.0, bias
     inits = [numpy_helper.from_array(gamma, "layers.0.input_layernorm.weight"),
              numpy_helper.from_array(beta, "layers.0.input_layernorm.bias")]
     ln = "/layers.0/input_layernorm/LayerNormalization"
@@ -55,24 +57,24 @@ def _zero_channel_model(path, column_scale: float = 1.0, residual: bool = False)
                               axis=-1, epsilon=1e-5)]
     outputs = []
     for i, proj in enumerate(("q_proj", "k_proj")):
-        w = rng.normal(0, 0.5, (HIDDEN, OUT)).astype(np.float32)
-        w[ZERO] *= np.float32(column_scale)
+        w = rng.normal(0, 0.5, (HIDDEN, OUT)).astype(dtype)
+        w[ZERO] *= dtype(column_scale)
         name = f"onnx::MatMul_{100 + i}"
         inits.append(numpy_helper.from_array(w, name))
         path_ = f"/layers.0/self_attn/{proj}/MatMul"
         nodes.append(helper.make_node("MatMul", [h, name], [f"{path_}_output_0"], name=path_))
-        outputs.append(helper.make_tensor_value_info(f"{path_}_output_0", TensorProto.FLOAT, ["batch", "seq", OUT]))
+        outputs.append(helper.make_tensor_value_info(f"{path_}_output_0", elem, ["batch", "seq", OUT]))
     if residual:
-        outputs.append(helper.make_tensor_value_info(h, TensorProto.FLOAT, ["batch", "seq", HIDDEN]))
+        outputs.append(helper.make_tensor_value_info(h, elem, ["batch", "seq", HIDDEN]))
     graph = helper.make_graph(nodes, "zero_norm_channel",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])],
+                              [helper.make_tensor_value_info("x", elem, ["batch", "seq", HIDDEN])],
                               outputs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
     path.mkdir(parents=True, exist_ok=True)
     onnx.save(model, path / "model.onnx")
-    x = rng.normal(0, 1, (16, 5, HIDDEN)).astype(np.float32)
+    x = rng.normal(0, 1, (16, 5, HIDDEN)).astype(dtype)
     x[..., 1] *= 20  # an outlier channel for SmoothQuant to move
     np.savez(path / "calib.npz", x=x)
     return path
@@ -162,6 +164,20 @@ def test_scales_that_overflow_in_range_fail_naming_the_mapping(tmp_path):
     line = _one_line_error(result, 1)
     assert "SmoothQuant" in line and "layers.0.input_layernorm" in line and "q_proj" in line, line
     assert "not finite" in line and "overflows" in line, line
+    assert not out.exists()
+
+
+def test_a_float16_constant_channel_whose_1_over_s_overflows_fails_naming_the_mapping(tmp_path):
+    """float16: a constant channel's scale is the floor 1e-5, and 1/s = 1e5 is past float16's 65504
+    (the taps and an explicit Mul multiply by it; the bias 1 divided by s would be too). It fails
+    naming the mapping; nothing is written."""
+    model = _zero_channel_model(tmp_path / "m", dtype=np.float16, bias=1.0)
+    out = tmp_path / "out"
+    result = _cli("run", model / "model.onnx", "--data", model / "calib.npz", "-o", out,
+                  "--scheme", "W8A8_STATIC", "--smoothquant", "norms")
+    line = _one_line_error(result, 1)
+    assert "SmoothQuant" in line and "layers.0.input_layernorm" in line and "1/s in float16" in line, line
+    assert "s down to 1e-05" in line, line
     assert not out.exists()
 
 

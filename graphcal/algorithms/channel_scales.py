@@ -94,7 +94,8 @@ class ChannelScales:
         dtype = _np_dtype(types, m.candidate.activation)
         with np.errstate(over="ignore"):  # an overflow is refused just below
             inverse = (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
-        refuse_nonfinite(m, self.method, inverse, f"1/s in {np.dtype(dtype).name}")
+        smallest = float(self.scales[m.candidate.activation].min())
+        refuse_nonfinite(m, self.method, inverse, f"1/s in {np.dtype(dtype).name} (s down to {smallest:g})")
         return inverse
 
     def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
