@@ -6,6 +6,7 @@ import pytest
 from compressed_tensors.quantization import preset_name_to_scheme
 
 from graphcal.config import build_config, observer_name, resolve_scheme, scheme_names
+from graphcal.config.schemes import resolve_kv_cache
 from graphcal.errors import UsageError
 from graphcal.types import Target
 
@@ -37,6 +38,16 @@ def test_json_scheme_and_its_validation():
         resolve_scheme("{oops", ["Linear"])
     with pytest.raises(UsageError, match="unknown scheme 'W9A9'"):
         resolve_scheme("W9A9", ["Linear"])
+
+
+def test_json_scheme_with_a_key_given_twice_is_refused():
+    """json keeps the last of a key given twice, silently: refused, at any depth."""
+    with pytest.raises(UsageError, match="--scheme JSON gives the key 'weights' twice"):
+        resolve_scheme('{"weights": {"num_bits": 8}, "weights": {"num_bits": 4}}', ["Linear"])
+    with pytest.raises(UsageError, match="--scheme JSON gives the key 'num_bits' twice"):
+        resolve_scheme('{"weights": {"num_bits": 8, "strategy": "channel", "num_bits": 4}}', ["Linear"])
+    with pytest.raises(UsageError, match="--kv-cache-scheme JSON gives the key 'num_bits' twice"):
+        resolve_kv_cache('{"num_bits": 8, "type": "float", "num_bits": 4}')
 
 
 def test_observer_defaults_follow_llm_compressor():

@@ -126,7 +126,9 @@ def test_observer_mapping_and_cli_observer():
     ("SmoothQuantModifier: {alpha: 0.5}\nQuantizationModifier: {scheme: W8A8}\n", "SmoothQuantModifier.alpha"),
     ("SmoothQuantModifier: {mappings: [[a]]}\nQuantizationModifier: {scheme: W8A8}\n", "mappings[0] must be"),
     ("SmoothQuantModifier: {smoothing_strength: .nan}\nQuantizationModifier: {scheme: W8A8}\n",
-     "smoothing strength must be a finite number"),
+     "SmoothQuantModifier: smoothing_strength must be a finite number from 0 to 1"),
+    ("SmoothQuantModifier: {smoothing_strength: 50}\nQuantizationModifier: {scheme: W8A8}\n",
+     "SmoothQuantModifier: smoothing_strength must be from 0 to 1"),
     ("SmoothQuantModifier: {algorithm: magic}\nQuantizationModifier: {scheme: W8A8}\n", "SmoothQuantModifier.algorithm"),
     ("stage:\n  recipe_stuff: {}\n", "unknown key stage.recipe_stuff"),
     ("- a\n- list\n", "a recipe is a mapping"),
@@ -144,6 +146,70 @@ def test_bad_recipes_give_one_line(llama_dir, tmp_path, text, message):
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
     assert not (tmp_path / "o").exists()
+
+
+# -- a key given twice: YAML keeps the last silently, graphcal refuses it -------------------------------
+
+TWICE_STAGED = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      scheme: W8A8
+    QuantizationModifier:
+      scheme: W4A16
+"""
+TWICE_BARE = """QuantizationModifier: {scheme: W8A8}
+QuantizationModifier: {scheme: FP8}
+"""
+TWICE_NESTED = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      targets: [Linear]
+      scheme: W8A8
+      ignore: [lm_head]
+      scheme: W4A16
+"""
+TWICE_DEEP = """QuantizationModifier:
+  config_groups:
+    g:
+      targets: [Linear]
+      weights: {num_bits: 8, strategy: channel, num_bits: 4}
+"""
+TWICE_STAGE = """stage:
+  quant_modifiers:
+    QuantizationModifier: {scheme: W8A8}
+stage:
+  quant_modifiers:
+    QuantizationModifier: {scheme: FP8}
+"""
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    (TWICE_STAGED, "QuantizationModifier", (3, 5)),
+    (TWICE_BARE, "QuantizationModifier", (1, 2)),
+    (TWICE_NESTED, "scheme", (5, 7)),
+    (TWICE_DEEP, "num_bits", (5, 5)),
+    (TWICE_STAGE, "stage", (1, 4)),
+])
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_a_key_given_twice_is_refused(llama_dir, tmp_path, text, key, lines, command):
+    out = tmp_path / "o"
+    result = CliRunner().invoke(cli, [command, str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "-o", str(out), "--recipe", str(_recipe(tmp_path, text))])
+    assert result.exit_code == 2, result.output
+    out_lines = result.output.strip().splitlines()
+    assert len(out_lines) == 1 and "Traceback" not in result.output, result.output
+    assert f"the key '{key}' is given twice in one mapping (line {lines[0]}, then line {lines[1]})" in out_lines[0], \
+        out_lines[0]
+    assert "recipe.yaml" in out_lines[0]
+    assert not out.exists()
+
+
+def test_keys_equal_once_read_are_the_same_key_and_merges_may_override():
+    with pytest.raises(UsageError, match="the key '8' is given twice"):  # 010 is YAML 1.1's octal 8
+        parse_recipe("QuantizationModifier:\n  scheme: W8A8\n  ignore: {8: a, 010: b}\n")
+    # a merge brings keys that the mapping may override, as YAML allows: not a key given twice
+    text = "QuantizationModifier:\n  <<: {scheme: FP8, targets: [Linear]}\n  scheme: W8A8\n"
+    assert parse_recipe(text).quantization["scheme"] == "W8A8"
 
 
 def test_targets_cannot_override_config_groups(llama_dir, tmp_path):

@@ -4,6 +4,10 @@ Both algorithms pick, for each mapping (a smooth layer and the balance layers re
 graph.scaling.Mapping), a per-channel scale s; the model computes the same function with the smooth
 layer's output divided by s and the balance weights' input columns multiplied by s. They differ only
 in how s is chosen (:class:`ScaleMethod`), and the output model records which one made them.
+
+Nothing that is not finite is ever written: a scale that is not finite and positive, or a value
+it makes (a smoothed weight, a norm constant divided by s, 1/s in the activation's dtype) that
+overflows, is a GraphcalError naming the mapping (:func:`check_scales`, :func:`refuse_nonfinite`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 
 from graphcal.calibration.plan import RunPlan
+from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
 from graphcal.graph.targets import torch_weight
+from graphcal.observers.helpers import all_finite
 from graphcal.types import Target
 
 
@@ -64,6 +71,7 @@ class ChannelScales:
     def __post_init__(self):
         for m in self.mappings:
             s = self.scales[m.candidate.activation]
+            check_scales(m, s, self.method)
             for b in m.balance:
                 self.columns.setdefault(b, []).append(s)
             if m.candidate.linear is not None:
@@ -84,7 +92,11 @@ class ChannelScales:
     def _inverse(self, m: Mapping, types) -> np.ndarray:
         """1/s as the graph multiplies by it (in the activation's dtype)."""
         dtype = _np_dtype(types, m.candidate.activation)
-        return (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            inverse = (1.0 / self.scales[m.candidate.activation].double()).numpy().astype(dtype)
+        smallest = float(self.scales[m.candidate.activation].min())
+        refuse_nonfinite(m, self.method, inverse, f"1/s in {np.dtype(dtype).name} (s down to {smallest:g})")
+        return inverse
 
     def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
         """A target's torch [out, in] weight, smoothed: input columns times s, output rows over s
@@ -96,6 +108,9 @@ class ChannelScales:
             w = (w * s[None, :]).to(dtype)
         for s in self.rows.get(t.name, []):
             w = (w / s[:, None]).to(dtype)
+        if w.is_floating_point() and not all_finite(w):  # (the weight pass refuses a weight non-finite before)
+            m = next(m for m in self.mappings if t.name in m.balance or t.name == m.candidate.linear)
+            refuse_nonfinite(m, self.method, w, f"{t.name}'s weight scaled by s ({str(dtype).removeprefix('torch.')})")
         return w
 
     def column_scale(self, t: Target) -> torch.Tensor | None:
@@ -150,13 +165,17 @@ class ChannelScales:
                                     "balance": list(m.balance), "strength": self.strengths.get(m.candidate.activation)}
                                    for m in self.mappings]}
         model.metadata_props.add(key=self.method.metadata_key, value=json.dumps(record, separators=(",", ":")))
-        params, scales = [], {}
-        for m in self.mappings:
+        before = {i.name for i in model.graph.initializer}
+        for m in (m for m in self.mappings if m.candidate.params):  # one at a time: an overflow names its mapping
             s = self.scales[m.candidate.activation].numpy()
-            for p in m.candidate.params:
-                params.append(p)
-                scales[p] = s
-        divide_params(model, params, scales, run.base_dir)
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
+                divide_params(model, list(m.candidate.params), {p: s for p in m.candidate.params}, run.base_dir)
+            for init in model.graph.initializer:
+                if init.name not in before:
+                    before.add(init.name)
+                    value = numpy_helper.to_array(init)
+                    if value.dtype.kind == "f":
+                        refuse_nonfinite(m, self.method, value, f"{init.name} (a constant divided by s)")
         for m in self.mappings:
             if m.explicit:
                 x = m.candidate.activation
@@ -194,6 +213,33 @@ class ChannelScales:
         w = torch.from_numpy(torch_weight(model, t, base_dir))
         replace_weight(model, t, self.weight(t, w).numpy(), base_dir)
 
+
+def check_scales(m: Mapping, s: torch.Tensor, method: ScaleMethod = ScaleMethod.SMOOTHQUANT, why: str = "") -> None:
+    """Every scale of mapping ``m`` finite and positive, else a GraphcalError naming it (``why``: the cause, if known)."""
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        channel = int(bad.nonzero()[0, 0])
+        raise GraphcalError(f"{_name(method)} {m.describe()}: {int(bad.sum())} of {s.numel()} channel scale(s) are not "
+                            f"finite and positive (channel {channel}: {float(s[channel]):g})"
+                            f"{'; ' + why if why else ''}; graphcal writes no such scale")
+
+
+def refuse_nonfinite(m: Mapping, method: ScaleMethod, value, what: str) -> None:
+    """A GraphcalError naming mapping ``m`` when ``value`` (numpy or torch), made from its scales, is not all finite."""
+    finite = torch.isfinite(value) if isinstance(value, torch.Tensor) else np.isfinite(value)
+    if not bool(finite.all()):
+        raise GraphcalError(f"{_name(method)} {m.describe()}: {what} is not finite in {int((~finite).sum())} "
+                            f"value(s) (the scales overflow its type); graphcal writes no such value: {_advice(method)}")
+
+
+def _advice(method: ScaleMethod) -> str:
+    if method is ScaleMethod.SMOOTHQUANT:
+        return "leave this mapping out (a SmoothQuantModifier's mappings or ignore), or try a smaller strength"
+    return "leave this layer out of AWQ's mappings"
+
+
+def _name(method: ScaleMethod) -> str:
+    return "SmoothQuant" if method is ScaleMethod.SMOOTHQUANT else "AWQ"
 
 
 def _np_dtype(types, tensor: str):

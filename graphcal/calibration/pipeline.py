@@ -123,7 +123,8 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
         recipe=recipe, smoothquant=smoothquant, smoothing_strength=smoothing_strength, algorithm=algorithm,
         group_size=group_size, gptq_order=gptq_order))
     ready = prepare(model, config, target=target, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
-                    num_samples=num_samples, exclude_padding=exclude_padding, device=device, join=True)
+                    num_samples=num_samples, exclude_padding=exclude_padding, device=device, join=True,
+                    reduce_in_graph=reduce_in_graph)
     run, calib = ready.plan, ready.calib
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb)

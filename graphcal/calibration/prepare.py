@@ -5,7 +5,8 @@
     data --load_data--> the calibration data, checked against the model's inputs (headers only)
     --exclude-padding: an attention_mask among the inputs
     torchrun: this process joins the job (run only)
-    GPTQ and AWQ: what their passes need of the data and of memory
+    GPTQ, AWQ and SmoothQuant: what their passes need of the data (a CalibrationDataReader is read
+    once) and of memory
 
 So `inspect` refuses what `run` would refuse, before either calibrates anything.
 """
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphcal.algorithms.gptq.stage import check_one_pass
+from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.distributed import Dist, from_env
 from graphcal.calibration.plan import RunPlan, plan
+from graphcal.calibration.seams import PassSettings
 from graphcal.config import RunConfig
 from graphcal.data import Calibration, check_padding_input, data_label, graph_inputs, load_data
 from graphcal.errors import UsageError
@@ -37,10 +40,10 @@ class Prepared:
 
 def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime", matmulnbits: int | None = None,
             data=None, batch_size: int | None = None, num_samples: int | None = None, exclude_padding: bool = False,
-            device: str = "auto", join: bool = False) -> Prepared:
+            device: str = "auto", join: bool = False, reduce_in_graph: bool = True) -> Prepared:
     """Check a run of ``config`` on ``model`` with ``data`` for ``target`` before any pass; ``join``
-    (run only): join the torchrun job the environment describes. Raises GraphcalError or UsageError
-    for everything that can be known before calibrating."""
+    (run only): join the torchrun job the environment describes; ``reduce_in_graph``: as the passes
+    will run. Raises GraphcalError or UsageError for everything that can be known before calibrating."""
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     run = plan(Path(model), config, target, matmulnbits)
     inputs = graph_inputs(run.model)
@@ -54,6 +57,14 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
         raise UsageError("GPTQ's sequential order and AWQ read the data once per layer block, and a "
                          "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
                          "or use --gptq-order one-pass without AWQ")
+    if calib is not None and not calib.rereadable and (smoothquant := SmoothQuant.for_plan(run)) is not None:
+        why = smoothquant.second_pass(PassSettings(dist=dist, exclude_padding=exclude_padding,
+                                                   reduce_in_graph=reduce_in_graph))
+        if why is not None:  # the rule smooth_and_calibrate follows, asked before anything is read
+            raise UsageError(f"SmoothQuant needs a pass over the data of its own here ({why}), and a "
+                             "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
+                             "or use an observer SmoothQuant replays from the calibration pass (static_minmax per tensor "
+                             "or per group, W8A8_STATIC's default)")
     if gptq is not None and gptq.order == "one-pass":
         check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
     return Prepared(run, calib, names, dist)

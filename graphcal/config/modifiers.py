@@ -175,6 +175,7 @@ def awq_fields(args, where: str) -> dict[str, Any]:
 def smoothquant_fields(args, where: str) -> dict[str, Any]:
     """A SmoothQuantModifier's fields, checked as llm-compressor checks them."""
     fields = validated(SmoothQuantFields, args, where, one_shot="SmoothQuant")
+    check_strength(fields["smoothing_strength"], f"{where}: smoothing_strength")  # refused as it is read
     return {k: fields[k] for k in ("smoothing_strength", "mappings", "ignore", "algorithm")}
 
 
@@ -219,8 +220,9 @@ def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModi
     for m in mappings:
         for p in (*m.balance, m.smooth):
             check_regex(p, where)
-    return Smoothing(strength=check_strength(fields.get("smoothing_strength", 0.5)), mappings=mappings,
-                     ignore=tuple(fields.get("ignore") or ()), algorithm=fields.get("algorithm", "smoothquant"))
+    strength = check_strength(fields.get("smoothing_strength", 0.5), f"{where}: smoothing_strength")
+    return Smoothing(strength=strength, mappings=mappings, ignore=tuple(fields.get("ignore") or ()),
+                     algorithm=fields.get("algorithm", "smoothquant"))
 
 
 def _leaves(entry, depth: int = 0) -> list:

@@ -159,8 +159,17 @@ def check_scope(scope: str) -> str:
     return scope
 
 
-def check_strength(value) -> float:
-    """SmoothQuant's alpha: any finite number, as llm-compressor takes it (0.5 by default; 0 to 1 is usual)."""
+STRENGTH_RANGE = (0.0, 1.0)  # llm-compressor's SmoothQuantModifier: "alpha, intensity of smoothing (0-1 range)"
+
+
+def check_strength(value, what: str = "smoothing strength") -> float:
+    """SmoothQuant's alpha: a number from 0 to 1, the range llm-compressor documents for
+    smoothing_strength (0.5 by default). Outside it a^alpha / w^(1-alpha) overflows or divides by
+    zero (50: inf and NaN scales; -1 on a constant channel: 1/0)."""
+    low, high = STRENGTH_RANGE
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError(f"smoothing strength must be a finite number, got {value!r}")
+        raise UsageError(f"{what} must be a finite number from {low:g} to {high:g}, got {shown(repr(value))}")
+    if not low <= value <= high:
+        raise UsageError(f"{what} must be from {low:g} to {high:g} (llm-compressor's range for SmoothQuant's alpha; "
+                         f"50% is 0.5), got {value!r}")
     return float(value)

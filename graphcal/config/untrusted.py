@@ -2,7 +2,8 @@
 
 A ``--scheme`` / ``--kv-cache-scheme`` JSON is read up to 1 MB and 32 levels of nesting; a
 recipe's YAML with PyYAML's safe loader, a nesting cap and a cap on its size with every alias
-expanded. Every limit is a one-line :class:`~graphcal.errors.UsageError`. Imports nothing of
+expanded. In both, a key given twice in one mapping is refused (each format would keep the last
+silently). Every limit is a one-line :class:`~graphcal.errors.UsageError`. Imports nothing of
 graphcal's but its errors.
 """
 
@@ -43,7 +44,17 @@ def load_json(text: str, what: str):
                 raise UsageError(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; a scheme needs 3")
         elif ch in "]}":
             depth -= 1
-    return json.loads(text)
+
+    def once(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise UsageError(f"{what} JSON gives the key {shown(key)!r} twice in one object; json would keep only "
+                                 "the last, so give it once")
+            out[key] = value
+        return out
+
+    return json.loads(text, object_pairs_hook=once)
 
 
 def load_yaml(text: str, where: str):
@@ -63,6 +74,11 @@ def load_yaml(text: str, where: str):
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
+
+        def compose_mapping_node(self, anchor):
+            node = super().compose_mapping_node(anchor)
+            _refuse_duplicate_keys(self, node, where)
+            return node
 
     loader = Loader(text)
     try:
@@ -92,6 +108,29 @@ def load_yaml(text: str, where: str):
         return loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def _refuse_duplicate_keys(loader, node, where: str) -> None:
+    """A key given twice in one mapping of the document as written is a usage error naming it and
+    its lines (YAML keeps the last silently: a second QuantizationModifier would replace the
+    first). Keys compare as the loader reads them (``1`` and ``01`` are one key); ``<<`` merges are
+    not keys (what they bring may be overridden, as YAML allows)."""
+    import yaml  # lazy: only a recipe needs PyYAML (loaded already by load_yaml)
+
+    seen: dict = {}  # key -> the line it was first given on
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # a merge, or a complex key (the safe loader refuses unhashable keys itself)
+        try:
+            key = loader.construct_object(key_node)
+            again = key in seen
+        except (TypeError, yaml.YAMLError):  # an unhashable or unknown key: the constructor refuses it later
+            continue
+        line = key_node.start_mark.line + 1
+        if again:
+            raise UsageError(f"{where}: the key {shown(str(key))!r} is given twice in one mapping (line {seen[key]}, "
+                             f"then line {line}); YAML would keep only the last, so give it once")
+        seen[key] = line
 
 
 def shown(text: str) -> str:

@@ -29,14 +29,14 @@ import logging
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from graphcal.algorithms.channel_scales import ChannelScales, taps_of
+from graphcal.algorithms.channel_scales import ChannelScales, check_scales, taps_of
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
 from graphcal.data import Calibration
-from graphcal.graph.scaling import Mapping
+from graphcal.graph.scaling import TAP_PREFIX, Mapping
 from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import torch_weight
 from graphcal.observers import Observer
@@ -127,7 +127,8 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
                   inputs=inputs, tap_limit_mb=tap_limit_mb)
     smoothed_of = {m.tapped: m for m in mappings}
     deferred = [c for c in observers.consumers if c.tensor in smoothed_of]
-    if dist is None and not exclude_padding and reduce_in_graph and all(_replayable(c) for c in deferred):
+    why = second_pass(deferred, dist=dist, exclude_padding=exclude_padding, reduce_in_graph=reduce_in_graph)
+    if why is None:
         log.info("SmoothQuant and calibration in one pass (%d observers of smoothed activations replayed)", len(deferred))
         also = {smoothed_of[c.tensor].candidate.activation: smoothed_of[c.tensor].candidate.channels for c in deferred}
         others = [c for c in observers.consumers if c.tensor not in smoothed_of]
@@ -142,10 +143,32 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
             lo, hi = extrema[m.candidate.activation]
             _replay(c, lo.to(inverse.dtype) * inverse, hi.to(inverse.dtype) * inverse)
         return smoothed, result
+    log.info("SmoothQuant's ranges in a pass of their own before the calibration pass: %s", why)
     smoothed = collect(run, calib, **kwargs)
     result = run_activation_pass(run, observers, calib, reduce_in_graph=reduce_in_graph,
                                  prelude=smoothed.prelude(run.types), **kwargs)
     return smoothed, result
+
+
+def second_pass(deferred: list[Consumer], *, dist=None, exclude_padding: bool = False,
+                reduce_in_graph: bool = True) -> str | None:
+    """Why SmoothQuant needs a pass of its own before the calibration pass, given the consumers of
+    the smoothed activations (``deferred``) and how the passes run; None: one pass does (its
+    ranges taken in the calibration pass, the observers' extrema replayed through 1/s). The one
+    rule: :func:`smooth_and_calibrate` follows it, and calibration.prepare refuses with it what
+    cannot be read twice (:meth:`SmoothQuant.second_pass`)."""
+    if dist is not None:
+        return "under torchrun the ranges are gathered from every rank first"
+    if exclude_padding:
+        return "--exclude-padding masks the smoothed activations"
+    if not reduce_in_graph:
+        return "reduce_in_graph=False: the observers take whole tensors"
+    for c in deferred:
+        if not _replayable(c):
+            what = {Feed.HESSIAN: "GPTQ's Hessian", Feed.IMPORTANCE: "the importance statistics"}.get(
+                c.feed, f"the {c.observer.observer_name} observer")
+            return f"{what} of {c.tensor.removeprefix(TAP_PREFIX)} (smoothed) needs more than per-tensor or per-group extrema"
+    return None
 
 
 def _replayable(c: Consumer) -> bool:
@@ -197,11 +220,22 @@ def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: di
         else:
             strength = settings.strength
         s, raw = smoothing_scales(lo, hi, weights, strength, settings.algorithm)
+        check_scales(m, s, why=_why_not_finite(m, lo, hi, strength, settings.algorithm))
         scales[x], unclamped[x], strengths[x] = s, raw, strength
         log.info("smoothing %s: strength %g, scales %.3g..%.3g", m.describe(), strength, float(s.min()), float(s.max()))
     return ChannelScales(mappings, scales, unclamped, dict(ranges), strengths=strengths)
 
 
+def _why_not_finite(m: Mapping, lo: torch.Tensor, hi: torch.Tensor, strength: float, algorithm: str) -> str:
+    """Why a mapping's scales may come out not finite: its smooth layer's range, or the formula.
+    llm-compressor has no rule for it (it writes them); graphcal refuses them (ChannelScales)."""
+    bad = ~torch.isfinite(hi - lo)
+    if bool(bad.any()):
+        return (f"the calibration data gives {m.candidate.tensor} no finite range on {int(bad.sum())} channel(s) "
+                "(it overflows or is NaN there)")
+    if algorithm == "log_equalization":
+        return "range / log2(2 + range) overflows"
+    return f"range^{strength:g} / (2 max|W|)^{1 - strength:g} overflows"
 
 
 class SmoothQuant:
@@ -220,6 +254,16 @@ class SmoothQuant:
 
     def taps(self) -> dict[str, str]:
         return taps_of(self.run.smoothing.mappings)
+
+    def second_pass(self, settings: PassSettings, observers: Consumers | None = None) -> str | None:
+        """Why this run's SmoothQuant needs a pass over the data before the calibration pass (None:
+        it runs in that pass; :func:`second_pass`). ``observers``: the run's (None: built from the
+        plan, as the pipeline will build them), so calibration.prepare can ask before any pass."""
+        if observers is None:
+            observers = ObserverSet(self.run, self.taps())
+        smoothed = {m.tapped for m in self.run.smoothing.mappings}
+        return second_pass([c for c in observers.consumers if c.tensor in smoothed], dist=settings.dist,
+                           exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
         k = settings.kwargs()
