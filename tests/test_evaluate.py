@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,14 @@ def test_numbers_match_onnxruntime_runs(llama_dir, quantized):
     by_sqnr = sorted(report["layers"], key=lambda layer: layer["sqnr_db"])
     assert report["worst_layers"] == [layer["name"] for layer in by_sqnr[:3]]
     median = float(np.median([layer["sqnr_db"] for layer in report["layers"]]))
-    assert report["suggested_ignore"] == [layer["name"] for layer in by_sqnr if layer["sqnr_db"] < median - 6]
+    flagged = [layer["name"] for layer in by_sqnr if layer["sqnr_db"] < median - 6]
+    assert "suggested_ignore" not in report  # one key to paste: suggested_flags, which keeps lm_head ignored
+    flags = report["suggested_flags"]
+    assert flags[::2] == ["--ignore"] * (len(flags) // 2)
+    values = flags[1::2]
+    assert values[:1] == (["lm_head"] if flagged else [])
+    patterns = [re.compile(v[3:]) for v in values if v.startswith("re:")]
+    assert all(n in values or any(p.fullmatch(n) for p in patterns) for n in flagged)
 
 
 def test_text_and_html(llama_dir, quantized, tmp_path):
