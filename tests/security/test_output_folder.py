@@ -279,11 +279,11 @@ def test_sigterm_while_calibrating(tmp_path, llama_dir):
 
 
 def test_a_held_lock_refuses_a_second_run_at_once(tmp_path, bert_dir, monkeypatch):
-    import graphcal.calibration.pipeline
+    import graphcal.calibration.prepare
 
     out = tmp_path / "out"
     with reserve_output(out):
-        monkeypatch.setattr(graphcal.calibration.pipeline, "plan", _never)  # refused before any work
+        monkeypatch.setattr(graphcal.calibration.prepare, "plan", _never)  # refused before any work
         one_error(run(bert_dir, out), f"another graphcal run is writing to -o {out} (pid {os.getpid()})")
         monkeypatch.undo()
     assert beside(out) == []
@@ -328,13 +328,13 @@ def test_a_new_output_follows_the_umask(tmp_path, bert_dir):
 
 
 def test_a_mount_point_is_refused_before_calibrating(tmp_path, bert_dir, monkeypatch):
-    import graphcal.calibration.pipeline
+    import graphcal.calibration.prepare
 
     out = tmp_path / "mnt"
     out.mkdir()
     real = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
-    monkeypatch.setattr(graphcal.calibration.pipeline, "plan", _never)
+    monkeypatch.setattr(graphcal.calibration.prepare, "plan", _never)
     one_error(run(bert_dir, out), f"-o {out} is a mount point; graphcal replaces the folder whole: "
                                   "give a folder inside it")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
