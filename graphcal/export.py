@@ -14,16 +14,22 @@ with the wrapper's attribute). Instead :func:`export_torch` temporarily sets an 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from graphcal.errors import GraphcalError, UsageError, first_line
+from graphcal.export_text import check_seq, pack_windows, tokenize_lines  # noqa: F401 -- pack_windows: its old home
 from graphcal.graph import io as graph_io
 from graphcal.limits import read_regular
-from graphcal.output import releases_outputs, reserve_output
+from graphcal.output import check_output_dir, releases_outputs, reserve_output
+from graphcal.output.process import on_abort
+
+log = logging.getLogger("graphcal")
 
 MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
 
@@ -118,7 +124,8 @@ def export_torch(
     module.forward = forward
     try:
         args = tuple(example_inputs[n] for n in input_names)
-        with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, on_abort(
+                lambda: shutil.rmtree(tmp, ignore_errors=True)):  # removed too when a signal stops the export
             tmp_path = Path(tmp) / "model.onnx"
             if dynamo:
                 if opset < 18:
@@ -184,44 +191,6 @@ class Exported:
     padding: float | None = None  # padded positions / all positions in calib.npz
 
 
-def pack_windows(token_lists: list[list[int]], seq: int, separator: int | None) -> tuple[list[list[int]], int]:
-    """Token lists joined into one stream (``separator`` after each list that does not already end
-    with it) and cut into full windows of ``seq`` tokens; returns (windows, tokens dropped from
-    the last, partial window). A stream shorter than ``seq`` gives no window."""
-    stream: list[int] = []
-    for ids in token_lists:
-        stream.extend(ids)
-        if separator is not None and (not ids or ids[-1] != separator):
-            stream.append(separator)
-    count = len(stream) // seq
-    return [stream[i * seq:(i + 1) * seq] for i in range(count)], len(stream) - count * seq
-
-
-def tokenize_lines(tokenizer, lines: list[str], names: list[str], seq: int, *, pack: bool = False,
-                   num_samples: int | None = None, source: str = "the text") -> dict:
-    """The model inputs ``names`` for ``lines`` as int64 arrays [samples, seq]: one row per line,
-    padded or truncated to ``seq`` (pad: the tokenizer's, else its EOS or UNK), or with ``pack``
-    full windows of the joined lines (:func:`pack_windows`, at most ``num_samples``)."""
-    import numpy as np  # lazy: kept off the CLI's start-up path
-
-
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    if pack:
-        windows, _ = pack_windows(tokenizer(lines)["input_ids"], seq, tokenizer.eos_token_id)
-        if not windows:
-            raise GraphcalError(f"--pack: {source} holds fewer than --seq {seq} tokens; lower --seq or add text")
-        ids = np.asarray(windows[:num_samples], dtype=np.int64)
-        encoded = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-    else:
-        encoded = tokenizer(lines, padding="max_length", truncation=True, max_length=seq, return_tensors="np")
-    arrays = {n: np.asarray(encoded[n], dtype=np.int64) for n in names if n in encoded}
-    missing = [n for n in names if n not in arrays]
-    if missing:
-        raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
-    return arrays
-
-
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
                       num_samples: int | None = None, pack: bool = False) -> Exported:
@@ -250,9 +219,15 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} is not a transformers model folder (no config.json)")
     opset = opset or (18 if dynamo else 17)
-    slot = reserve_output(out_dir, [model_dir, *([text] if text is not None else [])], main=True)
+    sources = [model_dir, *([text] if text is not None else [])]
+    check_output_dir(out_dir, sources)  # reads only: -o refused before the config is read
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise GraphcalError(f"cannot load the model in {model_dir}: {first_line(e)}") from e
+    check_seq(seq, config)  # before -o is locked or anything heavy is loaded
+    slot = reserve_output(out_dir, sources, main=True)
+    try:
         causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
         auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
         model = auto.from_pretrained(model_dir, local_files_only=True, attn_implementation="eager").eval()
@@ -287,6 +262,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             lines = lines[:num_samples]
         if not lines:
             raise GraphcalError(f"{text} holds no non-empty lines")
+        log.info("tokenizing %s lines of %s", f"{len(lines):,}", text)
         arrays = tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
 
     def write(tmp: Path) -> list[Path]:

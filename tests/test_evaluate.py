@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,14 @@ def test_numbers_match_onnxruntime_runs(llama_dir, quantized):
     by_sqnr = sorted(report["layers"], key=lambda layer: layer["sqnr_db"])
     assert report["worst_layers"] == [layer["name"] for layer in by_sqnr[:3]]
     median = float(np.median([layer["sqnr_db"] for layer in report["layers"]]))
-    assert report["suggested_ignore"] == [layer["name"] for layer in by_sqnr if layer["sqnr_db"] < median - 6]
+    flagged = [layer["name"] for layer in by_sqnr if layer["sqnr_db"] < median - 6]
+    assert "suggested_ignore" not in report  # one key to paste: suggested_flags, which keeps lm_head ignored
+    flags = report["suggested_flags"]
+    assert flags[::2] == ["--ignore"] * (len(flags) // 2)
+    values = flags[1::2]
+    assert values[:1] == (["lm_head"] if flagged else [])
+    patterns = [re.compile(v[3:]) for v in values if v.startswith("re:")]
+    assert all(n in values or any(p.fullmatch(n) for p in patterns) for n in flagged)
 
 
 def test_text_and_html(llama_dir, quantized, tmp_path):
@@ -293,3 +301,59 @@ def test_a_large_constant_beside_a_layer_is_read_from_the_models_folder(tmp_path
     np.savez(tmp_path / "data.npz", x=rng.standard_normal((2, n, c)).astype(np.float32))
     report = evaluate(tmp_path / "model.onnx", tmp_path / "model.onnx", tmp_path / "data.npz", batch_size=1)
     assert report.outputs[0].err_sq == 0 and report.outputs[0].ref_sq > 0
+
+
+def _refused_as_input(result, fragment):
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and fragment in errors[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "dotted", "link", "hardlink"])
+def test_an_input_is_never_the_html_output(llama_dir, quantized, tmp_path, monkeypatch, spelling):
+    """`eval REF QUANT --html REF` (however REF is spelled) is refused before any pass; REF is untouched."""
+    import os
+    import shutil
+
+    import graphcal.evaluation.compare as compare
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    ref = folder / "model.onnx"
+    shutil.copy(llama_dir / "model.onnx", ref)
+    before = ref.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    if spelling == "link":
+        (tmp_path / "page.html").symlink_to(ref)
+    if spelling == "hardlink":
+        os.link(ref, tmp_path / "page.html")
+    html = {"same": ref, "relative": Path("m/model.onnx"), "dotted": Path("m/../m/./model.onnx"),
+            "link": Path("page.html"), "hardlink": tmp_path / "page.html"}[spelling]
+    monkeypatch.setattr(compare, "load_data", lambda *a, **k: pytest.fail("a pass began"))
+    _refused_as_input(_eval(ref, quantized, "--data", llama_dir / "heldout.npz", "--html", html),
+                      f"--html {html} would overwrite the input")
+    _refused_as_input(_eval(Path("m/model.onnx"), quantized, "--data", llama_dir / "heldout.npz", "--html", quantized),
+                      "would overwrite the input")
+    _refused_as_input(_eval(ref, quantized, "--data", llama_dir / "heldout.npz", "--html", llama_dir / "heldout.npz"),
+                      "would overwrite the input")
+    assert ref.read_bytes() == before and sorted(p.name for p in folder.iterdir()) == ["model.onnx"]
+
+
+def test_the_html_page_is_replaced_whole(llama_dir, quantized, tmp_path, monkeypatch):
+    """The page is written beside and renamed over: interrupted before the rename, the old page stays and no
+    temporary file is left."""
+    import graphcal.output.file as file
+
+    page = tmp_path / "report.html"
+    page.write_text("old page")
+
+    def fsync(fd):  # the page is in the temporary file: interrupted before the rename
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(file.os, "fsync", fsync)
+    result = _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--html", page)
+    assert result.exit_code == 130 and "interrupted" in result.output, result.output
+    assert page.read_text() == "old page" and [p.name for p in tmp_path.iterdir()] == ["report.html"]
+    monkeypatch.undo()
+    assert _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--html", page).exit_code == 0
+    assert "<svg" in page.read_text() and [p.name for p in tmp_path.iterdir()] == ["report.html"]

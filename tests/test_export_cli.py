@@ -110,3 +110,72 @@ def test_export_pack_has_no_padding_and_says_how_much_padding_the_lines_had(fold
     few = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "c"), "--text", str(path / "calib.txt"),
                                    "--seq", "24", "--pack", "--num-samples", "3"])
     assert few.exit_code == 0 and dict(np.load(tmp_path / "c" / "calib.npz"))["input_ids"].shape == (3, 24)
+
+
+def test_a_seq_past_the_models_context_is_refused_before_anything_heavy(folder, tmp_path, monkeypatch):
+    """--seq 1000000000 made the tokenizer allocate 4 GB and abort (no error line, the lock left):
+    it is refused against the config's max_position_embeddings before the model loads or -o is locked."""
+    import transformers
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    path, _ = folder
+    work = tmp_path / "work"
+    work.mkdir()
+    result = CliRunner().invoke(cli, ["export", str(path), "-o", str(work / "o"), "--text", str(path / "calib.txt"),
+                                      "--seq", "1000000000"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "--seq 1,000,000,000 is past the model's context of 128 tokens (its config's max_position_embeddings)" \
+        in errors[0]
+    assert list(work.iterdir()) == []  # no -o, no lock file
+
+
+def test_seq_is_bounded_when_the_config_names_no_context():
+    from types import SimpleNamespace
+
+    from graphcal.errors import UsageError
+    from graphcal.export_text import MAX_SEQ, check_seq
+
+    check_seq(MAX_SEQ, SimpleNamespace())
+    with pytest.raises(UsageError, match=f"past {MAX_SEQ:,} tokens"):
+        check_seq(MAX_SEQ + 1, SimpleNamespace())
+    check_seq(4096, SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=4096)))
+    with pytest.raises(UsageError, match="context of 1,024 tokens .its config's n_positions"):
+        check_seq(1025, SimpleNamespace(n_positions=1024))
+
+
+def test_one_long_line_costs_the_tokenizer_what_its_tokens_need(folder, tmp_path, monkeypatch):
+    """One ~800 kB line (a 32 MB one peaked at 5.1 GB): the tokenizer sees it cut to what --seq tokens
+    can span (padded rows), or in pieces (--pack); calib.npz is what tokenizing it whole gives."""
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from graphcal.export import pack_windows
+
+    path, _ = folder
+    rng = np.random.default_rng(1)
+    long = " ".join(f"w{i}" for i in rng.integers(0, 254, 200_000))
+    text = tmp_path / "long.txt"
+    text.write_text(long + "\nw1 w2 w3\n")
+    seen = []
+    real = PreTrainedTokenizerBase.__call__
+
+    def spy(self, text=None, *args, **kwargs):
+        seen.extend(len(t) for t in ([text] if isinstance(text, str) else text or []))
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
+    for name, extra in (("rows", []), ("packed", ["--pack"])):
+        result = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / name), "--text", str(text),
+                                          "--seq", "32", *extra])
+        assert result.exit_code == 0, result.output
+    monkeypatch.undo()
+    assert max(seen) <= 1 << 17 < len(long)
+    whole = AutoTokenizer.from_pretrained(path)([long, "w1 w2 w3"])["input_ids"]
+    rows = np.load(tmp_path / "rows" / "calib.npz")["input_ids"]
+    assert rows[0].tolist() == whole[0][:32] and rows[1][:3].tolist() == whole[1]
+    packed = np.load(tmp_path / "packed" / "calib.npz")["input_ids"]
+    np.testing.assert_array_equal(packed, np.array(pack_windows(whole, 32, None)[0]))

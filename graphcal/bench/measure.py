@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from graphcal.data import InputSpec, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model_info, model_files
 from graphcal.graph.targets import find_targets
+from graphcal.output.process import on_abort
 from graphcal.runtime import INT8_SATURATION_NOTE, check_device, cuda_usable, int8_gemm_saturates
 
 log = logging.getLogger("graphcal")
@@ -71,7 +73,8 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         else:
             shapes.append(_skipped_shape("decode", reason))
 
-    with tempfile.TemporaryDirectory(prefix="graphcal-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="graphcal-bench-") as tmp, on_abort(
+            lambda: shutil.rmtree(tmp, ignore_errors=True)):  # removed too when a signal stops bench mid-call
         tmp = Path(tmp)
         runners: dict = {}
         sessions = {label: open_session(paths[label], options(), providers) for label in MODELS}

@@ -45,10 +45,15 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
       graphcal eval models/tiny-llama/model.onnx out/model.onnx --data models/tiny-llama/heldout.npz
     """
     from graphcal.evaluation import evaluate, format_html, format_text  # lazy: loads torch, onnx and onnxruntime
+    from graphcal.output.file import replace_file  # lazy: with the evaluation above
 
-    report = guarded(lambda: evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples,
-                                      level=level, isolated=isolated, sensitivity=sensitivity,
-                                      per_layer=per_layer), debug)
-    if html_path is not None:
-        guarded(lambda: html_path.write_text(format_html(report, f"{quantized} vs {reference}")), debug)
+    def call():
+        report = evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples, level=level,
+                          isolated=isolated, sensitivity=sensitivity, per_layer=per_layer,
+                          writes=[("--html", html_path)] if html_path is not None else [])  # refused before any pass
+        if html_path is not None:  # replaced whole (a temporary file renamed over it), never an input
+            replace_file(html_path, format_html(report, f"{quantized} vs {reference}").encode("utf-8"))
+        return report
+
+    report = guarded(call, debug)
     click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report))

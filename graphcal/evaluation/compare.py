@@ -8,7 +8,9 @@ gives each layer's own error. Sensitivity passes are graphcal.evaluation.sensiti
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
@@ -25,14 +27,18 @@ from graphcal.graph.external import is_external, rebase
 from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
+from graphcal.output.file import check_output_file
 from graphcal.progress import Progress
+
+log = logging.getLogger("graphcal")
 
 LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
              num_samples: int | None = None, level: str = "basic", isolated: bool = False,
-             sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True) -> EvalReport:
+             sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True,
+             writes: Sequence[tuple[str, str | Path]] = ()) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
@@ -52,13 +58,23 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
 
     With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
     graph that reduces each compared pair to six float64 sums (graph.compare), so no activation
-    leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here."""
+    leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here.
+
+    ``writes``: (option, path) of each file the caller will write with the report (the CLI's
+    ``--html``); one that is an input (a model, its external data, the data) is refused before
+    any pass."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    for option, path in writes:
+        check_output_file(path, [reference, candidate, *([data] if isinstance(data, (str, os.PathLike)) else [])],
+                          option)
     # Weights stay on disk (lazy) for the paired graph, where onnxruntime reads them; the other
     # paths run each model as a whole protobuf and load them whole below.
     (ref_model, ref_files), (cand_model, cand_files) = load_model_info(reference, lazy=True), load_model_info(
         candidate, lazy=True)
+    for option, path in writes:  # the models' external data files are inputs too
+        check_output_file(path, [Path(m).parent / f for m, files in ((reference, ref_files), (candidate, cand_files))
+                                 for f in files], option)
     smoothed = smoothquant_record(cand_model)
     if (isolated or sensitivity) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
         # a folded smoothing: the balance layers read x/s, which the fp32 model never computes
@@ -127,6 +143,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     alone = [Agreement(name) for name, _ in layers] if isolated else None
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
     batches = 0
+    log.info("evaluating on %s samples in batches of %s", calib.num_samples, calib.batch_size)
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():

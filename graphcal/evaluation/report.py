@@ -81,8 +81,9 @@ class EvalReport:
                 "layers": [{**a.as_dict(), **({"isolated_sqnr_db": finite(b.sqnr_db)} if b is not None else {})}
                            for a, b in zip(self.layers, self.isolated or [None] * len(self.layers))],
                 "ranked_by": "isolated" if self.isolated is not None else "cumulative",
-                "worst_layers": [a.name for a in self.worst()], "suggested_ignore": self.suggested_ignore(),
-                "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
+                # the advice once, as flags to paste (the model's own ignores kept): the layer names alone,
+                # pasted as --ignore values, would drop the default lm_head ignore
+                "worst_layers": [a.name for a in self.worst()], "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
                 "skipped_layers": self.skipped_layers,
                 **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {})}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ MANIFEST = ".graphcal-manifest.json"  # in every output folder: the files graphc
 FORMAT = 2  # {"graphcal": 2, "files": {name: {"sha256": hex, "size": bytes}}, "about": ...}
 OLD_FORMAT = 1  # {"graphcal": 1, "files": {name: {"mtime_ns": ns, "size": bytes}}, "about": ...}: read, never written
 MAX_MANIFEST_BYTES = 1 << 22
+MAX_MANIFEST_DEPTH = 8  # a manifest nests 3 deep; the cap keeps json's recursion far from Python's limit
 ABOUT = ("graphcal wrote this folder; a later run replaces it only while these files are unchanged "
          "(size and sha256) and nothing else is in it")
 _CHUNK = 1 << 20
@@ -65,14 +67,17 @@ class Manifest:
 
 def read_manifest(folder: Path) -> Manifest | None:
     """``folder``'s manifest, or None when there is no valid one (missing, not a regular file,
-    over 4 MB, not JSON, or of a format this graphcal does not know)."""
+    over 4 MB, nested more than 8 levels deep, not JSON, or of a format this graphcal does not know)."""
     path = folder / MANIFEST
     try:
         st = path.lstat()
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
             return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+        if _depth(text) > MAX_MANIFEST_DEPTH:
+            return None  # a stranger's file: json would recurse once per level (RecursionError)
+        data = json.loads(text)
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("graphcal") not in (FORMAT, OLD_FORMAT):
         return None
@@ -80,6 +85,26 @@ def read_manifest(folder: Path) -> Manifest | None:
         return None
     files = data.get("files")
     return Manifest(data["graphcal"], files) if isinstance(files, dict) else None
+
+
+_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # a JSON string (skipped whole) or a bracket
+
+
+def _depth(text: str) -> int:
+    """How deep ``text``'s arrays and objects nest (brackets inside strings not counted), as
+    config.untrusted bounds option JSON: read before json recurses into it."""
+    depth = deepest = 0
+    for m in _STRUCTURE.finditer(text):
+        ch = m.group()
+        if ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_MANIFEST_DEPTH:
+                    break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def write_manifest(folder: Path, names: list[str]) -> None:

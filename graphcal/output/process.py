@@ -3,15 +3,26 @@
 SIGTERM during the write phase is turned into an interruption (:class:`Terminated`, a
 ``KeyboardInterrupt``) so the temporary folder is removed, as Ctrl-C does; the CLI does so for
 the whole run (:func:`sigterm_as_interrupt`).
+
+Python runs a signal's handler in the main thread between two bytecodes, so a main thread inside
+one long call in C (an onnxruntime run over a big batch, a tokenizer, an exporter) would only see
+the signal when that call returns. The CLI therefore also stops the process from a watching thread
+when the main thread has not taken the signal within a second (graphcal.cli.guard); before it
+exits, it runs what :func:`on_abort` registered: the removal of temporary files and folders and
+the release of ``-o``'s lock, so nothing half written stays behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+_ON_ABORT: dict[int, Callable[[], None]] = {}  # clean-ups for an abort from another thread, by registration order
+_KEYS = itertools.count()
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,3 +61,36 @@ def sigterm_as_interrupt(enabled: bool = True, only_if_default: bool = False) ->
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def register_abort(cleanup: Callable[[], None]) -> int:
+    """Run ``cleanup`` if the process is stopped from another thread (:func:`run_abort_cleanups`)
+    until :func:`unregister_abort` is called with the key returned."""
+    key = next(_KEYS)
+    _ON_ABORT[key] = cleanup
+    return key
+
+
+def unregister_abort(key: int | None) -> None:
+    if key is not None:
+        _ON_ABORT.pop(key, None)
+
+
+@contextlib.contextmanager
+def on_abort(cleanup: Callable[[], None]) -> Iterator[None]:
+    """Inside, ``cleanup`` runs if the process is stopped from another thread (a temporary file's removal)."""
+    key = register_abort(cleanup)
+    try:
+        yield
+    finally:
+        unregister_abort(key)
+
+
+def run_abort_cleanups() -> None:
+    """Run every registered clean-up, the latest first (a temporary folder before the lock beside it);
+    each failure is ignored: the process is about to exit."""
+    for key in sorted(_ON_ABORT, reverse=True):
+        cleanup = _ON_ABORT.pop(key, None)
+        if cleanup is not None:
+            with contextlib.suppress(Exception):
+                cleanup()

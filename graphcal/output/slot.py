@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import stat
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from graphcal.output.folder import TMP_MARKER, check_output_dir, left_by_graphca
 from graphcal.output.lock import AVAILABLE as LOCKS
 from graphcal.output.lock import Lock
 from graphcal.output.manifest import MANIFEST, write_manifest
-from graphcal.output.process import sigterm_as_interrupt, torchrun_rank
+from graphcal.output.process import register_abort, sigterm_as_interrupt, torchrun_rank, unregister_abort
 
 _SCOPE: contextvars.ContextVar[list | None] = contextvars.ContextVar("graphcal_output_scope", default=None)
 
@@ -90,6 +91,7 @@ class OutputSlot:
         self._created: list[Path] = []  # parent folders made for the lock, removed unless written
         self._written = False
         self._released = False
+        self._abort_key: int | None = None  # release() registered for an abort from another thread
 
     def __enter__(self) -> OutputSlot:
         return self
@@ -102,6 +104,8 @@ class OutputSlot:
             self.release()
 
     def _claim(self) -> None:
+        slot = weakref.ref(self)  # weak: a slot dropped unreleased is still released by __del__
+        self._abort_key = register_abort(lambda: (s := slot()) is not None and s.release())  # the lock goes on an abort
         for folder in reversed(missing_parents(self.path)[1]):
             try:
                 folder.mkdir()
@@ -161,6 +165,7 @@ class OutputSlot:
         if self._released:
             return
         self._released = True
+        unregister_abort(self._abort_key)
         if self._lock is not None:
             self._lock.release()
         if not self._written:
@@ -177,6 +182,7 @@ class OutputSlot:
             os.mkdir(tmp, 0o777)  # the umask applies: a new output gets the user's usual mode
         except OSError as e:
             raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
+        abort = register_abort(lambda: shutil.rmtree(tmp, ignore_errors=True))  # stopped from another thread
         try:
             fd = os.open(tmp / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
@@ -200,6 +206,8 @@ class OutputSlot:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            unregister_abort(abort)
         return tmp, files
 
     def _keep_modes(self, tmp: Path, names: list[str], new_mode: int) -> None:

@@ -122,6 +122,19 @@ def test_own_output_is_replaced_but_not_once_touched(tmp_path, bert_dir):
     refused("no graphcal manifest")
 
 
+def test_a_manifest_nested_past_any_real_one_is_no_manifest(tmp_path, bert_dir):
+    """A stranger's manifest nesting 200,000 levels (json would recurse past Python's limit) is read
+    within a depth bound: no manifest, so the folder is refused with the usual line, untouched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.onnx").write_bytes(b"mine")
+    (out / MANIFEST).write_text('{"graphcal": 2, "files": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    before = snapshot(out)
+    one_error(run(bert_dir, out), "holds files graphcal did not write (.graphcal-manifest.json, model.onnx); "
+                                  "it has no graphcal manifest")
+    assert snapshot(out) == before and beside(out) == []
+
+
 def _as_format_1(folder):
     """Rewrite ``folder``'s manifest as graphcal wrote it before format 2: each file's size and mtime."""
     files = {p.name: {"mtime_ns": p.stat().st_mtime_ns, "size": p.stat().st_size}
