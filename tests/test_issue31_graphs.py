@@ -117,6 +117,16 @@ def test_a_backtracking_regex_flag_is_refused_at_once(decoder, tmp_path, flag):
     assert time.monotonic() - start < HANG_GUARD_S
 
 
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_a_backtracking_regex_is_refused_before_the_model_is_read(tmp_path, command):
+    (tmp_path / "model.onnx").write_bytes(b"not a model")
+    np.savez(tmp_path / "calib.npz", x=np.zeros((1, 8, H), np.float32))
+    args = [command, tmp_path / "model.onnx", "--ignore", "lm_head", "--ignore", "re:(.*.*)*q_projX"]
+    result = _cli(*args, *(["--data", tmp_path / "calib.npz", "-o", tmp_path / "out"] if command == "run" else []))
+    assert result.exit_code == 2 and "re:(.*.*)*q_projX" in result.output and "readable" not in result.output, \
+        result.output
+
+
 @pytest.mark.parametrize("modifier", ["SmoothQuantModifier", "AWQModifier"])
 def test_a_backtracking_regex_in_a_recipe_mapping_is_refused_at_once(decoder, tmp_path, modifier):
     if modifier == "SmoothQuantModifier":
