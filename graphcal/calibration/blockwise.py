@@ -49,7 +49,7 @@ class Blockwise:
         self.frame = skeleton(run.model)
         self.pinned: dict[str, onnx.TensorProto] = {}
         self.targets = list(run.chosen)
-        self.blocks: list[Block] = blocks(run.model, self.targets)
+        self.blocks: list[Block] = blocks(run.model, self.targets, run.groups)  # fused units kept whole
         self.dependent = weight_dependent(run.model, self.targets)
         self.types = dict(run.types)
         self.cache: dict[str, list[np.ndarray]] = {}

@@ -92,7 +92,8 @@ def _blocks(run: RunPlan) -> list[str]:
     if not ((gptq is not None and gptq.order == "sequential") or (run.awq is not None and run.awq.mappings)):
         return []
 
-    return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in blocks(run.model, list(run.chosen))]
+    found = blocks(run.model, list(run.chosen), run.groups)  # as Blockwise forms them: fused units kept whole
+    return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in found]
 
 
 def _row(t: Target, chosen: bool, config: RunConfig) -> TargetRow:

@@ -18,6 +18,7 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, Rounding
 from graphcal.errors import GraphcalError
+from graphcal.graph.fusion import fused_units
 from graphcal.graph.targets import weight_tensor
 from graphcal.observers.helpers import all_finite
 from graphcal.progress import Progress
@@ -97,21 +98,9 @@ def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weig
 
 
 def units(plan: RunPlan) -> list[list[Target]]:
-    """Targets in order, fused groups (all members chosen) kept together so they share a global scale."""
-    index = {t.name: t for t in plan.chosen}
-    unit_of: dict[str, list[Target]] = {}
-    for g in plan.groups:
-        if all(m in index for m in g.members):
-            unit = [index[m] for m in g.members]
-            for m in g.members:
-                unit_of[m] = unit
-    units, seen = [], set()
-    for t in plan.chosen:
-        unit = unit_of.get(t.name, [t])
-        if id(unit) not in seen:
-            seen.add(id(unit))
-            units.append(unit)
-    return units
+    """Targets in order, fused groups (all members chosen) kept together so they share a global scale
+    (graph.fusion.fused_units: the units sequential GPTQ's blocks keep whole)."""
+    return fused_units(plan.chosen, plan.groups)
 
 
 def nonfinite_count(w: torch.Tensor) -> int:

@@ -8,7 +8,6 @@ Where a recipe's modifiers are found, and how its quantization fields become sch
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -26,6 +25,7 @@ from graphcal.config.records import (
 )
 from graphcal.config.untrusted import pydantic_message
 from graphcal.errors import UsageError
+from graphcal.graph.names import check_pattern
 from graphcal.types import NamedMapping
 
 MODIFIER = "QuantizationModifier"
@@ -180,11 +180,9 @@ def smoothquant_fields(args, where: str) -> dict[str, Any]:
 
 
 def check_regex(pattern: str, where: str) -> None:
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as e:
-            raise UsageError(f"{where}: invalid regex {pattern!r}: {e}") from None
+    """A ``re:`` pattern refused now if graph.names' bounded matcher would refuse it (invalid, or
+    repeats nested so that matching could backtrack for ever)."""
+    check_pattern(pattern, where)
 
 
 # --- modifiers to graphcal's settings -------------------------------------------------------------
@@ -219,6 +217,9 @@ def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModi
         mappings = tuple(mappings)
     for m in mappings:
         for p in (*m.balance, m.smooth):
+            check_regex(p, where)
+    for p in fields.get("ignore") or ():
+        if isinstance(p, str):
             check_regex(p, where)
     strength = check_strength(fields.get("smoothing_strength", 0.5), f"{where}: smoothing_strength")
     return Smoothing(strength=strength, mappings=mappings, ignore=tuple(fields.get("ignore") or ()),

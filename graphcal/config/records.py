@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from graphcal.config.untrusted import shown
 from graphcal.errors import UsageError
+from graphcal.graph.names import check_pattern
 from graphcal.graph.scaling import SCOPES
 from graphcal.graph.targets import matches
 from graphcal.types import NamedMapping, Target
@@ -99,6 +100,15 @@ class RunConfig:
     smoothing: Smoothing | None = None  # SmoothQuant before quantizing (None: none)
     awq: AWQSettings | None = None  # AWQ's scale search before quantizing (None: none)
     gptq: GPTQSettings | None = None  # weights quantized by GPTQ instead of rounding to nearest (None: RTN)
+
+    def __post_init__(self):
+        """A stranger's ``re:`` target or ignore refused here, before any model is read (the bounded
+        matcher's own check, graph.names; plan's selection checks again)."""
+        for scheme in self.groups.values():
+            for p in getattr(scheme, "targets", None) or ():
+                check_pattern(p, "targets")
+        for p in self.ignore or ():
+            check_pattern(p, "ignore")
 
     def scheme_for(self, target: Target):
         """The scheme of the most specific matching target string (exact > regex > class), or None."""

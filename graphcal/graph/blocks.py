@@ -9,6 +9,9 @@ once per layer. Pure graph analysis over names (no weight is read, no session op
 The hollow subgraphs and weight-dependent tensors are :mod:`graphcal.graph.subgraph`'s, AWQ's
 parents :mod:`graphcal.graph.parents`'; both are also importable from here, where they lived.
 
+A block always holds whole fused units (q/k/v, gate/up): sequential GPTQ rounds a unit at once.
+Module names without a layer number, or interleaving between layers, give a block per unit.
+
 Limitations: nodes must be named by module scope (legacy exporter's ``/model/layers.0/...``
 paths or the dynamo exporter's name_scopes metadata) for blocks to end on the residual stream;
 without scopes blocks end at their last target's output.
@@ -22,10 +25,11 @@ from dataclasses import dataclass
 
 import onnx
 
+from graphcal.graph.fusion import fused_units
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.parents import parent_inputs, parent_output
 from graphcal.graph.subgraph import indexed, needed_initializers, node_scopes, subgraph, target_nodes, weight_dependent
-from graphcal.types import Target
+from graphcal.types import FusedGroup, Target
 
 __all__ = ["Block", "block_subgraph", "blocks", "layer_prefix", "needed_initializers", "parent_inputs", "parent_output",
            "subgraph", "weight_dependent"]
@@ -66,12 +70,27 @@ def layer_prefix(name: str) -> str | None:
     return None
 
 
-def blocks(model: onnx.ModelProto, targets: Sequence[Target]) -> list[Block]:
+@dataclass
+class _Group:
+    """Targets on their way to a block: its name, the module scopes whose closing nodes it takes."""
+
+    name: str
+    scopes: tuple[str, ...]
+    members: list[Target]
+
+
+def blocks(model: onnx.ModelProto, targets: Sequence[Target], groups: Sequence[FusedGroup] = ()) -> list[Block]:
     """The targets partitioned, in topological order, into sequential blocks.
 
-    Targets are grouped by :func:`layer_prefix` of their module names; a target without a numeric
-    component is a block of its own (``lm_head``, at its place in order). When the groups are
-    not contiguous in topological order, every target is a block of its own.
+    Targets go in units: a fused group of ``groups`` (q/k/v, gate/up; graph.fusion.fused_units)
+    is one unit, every other target a unit of its own, and a block holds whole units (sequential
+    GPTQ rounds a unit at once and runs its block with all of its rounded weights). Units are
+    grouped by :func:`layer_prefix` of their members' module names; a unit without one prefix
+    shared by its members (``lm_head``, or names carrying no layer number such as
+    ``encoder.self_attn.q_proj``) is a block of its own, at its place in order. When the groups
+    are not contiguous in topological order (names that interleave between layers), every unit
+    is a block of its own. Blocks that would need a later block's target (a unit whose members
+    read different inputs) are merged.
 
     With A_k the nodes needed for the outputs of the targets of blocks <= k (their ancestors,
     target nodes included), grown by the nodes scoped inside block k's module prefix that can be
@@ -86,29 +105,23 @@ def blocks(model: onnx.ModelProto, targets: Sequence[Target]) -> list[Block]:
     index = indexed(model)
     nodes_of = target_nodes(index, targets)
     dep = index.descendants([index.output_of(i) for i in nodes_of.values()])
-    ordered = sorted(targets, key=lambda t: index.position[nodes_of[t.name]])
-    groups = _contiguous_groups(ordered) or [(t.name, [t]) for t in ordered]
 
+    def position(t: Target) -> int:
+        return index.position[nodes_of[t.name]]
+
+    units = sorted((sorted(u, key=position) for u in fused_units(targets, groups)), key=lambda u: position(u[0]))
+    parts = _contiguous_groups(units) or [_Group(u[0].name, tuple(t.name for t in u), list(u)) for u in units]
     scoped = _nodes_by_scope_prefix(index)
-    owner: dict[int, int] = {}  # node -> the block it belongs to (len(groups): after the last block)
-    done: set[int] = set()
-    for k, (name, members) in enumerate(groups):
-        new = index.ancestors([index.output_of(nodes_of[t.name]) for t in members], done)
-        for i in scoped.get(name, ()):  # in topological order: a chain is absorbed in one pass
-            if i in done:
-                continue
-            if all(t not in dep or index.producer.get(t) in done for t in index.reads[i]):
-                new |= index.ancestors([o for o in index.nodes[i].output if o], done)
-        owner.update(dict.fromkeys(new, k))
-    tail = index.ancestors(index.graph_outputs, done)  # computes the graph outputs after the last block
-    owner.update(dict.fromkeys(tail, len(groups)))
+    owner = None
+    while owner is None:
+        owner, parts = _owners(index, parts, nodes_of, dep, scoped)
 
     graph_outputs = set(index.graph_outputs)
-    inputs: list[dict[str, None]] = [{} for _ in groups]
-    outputs: list[dict[str, None]] = [{} for _ in groups]
+    inputs: list[dict[str, None]] = [{} for _ in parts]
+    outputs: list[dict[str, None]] = [{} for _ in parts]
     for i in index.order:  # producers in topological order: inputs and outputs come out in that order
         k = owner.get(i)
-        if k is None or k == len(groups):
+        if k is None or k == len(parts):
             continue
         for t in index.nodes[i].output:
             if not t or t not in dep:
@@ -117,18 +130,45 @@ def blocks(model: onnx.ModelProto, targets: Sequence[Target]) -> list[Block]:
             if readers or t in graph_outputs:
                 outputs[k][t] = None
             for j in readers:
-                if j < len(groups):
+                if j < len(parts):
                     inputs[j][t] = None
 
     result = []
-    for k, (name, members) in enumerate(groups):
+    for k, part in enumerate(parts):
         wanted = [*outputs[k]]
-        for t in members:
+        for t in part.members:
             wanted += [t.activation, index.output_of(nodes_of[t.name])]
         _, reached, _, _ = index.walk(wanted, set(inputs[k]))
         graph_inputs = tuple(n for n in index.graph_inputs if n in reached)
-        result.append(Block(tuple(members), tuple(inputs[k]), tuple(outputs[k]), graph_inputs, name))
+        result.append(Block(tuple(part.members), tuple(inputs[k]), tuple(outputs[k]), graph_inputs, part.name))
     return result
+
+
+def _owners(index: GraphIndex, parts: list[_Group], nodes_of: dict[str, int], dep: set[str],
+            scoped: dict[str, list[int]]) -> tuple[dict[int, int] | None, list[_Group]]:
+    """({node: the block it belongs to (len(parts): after the last block)}, parts); (None, the
+    parts with two merged) when a block's nodes take in a target of a later block."""
+    later = {nodes_of[t.name]: k for k, part in enumerate(parts) for t in part.members}
+    owner: dict[int, int] = {}
+    done: set[int] = set()  # the nodes of the blocks so far (index.ancestors adds to it)
+    for k, part in enumerate(parts):
+        new = index.ancestors([index.output_of(nodes_of[t.name]) for t in part.members], done)
+        for scope in part.scopes:
+            for i in scoped.get(scope, ()):  # in topological order: a chain is absorbed in one pass
+                if i in done:
+                    continue
+                if all(t not in dep or index.producer.get(t) in done for t in index.reads[i]):
+                    new |= index.ancestors([o for o in index.nodes[i].output if o], done)
+        ahead = max((later[i] for i in new if later.get(i, k) > k), default=k)
+        if ahead > k:  # needs a target of block ``ahead``: one block from k to there
+            merged = parts[k:ahead + 1]
+            joined = _Group(f"{merged[0].name} .. {merged[-1].name}", tuple(s for p in merged for s in p.scopes),
+                            [t for p in merged for t in p.members])
+            return None, [*parts[:k], joined, *parts[ahead + 1:]]
+        owner.update(dict.fromkeys(new, k))
+    tail = index.ancestors(index.graph_outputs, done)  # computes the graph outputs after the last block
+    owner.update(dict.fromkeys(tail, len(parts)))
+    return owner, parts
 
 
 def block_subgraph(model: onnx.ModelProto, block: Block, taps: Sequence[str], weight_inputs: Sequence[str] = (),
@@ -153,18 +193,21 @@ def _nodes_by_scope_prefix(index: GraphIndex) -> dict[str, list[int]]:
     return found
 
 
-def _contiguous_groups(ordered: list[Target]) -> list[tuple[str, list[Target]]] | None:
-    """[(decoder-layer prefix or own name, targets)] in order; None when a group comes back
-    after another one started."""
-    groups: list[tuple[str, list[Target]]] = []
+def _contiguous_groups(units: list[list[Target]]) -> list[_Group] | None:
+    """The units grouped by decoder-layer prefix, in order (a unit whose members share none: a
+    group of its own); None when a group comes back after another one started."""
+    groups: list[_Group] = []
     seen: set[str] = set()
-    for t in ordered:
-        key = layer_prefix(t.name) or t.name
-        if groups and groups[-1][0] == key:
-            groups[-1][1].append(t)
+    for unit in units:
+        prefixes = {layer_prefix(t.name) for t in unit}
+        key = prefixes.pop() if len(prefixes) == 1 else None
+        if key is None:
+            groups.append(_Group(unit[0].name, tuple(t.name for t in unit), list(unit)))
+        elif groups and groups[-1].name == key:
+            groups[-1].members.extend(unit)
         elif key in seen:
             return None
         else:
             seen.add(key)
-            groups.append((key, [t]))
+            groups.append(_Group(key, (key,), list(unit)))
     return groups

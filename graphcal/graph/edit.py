@@ -5,6 +5,8 @@ copies) uses these, so that every new name is allocated one way and every new no
 one way:
 
 - :class:`Names`: the names taken, and a free one for a base (``base``, ``base_1``, ...);
+- :func:`name_nodes`: a name of its own for every node (ONNX's names are optional, graphcal looks
+  nodes up by name), given when a model is loaded;
 - :func:`add_initializer`: a constant under a free name;
 - :func:`place_around`: new nodes in front of / after the node they were built for;
 - :func:`place_after_producers`: new nodes right after the producer of the tensor they read;
@@ -36,6 +38,30 @@ class Names:
             candidate, i = f"{base}_{i}", i + 1
         self.taken.add(candidate)
         return candidate
+
+
+def name_nodes(graph: onnx.GraphProto) -> int:
+    """Give every node of ``graph``, and of the subgraphs its nodes hold, a name no other node there
+    has: an unnamed node ``{op_type}_{index}`` in lower case (``matmul_30``: the module name graphcal
+    always gave an unnamed weight MatMul), a later node reusing a name that name with ``_1``, ``_2``,
+    ... (a legacy exporter's ``.../MatMul`` stays ``.../MatMul_N``, the same module). Nodes already
+    named once keep their names. Returns how many nodes were named. Loading does this to its own
+    copy of a model (graph.io.load_model_info), never to the file."""
+    nodes = list(graph.node)
+    names = Names(n.name for n in nodes if n.name)
+    seen: set[str] = set()
+    renamed = 0
+    for index, node in enumerate(nodes):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+        else:
+            node.name = names.unique(node.name or f"{node.op_type.lower()}_{index}")
+            seen.add(node.name)
+            renamed += 1
+        for attr in node.attribute:
+            for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                renamed += name_nodes(body)
+    return renamed
 
 
 def add_initializer(initializers, names: Names, base: str, array: np.ndarray) -> str:

@@ -13,6 +13,7 @@ with the weight observers of each group's members. This module knows nothing of 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from graphcal.types import FusedGroup, Target
 
@@ -60,3 +61,24 @@ def find_fused_groups(targets: list[Target]) -> tuple[list[FusedGroup], list[str
                 "is in no named fused group; their global scales stay separate"
             )
     return groups, warnings
+
+
+def fused_units(targets: Sequence[Target], groups: Sequence[FusedGroup]) -> list[list[Target]]:
+    """``targets`` in order as units: a fused group all of whose members are among them is one
+    unit (in the group's order, at its first member's place), every other target a unit of its own.
+    The weight pass reads a unit together, and sequential GPTQ's blocks never split one
+    (graph.blocks)."""
+    index = {t.name: t for t in targets}
+    unit_of: dict[str, list[Target]] = {}
+    for g in groups:
+        if all(m in index for m in g.members):
+            unit = [index[m] for m in g.members]
+            for m in g.members:
+                unit_of[m] = unit
+    units, seen = [], set()
+    for t in targets:
+        unit = unit_of.get(t.name, [t])
+        if id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError, EncodeError
 
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
+from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
 from graphcal.limits import check_fits, open_regular
 
@@ -39,7 +40,8 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
     (:mod:`graphcal.graph.external`), all checked before any tensor is read. External data is
     loaded into the model unless ``lazy``: then the tensors keep their references, and readers
-    pass the model's folder as ``base_dir`` (each weight is read when needed, once).
+    pass the model's folder as ``base_dir`` (each weight is read when needed, once). Every node
+    of the returned model has a name of its own (graph.edit.name_nodes).
     """
     path = Path(path)
     if not path.exists() and not path.is_symlink():
@@ -61,6 +63,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
+    name_nodes(model.graph)  # graphcal finds nodes by name; ONNX's names are optional and need not be unique
     base_dir = path.parent
     external = check_external_data(model, base_dir, path)
     # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from graphcal.errors import GraphcalError, UsageError
+from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
+from graphcal.graph.names import NameMatcher, check_pattern
 from graphcal.graph.weight_path import consumed_shape, trace_weight, weight_as_consumed
 from graphcal.types import Target
 
@@ -151,34 +152,34 @@ def select(targets: list[Target], patterns: list[str], ignore: list[str]) -> tup
     """Targets matching any of ``patterns`` and none of ``ignore``.
 
     Patterns are exact module names or ``re:`` regexes (matched from the start, as
-    compressed-tensors does); "Linear" matches every target, "MatMul"/"Gemm" by op type.
-    Returns the selection and the patterns that matched no target (worth a warning).
+    compressed-tensors does, through graph.names' bounded matcher: a regex that nests repeats or
+    backtracks past its time budget is a UsageError); "Linear" matches every target,
+    "MatMul"/"Gemm" by op type. Returns the selection and the patterns that matched no target
+    (worth a warning).
     """
-    for p in list(patterns) + list(ignore):
-        if p.startswith("re:"):
-            try:
-                re.compile(p[3:])
-            except re.error as e:
-                raise UsageError(f"invalid regex in target {p!r}: {e}") from e
-    unmatched = [p for p in list(patterns) + list(ignore) if not any(matches(t, p) for t in targets)]
+    for p in patterns:
+        check_pattern(p, "targets")
+    for p in ignore:
+        check_pattern(p, "ignore")
+    match = NameMatcher("targets/ignore")
+    unmatched = [p for p in list(patterns) + list(ignore) if not any(matches(t, p, match) for t in targets)]
     chosen = [
         t for t in targets
-        if any(matches(t, p) for p in patterns) and not any(matches(t, p) for p in ignore)
+        if any(matches(t, p, match) for p in patterns) and not any(matches(t, p, match) for p in ignore)
     ]
     return chosen, unmatched
 
 
-def matches(target: Target, pattern: str) -> bool:
-    """compressed-tensors' target matching (exact name, or ``re:`` regex matched from the start,
-    by its own ``match_name``); the class name ``Linear`` matches every target, since every
-    weight MatMul/Gemm is a torch Linear, and ``MatMul``/``Gemm`` match by op type."""
-    from compressed_tensors.utils.match import match_name  # lazy: a slow import, needed only to match names
-
+def matches(target: Target, pattern: str, match: NameMatcher | None = None) -> bool:
+    """compressed-tensors' target matching (exact name, or ``re:`` regex matched from the start, as
+    its ``match_name`` does, bounded by ``match`` or a matcher of its own: graph.names); the class
+    name ``Linear`` matches every target, since every weight MatMul/Gemm is a torch Linear, and
+    ``MatMul``/``Gemm`` match by op type."""
     if pattern == "Linear":
         return True
     if pattern in ("MatMul", "Gemm"):
         return target.op_type == pattern
-    return match_name(target.name, pattern)
+    return (match or NameMatcher())(target.name, pattern)
 
 
 def _node_named(graph: onnx.GraphProto, node_name: str) -> onnx.NodeProto:

@@ -206,7 +206,11 @@ class Sequential:
             for k, block in enumerate(self.walk.blocks):
                 self._hessians = _block_hessians(self.walk, k)
                 names = {t.name for t in block.targets}
-                yield from (u for u in all_units if u[0].name in names)
+                for unit in (u for u in all_units if any(t.name in names for t in u)):
+                    if not all(t.name in names for t in unit):  # graph.blocks keeps units whole
+                        raise GraphcalError(f"GPTQ: the fused unit {', '.join(t.name for t in unit)} straddles layer "
+                                            f"block {block.name}; this is a graphcal bug: please report it")
+                    yield unit
                 self._hessians = {}
                 needed = self.walk.needed(k)
                 if needed:

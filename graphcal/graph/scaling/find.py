@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 
 from graphcal.graph.index import SHAPE_OPS, GraphIndex
 from graphcal.graph.io import value_types
+from graphcal.graph.names import NameMatcher
 from graphcal.graph.scaling.records import SCOPE_OF_KIND, SCOPES, Candidate, Mapping, Param, Resolution
 from graphcal.graph.targets import scoped_module
 from graphcal.graph.weight_path import weight_as_consumed
@@ -101,18 +102,19 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
                                  "--smoothquant mul smooths it through an explicit Mul)")
         return out
     taken: dict[str, str] = {}  # activation -> the mapping that smooths it (llm-compressor smooths a layer once)
+    match = NameMatcher(f"{what} mappings")  # compressed-tensors' match_name, bounded (graph.names)
     for named_mapping in named:
         balance_patterns, smooth_pattern = named_mapping.balance, named_mapping.smooth
         label = f"[{', '.join(balance_patterns)}] <- {smooth_pattern}"
-        hits = [c for c in cands if _name_matches(c.smooth, smooth_pattern)
-                and any(_name_matches(b, p) for b in c.balance for p in balance_patterns)]
+        hits = [c for c in cands if match(c.smooth, smooth_pattern)
+                and any(match(b, p) for b in c.balance for p in balance_patterns)]
         if not hits:
             out.notes.append(f"{what} mapping {label} matches nothing in this model (or nothing it can scale exactly)"
                              if what != "SmoothQuant" else f"{what} mapping {label} matches nothing in this model")
             continue
         for c in hits:
-            listed = [b for b in c.balance if any(_name_matches(b, p) for p in balance_patterns)]
-            if ignore and _ignored(c.smooth, ignore) and all(_ignored(b, ignore) for b in listed):
+            listed = [b for b in c.balance if any(match(b, p) for p in balance_patterns)]
+            if ignore and _ignored(c.smooth, ignore, match) and all(_ignored(b, ignore, match) for b in listed):
                 continue
             if c.activation in taken:
                 out.notes.append(f"{label}: {c.smooth} is smoothed once, by the earlier mapping {taken[c.activation]}")
@@ -132,15 +134,8 @@ def resolve(cands: list[Candidate], chosen: list[Target], scope: str,
     return out
 
 
-def _name_matches(name: str, pattern: str) -> bool:
-    """compressed-tensors' name matching (exact, or ``re:`` from the start), as targets are matched."""
-    from compressed_tensors.utils.match import match_name  # lazy: compressed-tensors takes seconds to import; only this path needs it
-
-    return match_name(name, pattern)
-
-
-def _ignored(name: str, ignore: tuple[str, ...]) -> bool:
-    return any(_name_matches(name, p) for p in ignore)
+def _ignored(name: str, ignore: tuple[str, ...], match: NameMatcher) -> bool:
+    return any(match(name, p) for p in ignore)
 
 
 def _listed(names, limit: int = 3) -> str:
