@@ -176,17 +176,16 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
     if padding is not None and padding.unmasked:
         warnings.append("--exclude-padding: observed with their padding (not shaped [batch, seq, ...] like the "
                         "attention_mask): " + ", ".join(f"{t} {list(s)}" for t, s in padding.unmasked.items()))
-    common = dict(output_dir=out_dir, provider=activations.provider, seconds=0.0, world=dist.world if dist else 1,
+    common = dict(output_dir=out_dir, provider=activations.provider, seconds=time.perf_counter() - start,
+                  world=dist.world if dist else 1,
                   padding_share=padding.share if padding is not None else None,
                   exclude_padding=settings.exclude_padding)
     if weights is None:
-        common["seconds"] = time.perf_counter() - start
         return CalibrationResult(files=[], targets=[], ignored=run.ignored, num_samples=0,
                                  num_batches=activations.batches, warnings=warnings, rank=dist.rank, **common)
     warnings += weights.warnings + (rounding.log.warnings() if rounding is not None else []) + list(slot_warnings)
     awq = scales is not None and scales.method is ScaleMethod.AWQ
     ran = activations.provider is not None or rounding is not None or awq
-    common["seconds"] = time.perf_counter() - start
     return CalibrationResult(
         files=list(files), targets=weights.items, ignored=run.ignored + weights.left_in_float,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,

@@ -46,13 +46,11 @@ class PassSettings:
         """This process writes (rank 0, or no torchrun)."""
         return self.dist is None or self.dist.is_main
 
-    def kwargs(self, **changes) -> dict:
+    def kwargs(self) -> dict:
         """The settings as graphcal.calibration.activations.run_activation_pass takes them."""
-        out = dict(device=self.device, device_id=self.device_id, dist=self.dist, progress=self.progress and self.main,
-                   reduce_in_graph=self.reduce_in_graph, exclude_padding=self.exclude_padding, inputs=self.inputs,
-                   tap_limit_mb=self.tap_limit_mb)
-        out.update(changes)
-        return out
+        return dict(device=self.device, device_id=self.device_id, dist=self.dist, progress=self.progress and self.main,
+                    reduce_in_graph=self.reduce_in_graph, exclude_padding=self.exclude_padding, inputs=self.inputs,
+                    tap_limit_mb=self.tap_limit_mb)
 
 
 class PreTransform(Protocol):

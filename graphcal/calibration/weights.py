@@ -82,8 +82,8 @@ def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weig
                  device: torch.device, smoothed: ChannelScales | None = None) -> list[Member]:
     """Observe the weights of ``unit`` found in ``weights`` (torch [out, in], smoothed already; a
     member left in float is absent), let a fused group share its global scale when all of it is
-    there, and give each member with its QuantizedTarget (the grid), in unit order. The weight pass
-    and GPTQ's sequential order take the grid this one way."""
+    there, and give each member with its QuantizedTarget (the grid), in unit order: the run's one
+    grid, whatever rounding follows (GPTQ's orders included)."""
     for t in unit:
         if t.name in weights:
             try:

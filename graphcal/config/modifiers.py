@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from graphcal.config.records import (
+    DEFAULT_SMOOTHING_STRENGTH,
     LLMCOMPRESSOR_AWQ_MAPPINGS,
     LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS,
     AWQSettings,
@@ -168,21 +169,15 @@ def awq_fields(args, where: str) -> dict[str, Any]:
             raise UsageError(f"{where}: activation_hook_target is not supported (graphcal reads the balance layers' "
                              "shared input)")
         for p in (m["smooth_layer"], *m["balance_layers"]):
-            check_regex(p, where)
+            check_pattern(p, where)
     return {k: fields[k] for k in ("mappings", "duo_scaling", "n_grid")}
 
 
 def smoothquant_fields(args, where: str) -> dict[str, Any]:
     """A SmoothQuantModifier's fields, checked as llm-compressor checks them."""
     fields = validated(SmoothQuantFields, args, where, one_shot="SmoothQuant")
-    check_strength(fields["smoothing_strength"], f"{where}: smoothing_strength")  # refused as it is read
+    fields["smoothing_strength"] = check_strength(fields["smoothing_strength"], f"{where}: smoothing_strength")
     return {k: fields[k] for k in ("smoothing_strength", "mappings", "ignore", "algorithm")}
-
-
-def check_regex(pattern: str, where: str) -> None:
-    """A ``re:`` pattern refused now if graph.names' bounded matcher would refuse it (invalid, or
-    repeats nested so that matching could backtrack for ever)."""
-    check_pattern(pattern, where)
 
 
 # --- modifiers to graphcal's settings -------------------------------------------------------------
@@ -217,12 +212,12 @@ def smoothing_from(fields: dict[str, Any], where: str = "recipe: SmoothQuantModi
         mappings = tuple(mappings)
     for m in mappings:
         for p in (*m.balance, m.smooth):
-            check_regex(p, where)
+            check_pattern(p, where)
     for p in fields.get("ignore") or ():
-        if isinstance(p, str):
-            check_regex(p, where)
-    strength = check_strength(fields.get("smoothing_strength", 0.5), f"{where}: smoothing_strength")
-    return Smoothing(strength=strength, mappings=mappings, ignore=tuple(fields.get("ignore") or ()),
+        check_pattern(p, where)  # a name that is no string is left to the schema's own check
+    # the strength was checked as the recipe was read (smoothquant_fields)
+    return Smoothing(strength=fields.get("smoothing_strength", DEFAULT_SMOOTHING_STRENGTH), mappings=mappings,
+                     ignore=tuple(fields.get("ignore") or ()),
                      algorithm=fields.get("algorithm", "smoothquant"))
 
 

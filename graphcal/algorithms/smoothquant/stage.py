@@ -266,8 +266,7 @@ class SmoothQuant:
                            exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
-        k = settings.kwargs()
-        self._scales, result = smooth_and_calibrate(self.run, observers, calib, **k)
+        self._scales, result = smooth_and_calibrate(self.run, observers, calib, **settings.kwargs())
         return result
 
     def scales(self) -> ChannelScales:
