@@ -9,6 +9,7 @@ read whose size a file declares is checked against :func:`available_memory` firs
 from __future__ import annotations
 
 import os
+import re
 import stat
 from typing import BinaryIO
 
@@ -94,3 +95,25 @@ def format_size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} bytes"
+
+
+# a JSON string, skipped whole (escapes included; an unterminated one runs to the end), or a bracket
+_JSON_STRUCTURE = re.compile(r'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|$)|[\[\]{}]')
+
+
+def json_depth(text: str, stop_above: int) -> int:
+    """How deep ``text``'s JSON arrays and objects nest (brackets inside strings not counted),
+    counted no further than ``stop_above + 1``: read before ``json`` recurses once per level into a
+    stranger's text (and ends in RecursionError past Python's limit)."""
+    depth = deepest = 0
+    for m in _JSON_STRUCTURE.finditer(text):
+        ch = m.group()
+        if ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_above:
+                    break
+        elif ch in "]}":
+            depth -= 1
+    return deepest

@@ -4,7 +4,7 @@ A ``--scheme`` / ``--kv-cache-scheme`` JSON is read up to 1 MB and 32 levels of 
 recipe's YAML with PyYAML's safe loader, a nesting cap and a cap on its size with every alias
 expanded. In both, a key given twice in one mapping is refused (each format would keep the last
 silently). Every limit is a one-line :class:`~graphcal.errors.UsageError`. Imports nothing of
-graphcal's but its errors.
+graphcal's but its errors and limits.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import re
 
 from graphcal.errors import UsageError
+from graphcal.limits import json_depth
 
 MAX_JSON_BYTES = 1 << 20
 MAX_JSON_DEPTH = 32  # a scheme nests 3 deep; the cap keeps json's recursion far from Python's limit
@@ -26,24 +27,8 @@ def load_json(text: str, what: str):
     """``json.loads`` for option values from strangers: at most 1 MB and 32 levels deep (a usage error otherwise)."""
     if len(text) > MAX_JSON_BYTES:
         raise UsageError(f"{what} JSON is {len(text):,} characters; at most {MAX_JSON_BYTES:,} are read")
-    depth, deepest, in_string, escaped = 0, 0, False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if deepest > MAX_JSON_DEPTH:
-                raise UsageError(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; a scheme needs 3")
-        elif ch in "]}":
-            depth -= 1
+    if json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise UsageError(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; a scheme needs 3")
 
     def once(pairs: list) -> dict:
         out = {}

@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from graphcal.limits import json_depth
 
 MANIFEST = ".graphcal-manifest.json"  # in every output folder: the files graphcal wrote there
 FORMAT = 2  # {"graphcal": 2, "files": {name: {"sha256": hex, "size": bytes}}, "about": ...}
@@ -74,7 +75,7 @@ def read_manifest(folder: Path) -> Manifest | None:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
             return None
         text = path.read_text(encoding="utf-8")
-        if _depth(text) > MAX_MANIFEST_DEPTH:
+        if json_depth(text, MAX_MANIFEST_DEPTH) > MAX_MANIFEST_DEPTH:
             return None  # a stranger's file: json would recurse once per level (RecursionError)
         data = json.loads(text)
     except (OSError, ValueError, RecursionError):
@@ -85,26 +86,6 @@ def read_manifest(folder: Path) -> Manifest | None:
         return None
     files = data.get("files")
     return Manifest(data["graphcal"], files) if isinstance(files, dict) else None
-
-
-_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # a JSON string (skipped whole) or a bracket
-
-
-def _depth(text: str) -> int:
-    """How deep ``text``'s arrays and objects nest (brackets inside strings not counted), as
-    config.untrusted bounds option JSON: read before json recurses into it."""
-    depth = deepest = 0
-    for m in _STRUCTURE.finditer(text):
-        ch = m.group()
-        if ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_MANIFEST_DEPTH:
-                    break
-        elif ch in "]}":
-            depth -= 1
-    return deepest
 
 
 def write_manifest(folder: Path, names: list[str]) -> None:
