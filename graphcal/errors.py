@@ -23,3 +23,8 @@ def first_line(e: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(e).__name__
+
+
+def shown(text: str, width: int = 60) -> str:
+    """A stranger's value quoted in a message, cut to ``width`` characters (it may be huge)."""
+    return text if len(text) <= width else text[:width - 3] + "..."

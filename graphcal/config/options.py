@@ -26,8 +26,7 @@ from graphcal.config.records import (
     check_strength,
 )
 from graphcal.config.schemes import build_config, with_actorder, with_group_size
-from graphcal.config.untrusted import shown
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, shown
 
 
 @dataclass(frozen=True)

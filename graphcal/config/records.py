@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from graphcal.config.untrusted import shown
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, shown
 from graphcal.graph.names import check_pattern
 from graphcal.graph.scaling import SCOPES
 from graphcal.graph.targets import matches

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 
 from graphcal.config.records import ACTORDER_DEFAULT, DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig
-from graphcal.config.untrusted import load_json, pydantic_message, shown
-from graphcal.errors import UsageError, first_line
+from graphcal.config.untrusted import load_json, pydantic_message
+from graphcal.errors import UsageError, first_line, shown
 from graphcal.types import enum_value
 
 # graphcal's own presets: name -> QuantizationScheme fields (without targets).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, shown
 from graphcal.limits import json_depth
 
 MAX_JSON_BYTES = 1 << 20
@@ -116,11 +116,6 @@ def _refuse_duplicate_keys(loader, node, where: str) -> None:
             raise UsageError(f"{where}: the key {shown(str(key))!r} is given twice in one mapping (line {seen[key]}, "
                              f"then line {line}); YAML would keep only the last, so give it once")
         seen[key] = line
-
-
-def shown(text: str) -> str:
-    """An option's value for a message, cut to 60 characters (a stranger's value may be huge)."""
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def pydantic_message(e) -> str:

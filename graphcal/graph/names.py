@@ -21,17 +21,13 @@ from functools import lru_cache
 from re import _constants as _c
 from re import _parser as _re_parser
 
-from graphcal.errors import UsageError
+from graphcal.errors import UsageError, shown
 
 __all__ = ["MATCH_BUDGET_S", "NameMatcher", "check_pattern", "match_name"]
 
 #: seconds of regex matching one pattern may take over the names one matcher reads (ordinary
 #: patterns take microseconds a name)
 MATCH_BUDGET_S = 1.0
-
-
-def _shown(pattern: str) -> str:
-    return pattern if len(pattern) <= 80 else pattern[:77] + "..."
 
 
 def check_pattern(pattern: str, where: str = "pattern") -> None:
@@ -48,17 +44,17 @@ def _compiled(regex_text: str, where: str):
     try:
         parsed = _re_parser.parse(regex_text)  # Python re's own parser: its errors, its meaning
     except re.error as e:
-        raise UsageError(f"{where}: invalid regex {_shown('re:' + regex_text)!r}: {e}") from None
+        raise UsageError(f"{where}: invalid regex {shown('re:' + regex_text, 80)!r}: {e}") from None
     except RecursionError:
-        raise UsageError(f"{where}: regex {_shown('re:' + regex_text)!r} nests too deeply") from None
+        raise UsageError(f"{where}: regex {shown('re:' + regex_text, 80)!r} nests too deeply") from None
     nested = _nested_repeat(parsed)
     if nested:
-        raise UsageError(f"{where}: regex {_shown('re:' + regex_text)!r} repeats a repeat ({nested}), which can take "
+        raise UsageError(f"{where}: regex {shown('re:' + regex_text, 80)!r} repeats a repeat ({nested}), which can take "
                          "exponential time to match; write it without the nesting (e.g. '.*' once)")
     try:
         return regex.compile(regex_text, regex.VERSION0)
     except regex.error as e:  # re accepted it: an edge where the two engines differ
-        raise UsageError(f"{where}: regex {_shown('re:' + regex_text)!r} is not supported: {e}") from None
+        raise UsageError(f"{where}: regex {shown('re:' + regex_text, 80)!r} is not supported: {e}") from None
 
 
 def _nested_repeat(parsed, outer: bool = False) -> str | None:
@@ -115,7 +111,7 @@ class NameMatcher:
                 raise TimeoutError
             return compiled.match(name, timeout=left) is not None
         except TimeoutError:
-            raise UsageError(f"{self.where}: regex {_shown(pattern)!r} took over {self.budget_s:g} s matching module "
+            raise UsageError(f"{self.where}: regex {shown(pattern, 80)!r} took over {self.budget_s:g} s matching module "
                              "names (it backtracks); simplify it") from None
         finally:
             self._spent[pattern] = self._spent.get(pattern, 0.0) + time.perf_counter() - start
