@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
-from graphcal.data import Calibration
+from graphcal.data import Calibration, data_paths
 from graphcal.graph.io import save_model
 from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
@@ -116,8 +115,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
     describes every setting; ``graphcal run --help`` too.
     """
     start = time.perf_counter()
-    data_paths = [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
-    slot = reserve_output(Path(output_dir), [Path(model), *data_paths])  # checks -o, locks it (rank 0)
+    slot = reserve_output(Path(output_dir), [Path(model), *data_paths(data)])  # checks -o, locks it (rank 0)
     config = config or resolve(Options(
         scheme=scheme, targets=_tuple(targets), ignore=_tuple(ignore), observer=observer, kv_cache=kv_cache,
         recipe=recipe, smoothquant=smoothquant, smoothing_strength=smoothing_strength, algorithm=algorithm,

@@ -22,9 +22,9 @@ This module re-exports the names the rest of graphcal imports.
 
 from graphcal.data.calibration import Calibration
 from graphcal.data.inputs import InputSpec, batch_samples, graph_inputs
-from graphcal.data.load import DEFAULT_BATCH_SIZE, CalibrationData, data_label, load_data
+from graphcal.data.load import DEFAULT_BATCH_SIZE, CalibrationData, data_label, data_paths, load_data
 from graphcal.data.padding import MASK_INPUT, check_padding_input
 from graphcal.data.reader import ReaderData
 
 __all__ = ["DEFAULT_BATCH_SIZE", "MASK_INPUT", "Calibration", "CalibrationData", "InputSpec", "ReaderData", "batch_samples",
-           "check_padding_input", "data_label", "graph_inputs", "load_data"]
+           "check_padding_input", "data_label", "data_paths", "graph_inputs", "load_data"]

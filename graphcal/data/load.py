@@ -128,3 +128,9 @@ def data_label(data) -> str:
     if isinstance(data, Mapping):
         return "the data <arrays>"
     return "the CalibrationDataReader" if hasattr(data, "get_next") else f"the data {data}"
+
+
+def data_paths(data) -> list[Path]:
+    """The file or folder ``data`` names (none for arrays or a CalibrationDataReader): an input that
+    an output folder must not hold."""
+    return [] if isinstance(data, Mapping) or hasattr(data, "get_next") else [Path(data)]
