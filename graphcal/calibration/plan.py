@@ -92,9 +92,10 @@ class RunPlan:
         return MappingProxyType(value_types(self.model))
 
     @property
-    def base_dir(self) -> str | None:
-        """The folder external weights are read from (None when every weight is inline)."""
-        return str(self.model_path.parent) if self.data_files else None
+    def base_dir(self) -> str:
+        """The folder weights left on disk are read from: the model's (its data files', or the model
+        file's own, where an inline model's weights stay in it: graph.io.load_model_info)."""
+        return str(self.model_path.parent)
 
     @property
     def ignored(self) -> list[str]:
@@ -156,14 +157,14 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         if not kv_states:
             warnings.append("kv-cache scheme: no attention module (named like compressed-tensors' kv-cache targets "
                             "'re:.*(self_attn|attention)$') with recognisable key/value states; no k/v quantized")
-    smoothing = _smoothing(model, found, chosen, config, str(model_path.parent) if data_files else None)
+    smoothing = _smoothing(model, found, chosen, config, str(model_path.parent))
     if smoothing is not None:
         warnings += smoothing.notes if config.smoothing.mappings is not None else []
         if not smoothing.mappings:
             warnings.append("SmoothQuant: nothing to smooth" + (
                 f" with --smoothquant {config.smoothing.scope}; graphcal inspect --smoothquant mul lists what each "
                 "scope would smooth" if config.smoothing.mappings is None and config.smoothing.scope != "mul" else ""))
-    awq = _awq(model, found, chosen, config, str(model_path.parent) if data_files else None)
+    awq = _awq(model, found, chosen, config, str(model_path.parent))
     if awq is not None:
         warnings += awq.notes if config.awq.mappings is not None else []
         if not awq.mappings:

@@ -17,6 +17,7 @@ from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.wire import strip_inline_weights
 from graphcal.limits import check_fits, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
@@ -40,7 +41,9 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
     (:mod:`graphcal.graph.external`), all checked before any tensor is read. External data is
     loaded into the model unless ``lazy``: then the tensors keep their references, and readers
-    pass the model's folder as ``base_dir`` (each weight is read when needed, once). Every node
+    pass the model's folder as ``base_dir`` (each weight is read when needed, once). A lazy
+    inline model gets the same: its large weights become references into the model file itself
+    (graph.wire), which the returned data files never list. Every node
     of the returned model has a name of its own (graph.edit.name_nodes).
     """
     path = Path(path)
@@ -55,9 +58,11 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
         if size > MAX_MODEL_FILE:
             raise GraphcalError(f"{path} is not a readable ONNX model ({size:,} bytes: past protobuf's 2 GB; "
                                 "a model this large keeps its weights in external data)")
-        check_fits(size, f"model file {path}", share=0.9)
+        # Lazy: an inline model's large weights stay in its file, referenced where they lie (graph.wire)
+        stripped = strip_inline_weights(f.fileno(), path.name, LAZY_MIN_BYTES) if lazy and _plain_name(path) else None
+        check_fits(size if stripped is None else len(stripped[0]), f"model file {path}", share=0.9)
         try:
-            model = onnx.load_model_from_string(f.read())
+            model = onnx.load_model_from_string(f.read() if stripped is None else stripped[0])
         except (DecodeError, RuntimeError, ValueError, OSError) as e:
             raise GraphcalError(f"{path} is not a readable ONNX model ({first_line(e)})") from e
     if not model.graph.node:
@@ -75,7 +80,14 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
             inline(t, base_dir)
         except GraphcalError as e:
             raise GraphcalError(f"{path}: {e}") from None
+    if stripped is not None:  # the model file itself is no data file of its own
+        external = tuple(f for f in external if f != path.name)
     return model, external
+
+
+def _plain_name(path: Path) -> bool:
+    """Whether the model file's name can be an external-data location (graph.external.resolve's rules)."""
+    return ":" not in path.name[:2] and not path.name.startswith("\\")
 
 
 def model_files(path: str | os.PathLike, data_files: tuple[str, ...] = ()) -> dict[str, int]:
@@ -224,12 +236,20 @@ def _estimated_size(model: onnx.ModelProto) -> int | None:
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
                base_dir: str | os.PathLike | None = None) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
-    ``<name>.data`` beside it (one file, tensors over 1 KB).
+    ``<name>.data`` beside it (one file, tensors over 1 KB). Without ``external``, weights still
+    referenced in the input's file (a lazy inline model) are read into ``model`` first.
 
     The written file is checked with ``onnx.checker`` (from the file, so external data and
     models past 2 GB are checked too); a model it rejects is an error, never an output.
     Returns the files written.
     """
+    if not external:  # weights still referenced in the (inline) input file come into the model
+        for t in model.graph.initializer:
+            if is_external(t):
+                if base_dir is None:
+                    raise GraphcalError(f"weight {t.name!r} is in external data, but no model folder was given")
+                inline(t, base_dir)
+                t.ClearField("data_location")  # as the tensor was in the input file
     if not external and not past_protobuf_limit(model):
         onnx.save_model(model, str(path))
         files = [path]
