@@ -64,13 +64,13 @@ class Progress:
             text += f", {rate:,.1f} {units}/s"
         left = self.left_s(now)
         if left is not None and self.done < (self.total or 0):
-            text += f", about {_duration(left)} left"
+            text += f", about {duration(left)} left"
         return text
 
     def close(self) -> None:
         self.bar.close()
         now = self.clock()
-        log.info("%s in %s", self.line(now), _duration(now - self.start))
+        log.info("%s in %s", self.line(now), duration(now - self.start))
 
     def __enter__(self) -> Progress:
         return self
@@ -79,7 +79,7 @@ class Progress:
         self.close()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = max(seconds, 0.0)
     if seconds < 90:
         return f"{seconds:.0f} s"

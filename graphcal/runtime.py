@@ -80,10 +80,10 @@ class Runtime:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-        _trim_heap()
+        trim_heap()
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Return freed heap pages to the OS (glibc keeps them otherwise); a no-op elsewhere.
 
     The session goes by reference count; a gc.collect() here changed nothing on the bench

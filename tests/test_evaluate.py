@@ -230,8 +230,8 @@ def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir
 
     monkeypatch.setattr(graph_io, "LAZY_MIN_BYTES", 1)  # tiny-llama's weights are all under 1 MB: keep them on disk
     roots = []
-    real_root = evaluate_module._data_root
-    monkeypatch.setattr(evaluate_module, "_data_root", lambda models: roots.append(real_root(models)) or roots[-1])
+    real_root = evaluate_module.common_root
+    monkeypatch.setattr(evaluate_module, "common_root", lambda models: roots.append(real_root(models)) or roots[-1])
     fast = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz")
     assert roots == [tmp_path.resolve()]  # onnxruntime read both data files from the folder holding both
     slow = evaluate(tmp_path / "fp32" / "model.onnx", candidate, llama_dir / "heldout.npz", in_graph=False)

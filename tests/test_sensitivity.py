@@ -98,3 +98,44 @@ def test_per_layer_and_smoothed_models(llama_dir, tmp_path, static_llama):
     result = _cli("eval", llama_dir / "model.onnx", smoothed / "model.onnx", "--data", llama_dir / "heldout.npz",
                   "--sensitivity")
     assert result.exit_code == 2 and "smoothed by SmoothQuant" in result.output
+
+
+def test_the_switchable_model_is_fp32_with_every_switch_off_and_the_quantized_model_with_every_one_on(
+        llama_dir, static_llama):
+    """graph.switch against onnxruntime running the two models themselves (ORT_ENABLE_BASIC)."""
+    import numpy as np
+
+    from graphcal.evaluation.sensitivity import quantized_layers
+    from graphcal.graph.io import load_model, value_types
+    from graphcal.graph.switch import switchable_model
+    from graphcal.graph.targets import find_targets
+    from graphcal.runtime import run_model
+
+    out, _ = static_llama
+    ref, cand = load_model(llama_dir / "model.onnx"), load_model(out / "model.onnx")
+    layers = quantized_layers(cand, ref, find_targets(ref)[0])
+    nodes = {n.name: n for n in ref.graph.node}
+    types = {k: v.elem_type for k, v in value_types(ref).items()}
+    model, switches = switchable_model(ref, cand, {t.name: t.node for t in layers},
+                                       {nodes[t.node].output[0]: types[nodes[t.node].output[0]] for t in layers})
+    assert len(switches) == len(layers) == 14 and sum(n.op_type == "If" for n in model.graph.node) == 14
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    for on, reference in ((False, llama_dir / "model.onnx"), (True, out / "model.onnx")):
+        got = run_model(model, {**feeds, **{s: np.array(on) for s in switches.values()}}, ["logits"])["logits"]
+        want = run_model(reference, feeds, ["logits"])["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sensitivity_says_its_runs_up_front_and_refuses_past_its_time_limit(llama_dir, static_llama, caplog):
+    out, _ = static_llama
+    args = ["eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz", "--sensitivity"]
+    result = _cli(*args, "--per-layer", "--time-limit", "0.0001")
+    assert result.exit_code == 2
+    # 1 + 7 + 14 runs (fp32, then each kind and layer alone), then 1 + 3 (fp32, then each option)
+    assert "eval --sensitivity: 26 runs of the model over the data (7 kinds, 14 single layers, up to 3 options" in (
+        caplog.text)
+    refusal = result.output.strip().splitlines()[-1]
+    assert refusal.startswith("error: --sensitivity would take about") and "drop --per-layer" in refusal
+    assert "advice" not in result.output  # refused before the sensitivity passes
+    result = _cli(*args, "--time-limit", "0")  # no limit
+    assert result.exit_code == 0, result.output

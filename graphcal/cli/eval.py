@@ -27,15 +27,18 @@ from graphcal.cli.options import DEBUG_OPTION
 @click.option("--sensitivity", is_flag=True,
               help="Also run the quantized model with only one kind of layer quantized (mlp.down_proj across all "
                    "blocks, ...; the rest back in float), rank kinds by the output error each causes alone, and "
-                   "measure the advice (the worst kinds back in float) the same way: one pass over the data per kind "
-                   "and per option.")
-@click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one pass per layer).")
+                   "measure the advice (the worst kinds back in float) the same way: one run of the model over the "
+                   "data per kind and per option, and two in fp32, all in one session.")
+@click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one run per layer).")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=60, show_default=True, metavar="MINUTES",
+              help="Refuse --sensitivity when its runs, estimated from the comparison's first batches, would take "
+                   "longer than this (0: no limit). The number of runs is printed before any pass.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write an HTML page with the tables and a per-layer SQNR chart.")
 @DEBUG_OPTION
-def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer, as_json,
-                 html_path, debug):
+def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer,
+                 time_limit, as_json, html_path, debug):
     """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
     output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
     that would keep them in float.
@@ -50,6 +53,7 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
     def call():
         report = evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples, level=level,
                           isolated=isolated, sensitivity=sensitivity, per_layer=per_layer,
+                          time_limit_s=time_limit * 60 if time_limit else None,
                           writes=[("--html", html_path)] if html_path is not None else [])  # refused before any pass
         if html_path is not None:  # replaced whole (a temporary file renamed over it), never an input
             replace_file(html_path, format_html(report, f"{quantized} vs {reference}").encode("utf-8"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,24 +22,26 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.candidate import smoothable_layers, smoothquant_record, written_ignore
 from graphcal.evaluation.report import EvalReport
-from graphcal.evaluation.sensitivity import measure_sensitivity
+from graphcal.evaluation.sensitivity import SensitivityPlan, measure_sensitivity, quantized_layers
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
-from graphcal.graph.external import is_external, rebase
+from graphcal.graph.external import common_root, is_external
 from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
 from graphcal.output.file import check_output_file
-from graphcal.progress import Progress
+from graphcal.progress import Progress, duration
 
 log = logging.getLogger("graphcal")
 
 LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
+DEFAULT_TIME_LIMIT_S = 3600.0  # eval --time-limit's default: a sensitivity estimated past an hour is refused
 
 
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
              num_samples: int | None = None, level: str = "basic", isolated: bool = False,
              sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True,
-             writes: Sequence[tuple[str, str | Path]] = ()) -> EvalReport:
+             writes: Sequence[tuple[str, str | Path]] = (), time_limit_s: float | None = DEFAULT_TIME_LIMIT_S
+             ) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
@@ -53,8 +56,10 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
 
     With ``sensitivity``, the model's outputs are also compared with only one kind of layer
     quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
-    back in float, and the advice is measured the same way (graphcal.evaluation.sensitivity): one pass over
-    the data per kind, layer and advice option, each running both models.
+    in float, and the advice is measured the same way (graphcal.evaluation.sensitivity): one model
+    run over the data per kind, layer and advice option, and two in fp32. Their number is logged
+    before any pass; their time is estimated from this comparison's first batches, and a run whose
+    estimate passes ``time_limit_s`` (None: no limit) is refused then, before the sensitivity passes.
 
     With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
     graph that reduces each compared pair to six float64 sums (graph.compare), so no activation
@@ -103,16 +108,20 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
             continue
         layers.append((t.name, tensor))
     fetch = outputs + [tensor for _, tensor in layers]
+    plan = SensitivityPlan(quantized_layers(cand_model, ref_model, targets), per_layer) if sensitivity else None
+    if plan is not None:
+        log.warning("eval --sensitivity: %s after the comparison; progress and time left are shown as they run",
+                    plan.describe())
     smoothable = smoothable_layers(ref_model, targets, smoothed, Path(reference).parent)
     import onnxruntime as ort  # lazy: onnxruntime loads when a comparison runs, not with this package
 
-    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime  # lazy: it imports onnxruntime
+    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime, trim_heap  # lazy: it imports onnxruntime
 
     optimization = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-    paired = None
+    paired = runtime = ref_run = cand_run = None
     if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
         # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
-        folder = _data_root([(ref_model, reference), (cand_model, candidate)])
+        folder = common_root([(ref_model, reference), (cand_model, candidate)])
         model, weights, sums = paired_model(ref_model, cand_model, fetch)
         names = [OUTPUT]
         runtime = open_runtime(model, names, device="cpu", optimization=optimization,
@@ -121,9 +130,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         del model, weights
         runner_kind = paired.kind
     else:
-        if ref_files:
+        if any(map(is_external, ref_model.graph.initializer)):  # weights left on disk (data files, or inline ones)
             ref_model = load_model(reference)
-        if cand_files:
+        if any(map(is_external, cand_model.graph.initializer)):
             cand_model = load_model(candidate)
     forced, forced_run, ref_fetch = {}, None, fetch
     if isolated:  # the reference run also hands over every layer's float input
@@ -142,7 +151,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     layer_agree = [Agreement(name) for name, _ in layers]
     alone = [Agreement(name) for name, _ in layers] if isolated else None
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
-    batches = 0
+    batches, clock = 0, time.monotonic()
     log.info("evaluating on %s samples in batches of %s", calib.num_samples, calib.batch_size)
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
@@ -162,35 +171,37 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
                     agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
         bar.update(batch_samples(batch))
+        if plan is not None and batches == min(2, calib.num_batches or 1):
+            _check_time(plan, time.monotonic() - clock, batches, calib.num_batches, time_limit_s)
     bar.close()
+    if sensitivity:  # the comparison's sessions go before sensitivity opens its own
+        paired = ref_run = cand_run = forced_run = runtime = None  # noqa: F841
+        trim_heap()
     ignored = written_ignore(Path(candidate))
     sens = None
     if sensitivity:
-        sens = measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer,
+        sens = measure_sensitivity(plan, reference, candidate, outputs, calib, optimization,
                                    ignored if ignored is not None else list(DEFAULT_IGNORE))
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
                       runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
                       smoothable=smoothable, sensitivity=sens)
 
 
-def _data_root(models: list[tuple[onnx.ModelProto, str | Path]]) -> Path | None:
-    """The folder onnxruntime reads the models' external data from when they run as one session
-    (it takes one folder and refuses paths out of it): the deepest folder holding every model's
-    folder, the models' (lazy) external references rewritten relative to it. None when no weight
-    is external. Each reference is checked against its own model's folder first."""
-    holding = [(model, Path(path).parent) for model, path in models if any(map(is_external, model.graph.initializer))]
-    if not holding:
-        return None
-    try:
-        root = Path(os.path.commonpath([os.path.realpath(folder) for _, folder in holding]))
-    except ValueError:  # folders on different drives (Windows)
-        raise GraphcalError("the two models' weights are on different drives; put both models on one drive "
-                            "to compare them") from None
-    for model, folder in holding:
-        for t in model.graph.initializer:
-            if is_external(t):
-                rebase(t, folder, root)
-    return root
+def _check_time(plan: SensitivityPlan, seconds: float, batches: int, num_batches: int | None,
+                limit_s: float | None) -> None:
+    """Log what --sensitivity's runs will take at the pace of this comparison's first ``batches``
+    (which ran two models each); refuse them when that is longer than ``limit_s`` (None: no limit)."""
+    if not num_batches:
+        return
+    per_run = seconds / batches * num_batches / 2
+    estimate = per_run * plan.runs
+    if limit_s is None or estimate <= limit_s:
+        log.warning("eval --sensitivity: about %s after this comparison (%d runs of about %s)", duration(estimate),
+                    plan.runs, duration(per_run))
+        return
+    raise UsageError(f"--sensitivity would take about {duration(estimate)} ({plan.describe()}, about "
+                     f"{duration(per_run)} each), past the time limit of {duration(limit_s)}; use fewer "
+                     f"--num-samples{', drop --per-layer' if plan.per_layer else ''} or raise --time-limit (0: none)")
 
 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations

@@ -1,33 +1,42 @@
-"""Layer sensitivity by brute force: the quantized model with some of its layers back in float.
+"""Layer sensitivity by brute force: the fp32 model with some of its layers quantized.
 
 ``graphcal eval --sensitivity`` answers "which layers should stay in float" by measuring it. For
 each kind of layer (``mlp.down_proj`` across all blocks, ...), and with ``per_layer`` for each
-layer, it runs the quantized model with only those layers quantized and every other layer back in
-float, and compares the model's outputs with fp32: the end-to-end loss that kind causes on its
-own. Kinds are ranked by it, and the advice is then measured as well. Taking the worst kind, then
-the worst two, ... back to float, each option's model is run, so the "expected result" printed
-with the flags is what those flags give. The quantized layers keep their own qparams, which do
-not depend on the other layers: observers see the fp32 model.
+layer, it runs the model with only those layers quantized and every other layer in float, and
+compares the model's outputs with fp32: the end-to-end loss that kind causes on its own. Kinds are
+ranked by it, and the advice is then measured as well. Taking the worst kind, then the worst two,
+... back to float, each option is run, so the "expected result" printed with the flags is what
+those flags give. The quantized layers keep their own qparams, which do not depend on the other
+layers: observers see the fp32 model.
 
-:func:`measure_sensitivity` runs those passes (eval's own comparison is graphcal.evaluation.compare's).
-:func:`float_except` builds their models from the quantized one. A layer goes back to float
-when its output tensor comes from a copy of the fp32 model's own node (and weight path) on the
-same input. The quantized nodes that fed it are dropped, and Q/DQ that other layers share stays.
+Every run is one session over one model, built once (graph.switch): the fp32 model with each
+quantized layer behind a switch, fed per run. The fp32 outputs are that model with every switch
+off, so each batch runs once in fp32 and once per variant: :class:`SensitivityPlan` counts those
+runs before any pass (eval announces them, estimates their time from its own pass, and refuses a
+run past its time limit), and :func:`measure_sensitivity` makes them, the batches outermost so
+one batch's fp32 outputs serve every variant. Memory is the fp32 model's plus the quantized
+layers' weights.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
+from graphcal.data import batch_samples
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
-from graphcal.graph.io import load_model
-from graphcal.graph.qdq.cleanup import drop_dead_weight_paths
+from graphcal.graph.external import common_root
+from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime, value_types
+from graphcal.graph.switch import switchable_model
+from graphcal.progress import Progress
 
-FLOAT_PREFIX = "graphcal-float/"
+log = logging.getLogger("graphcal")
+
 MAX_OPTIONS = 3  # advice: the worst kind, the worst two, the worst three
 
 
@@ -47,66 +56,40 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
     return out
 
 
-def float_except(candidate: onnx.ModelProto, reference: onnx.ModelProto, layers, keep: set[str]) -> onnx.ModelProto:
-    """A copy of ``candidate`` in which every layer of ``layers`` (quantized targets) not named in
-    ``keep`` computes in float, as ``reference`` does."""
-    model = onnx.ModelProto()
-    model.CopyFrom(candidate)
-    graph = model.graph
-    ref_graph = reference.graph
-    ref_inits = {t.name: t for t in ref_graph.initializer}
-    ref_producer = {o: n for n in ref_graph.node for o in n.output}
-    ref_nodes = {n.name: n for n in ref_graph.node}
-    copied: dict[str, str] = {}
-    detached: set[str] = set()
-    before: dict[int, list[onnx.NodeProto]] = {}  # id(candidate node) -> float nodes to insert in front of it
+@dataclass
+class SensitivityPlan:
+    """What --sensitivity will run, known from the models' structure before any pass."""
 
-    def copy_value(name: str, into: list[onnx.NodeProto]) -> str:
-        """The reference's constant ``name`` (an initializer, or a weight path over one) in the copy."""
-        if not name:
-            return name
-        if name in copied:
-            return copied[name]
-        new = FLOAT_PREFIX + name
-        if name in ref_inits:
-            init = onnx.TensorProto()
-            init.CopyFrom(ref_inits[name])
-            init.name = new
-            graph.initializer.append(init)
-        elif name in ref_producer:
-            node = ref_producer[name]
-            inputs = [copy_value(i, into) for i in node.input]
-            into.append(onnx.helper.make_node(node.op_type, inputs, [FLOAT_PREFIX + o for o in node.output],
-                                              name=FLOAT_PREFIX + node.name, domain=node.domain))
-            into[-1].attribute.extend(node.attribute)
-        else:
-            return name  # an activation: the same tensor in both models
-        copied[name] = new
-        return new
+    layers: list  # the quantized targets
+    per_layer: bool
+    kinds: dict[str, list[str]] = field(init=False)
 
-    producer = {o: n for n in graph.node for o in n.output}
-    for t in layers:
-        if t.name in keep:
-            continue
-        ref = ref_nodes[t.node]
-        out = ref.output[0]
-        node = producer[out]
-        dead = out + "/graphcal-quantized"
-        node.output[list(node.output).index(out)] = dead
-        detached.add(dead)
-        nodes: list[onnx.NodeProto] = []
-        inputs = [ref.input[0]] + [copy_value(i, nodes) for i in ref.input[1:]]
-        float_node = onnx.helper.make_node(ref.op_type, inputs, [out], name=FLOAT_PREFIX + ref.name, domain=ref.domain)
-        float_node.attribute.extend(ref.attribute)
-        before.setdefault(id(node), []).extend([*nodes, float_node])
-    order = []
-    for n in graph.node:
-        order.extend(before.get(id(n), []))
-        order.append(n)
-    del graph.node[:]
-    graph.node.extend(order)
-    drop_dead_weight_paths(graph, detached)
-    return model
+    def __post_init__(self):
+        self.kinds = {}
+        for t in self.layers:
+            self.kinds.setdefault(layer_kind(t.name), []).append(t.name)
+
+    @property
+    def alone(self) -> dict[str, list[str]]:
+        """Each variant measured alone: every kind, and with ``per_layer`` each layer of a kind of several."""
+        variants = dict(self.kinds)
+        if self.per_layer:
+            variants.update({t.name: [t.name] for t in self.layers if len(self.kinds[layer_kind(t.name)]) > 1})
+        return variants
+
+    @property
+    def options(self) -> int:
+        return max(min(MAX_OPTIONS, len(self.kinds) - 1), 0)  # never every kind: that is the fp32 model
+
+    @property
+    def runs(self) -> int:
+        """Model runs over the data: fp32 and each variant alone, then fp32 and each option."""
+        return (1 + len(self.alone) if self.alone else 0) + (1 + self.options if self.options else 0)
+
+    def describe(self) -> str:
+        per = f", {len(self.alone) - len(self.kinds)} single layers" if self.per_layer else ""
+        return (f"{self.runs} runs of the model over the data ({len(self.kinds)} kinds{per}, up to "
+                f"{self.options} options, and fp32 twice)")
 
 
 @dataclass
@@ -160,43 +143,64 @@ def _pattern(kind: str, layers: list[str]) -> str:
     return kind_pattern(kind)
 
 
-def measure_sensitivity(reference, candidate, targets, outputs, calib, optimization, per_layer: bool, ignored) -> Sensitivity:
-    """Each kind (and layer) quantized alone, then the advice options, each compared with fp32 over the data."""
-    ref_model, cand_model = load_model(reference), load_model(candidate)
-    layers = quantized_layers(cand_model, ref_model, targets)
-    kinds: dict[str, list[str]] = {}
-    for t in layers:
-        kinds.setdefault(layer_kind(t.name), []).append(t.name)
+def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, calib, optimization,
+                        ignored) -> Sensitivity:
+    """Each variant of ``plan`` alone, then the advice options, each compared with fp32 over the data."""
+    (ref_model, _), (cand_model, _) = load_model_info(reference, lazy=True), load_model_info(candidate, lazy=True)
+    folder = None
+    if runs_in_onnxruntime(cand_model):
+        folder = common_root([(ref_model, reference), (cand_model, candidate)])
+    else:  # onnx.reference runs it, with every weight in memory
+        ref_model, cand_model = load_model(reference), load_model(candidate)
+    ref_nodes = {n.name: n for n in ref_model.graph.node}
+    types = {name: t.elem_type for name, t in value_types(ref_model).items()}
+    model, switches = switchable_model(ref_model, cand_model, {t.name: t.node for t in plan.layers},
+                                       {ref_nodes[t.node].output[0]: types.get(ref_nodes[t.node].output[0], 1)
+                                        for t in plan.layers})
+    del ref_model, cand_model
+    run = _runner(model, outputs, optimization, folder)
+    del model
+    total = plan.runs * calib.num_samples if calib.num_samples else None
+    with Progress("sensitivity", total, "sample") as bar:
+        alone = _measure(run, switches, plan.alone, outputs, calib, bar)
+        ranked = sorted(plan.kinds, key=lambda k: alone[k][0].sqnr_db)
+        every = {t.name for t in plan.layers}
+        options = [Option(ranked[:n], [name for k in ranked[:n] for name in plan.kinds[k]])
+                   for n in range(1, plan.options + 1)]
+        measured = _measure(run, switches, {str(i): sorted(every - set(o.layers)) for i, o in enumerate(options)},
+                            outputs, calib, bar)
+    for i, option in enumerate(options):
+        option.outputs = measured[str(i)]
+    return Sensitivity(plan.kinds, alone, options, list(ignored))
 
-    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
 
-    ref_run = open_model_runner(ref_model, outputs, optimization=optimization)  # one fp32 session for every variant
+def _runner(model: onnx.ModelProto, outputs, optimization, folder):
+    """run(feeds) -> {output: numpy array} for the switchable model: onnxruntime on the CPU (weights
+    read from ``folder`` where they stayed on disk), or onnx.reference for what onnxruntime cannot run."""
+    if runs_in_onnxruntime(model):
+        from graphcal.runtime import open_runtime  # lazy: it imports onnxruntime, loaded when a comparison runs
 
-    def compare(keep: set[str]) -> list[Agreement]:
-        return _compare(ref_run, float_except(cand_model, ref_model, layers, keep), outputs, calib, optimization)
+        return open_runtime(model, list(outputs), device="cpu", optimization=optimization, external_folder=folder).run_numpy
+    from onnx.reference import ReferenceEvaluator  # lazy: only models onnxruntime cannot run
 
-    alone = {kind: compare(set(names)) for kind, names in kinds.items()}
-    if per_layer:
-        alone.update({t.name: compare({t.name}) for t in layers if len(kinds[layer_kind(t.name)]) > 1})
-    ranked = sorted(kinds, key=lambda k: alone[k][0].sqnr_db)
-    options = []
-    for n in range(1, min(MAX_OPTIONS, len(ranked) - 1) + 1):  # never every kind: that is the fp32 model
-        floated = ranked[:n]
-        names = [name for k in floated for name in kinds[k]]
-        option = Option(floated, names)
-        option.outputs = compare({t.name for t in layers} - set(names))
-        options.append(option)
-    return Sensitivity(kinds, alone, options, list(ignored))
+    evaluator = ReferenceEvaluator(model)
+    return lambda feeds: dict(zip(outputs, evaluator.run(list(outputs), feeds)))
 
 
-def _compare(ref_run, model, outputs, calib, optimization) -> list[Agreement]:
-    """The outputs of ``model`` against the fp32 runner's over the data (both run once per batch)."""
-    from graphcal.runtime import open_model_runner  # lazy: as in measure_sensitivity
-
-    run = open_model_runner(model, outputs, optimization=optimization)
-    agree = [Agreement(o) for o in outputs]
+def _measure(run, switches: dict[str, str], variants: dict[str, list[str]], outputs, calib, bar) -> dict[str, list[Agreement]]:
+    """Each variant (its layers quantized, the rest in float) against fp32, batch by batch: one fp32
+    run per batch serves every variant."""
+    agree = {v: [Agreement(o) for o in outputs] for v in variants}
+    if not variants:
+        return agree
+    off = {s: np.array(False) for s in switches.values()}
     for batch in calib.batches():
-        ref_values, values = ref_run.run(batch), run.run(batch)
-        for a, name in zip(agree, outputs):
-            a.add(ref_values[name], values[name])
+        n = batch_samples(batch)
+        ref = run({**batch, **off})
+        bar.update(n)
+        for v, layers in variants.items():
+            values = run({**batch, **off, **{switches[name]: np.array(True) for name in layers}})
+            for a, name in zip(agree[v], outputs):
+                a.add(ref[name], values[name])
+            bar.update(n)
     return agree

@@ -167,6 +167,26 @@ def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.Path
             entry.value = os.path.relpath(ref.path, real_root)
 
 
+def common_root(models: list[tuple[onnx.ModelProto, str | os.PathLike]]) -> Path | None:
+    """The folder onnxruntime reads several models' external data from when they run as one session
+    (it takes one folder and refuses paths out of it): the deepest folder holding the folder of every
+    model (given with its path) that keeps weights on disk, their references rewritten relative to
+    it (each checked against its own model's folder first). None when no weight is external."""
+    holding = [(model, Path(path).parent) for model, path in models if any(map(is_external, model.graph.initializer))]
+    if not holding:
+        return None
+    try:
+        root = Path(os.path.commonpath([os.path.realpath(folder) for _, folder in holding]))
+    except ValueError:  # folders on different drives (Windows)
+        raise GraphcalError("the two models' weights are on different drives; put both models on one drive "
+                            "to compare them") from None
+    for model, folder in holding:
+        for t in model.graph.initializer:
+            if is_external(t):
+                rebase(t, folder, root)
+    return root
+
+
 def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
                         where: str | os.PathLike) -> tuple[str, ...]:
     """Check every external reference of ``model`` against ``base_dir``; return the data files
