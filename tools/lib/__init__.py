@@ -6,6 +6,7 @@
 - :mod:`tools.lib.models`: the models the tables measure, with their calibration and held-out data;
 - :mod:`tools.lib.outputs`: THE way to get a model's first output over data, and its metrics against fp32;
 - :mod:`tools.lib.children`: child processes with their own peak memory (through ``python -m tools.peak_rss``);
+- :mod:`tools.lib.perplexity`: held-out perplexity of a causal LM in ONNX (tools/real_llm.py's SmolLM2);
 - :mod:`tools.lib.speed_page`: tools/speed_table.py's forms and its markdown page.
 """
 

@@ -2,8 +2,9 @@
 
 Calibration text: Python's standard library docstrings; held-out text: the licence texts in
 /usr/share/common-licenses. Both are cut into paragraphs of running prose and joined into samples long
-enough to pass 128 tokens; :func:`tokenize` turns a text file into the model's inputs as
-``graphcal export --text`` does.
+enough to pass 128 tokens (:func:`samples`), or taken for a token budget (:func:`for_tokens`, the real
+LLM's packed windows); :func:`tokenize` turns a text file into the model's inputs as
+``graphcal export --text`` (``--pack``) does.
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def samples(paragraphs: list[str], count: int, min_words: int = 110) -> list[str
     return [found[int(i * step)] for i in range(count)]
 
 
+def for_tokens(paragraphs: list[str], tokenizer, tokens: int) -> list[str]:
+    """Paragraphs spread over ``paragraphs`` (every k-th, k the largest stride that still holds enough),
+    cut to the fewest that fill ``tokens`` tokens when packed as ``graphcal export --pack`` packs lines:
+    each tokenized alone, the end-of-sequence token after each (so little of the text goes unused)."""
+    eos = tokenizer.eos_token_id
+    lengths = [len(ids) + (not ids or ids[-1] != eos) for ids in tokenizer(paragraphs)["input_ids"]]
+    for stride in range(max(1, sum(lengths) // tokens), 0, -1):
+        total = 0
+        for count, length in enumerate(lengths[::stride], 1):
+            total += length
+            if total >= tokens:
+                return paragraphs[::stride][:count]
+    raise SystemExit(f"found only {sum(lengths):,} tokens of text, need {tokens:,}")
+
+
 def stdlib_text() -> list[str]:
     """Paragraphs of Python's standard library docstrings (modules, public classes and functions)."""
     paragraphs = []
@@ -95,8 +111,11 @@ def license_text() -> list[str]:
     return list(dict.fromkeys(paragraphs))
 
 
-def tokenize(model_dir: Path, model: Path, text: Path, out: Path, seq: int) -> None:
-    """The text file's lines, tokenized as graphcal export tokenizes --text (padded/truncated to ``seq``)."""
+def tokenize(model_dir: Path, model: Path, text: Path, out: Path, seq: int, *, pack: bool = False,
+             num_samples: int | None = None) -> dict:
+    """The text file's lines, tokenized as graphcal export tokenizes --text (padded/truncated to ``seq``;
+    with ``pack``, as --pack: full windows of the joined lines, at most ``num_samples``), for the
+    inputs ``model`` names; written to ``out`` and returned."""
     import onnx  # lazy: only where MiniLM's data is made
     import transformers  # lazy: only where MiniLM's data is made
 
@@ -105,4 +124,6 @@ def tokenize(model_dir: Path, model: Path, text: Path, out: Path, seq: int) -> N
     names = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     lines = [line.strip() for line in text.read_text().splitlines() if line.strip()]
-    save_npz(out, tokenize_lines(tokenizer, lines, names, seq))
+    arrays = tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
+    save_npz(out, arrays)
+    return arrays
