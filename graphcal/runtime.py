@@ -63,6 +63,18 @@ class Runtime:
             raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
         return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
 
+    def run_shared(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """:meth:`run` with every output as a numpy array over onnxruntime's own memory (on the CPU,
+        through DLPack): no copy of a large output (a vocabulary's logits) beside onnxruntime's.
+        An output numpy cannot view (bfloat16) comes as a copy."""
+        out = {}
+        for name, value in self.run(feeds).items():
+            try:
+                out[name] = value.numpy()
+            except TypeError:  # a torch dtype numpy lacks
+                out[name] = value.float().numpy()
+        return out
+
     def run_numpy(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch through ``session.run``: every output as a numpy array on the host, of
         any element type onnxruntime returns (float8 and int4 included, which torch cannot take)."""
@@ -263,6 +275,21 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
         stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
     return graph, names, values
 
+
+
+def check_loads(path: str | os.PathLike) -> None:
+    """onnxruntime (CPU, ORT_ENABLE_BASIC) opens the model file graphcal wrote, as it opened the input:
+    the check for what onnx's checker has no schema for (graph.io.unchecked_ops). Its complaint is a
+    GraphcalError; nothing is run."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path), sess_options=opts, providers=[_CPU])
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise GraphcalError(f"onnxruntime cannot load the written model, so it was not kept ({first_line(e)}); "
+                            "this is a graphcal bug: please report it") from e
+    trim_heap()
 
 
 def _check_device_choice(device: str) -> None:

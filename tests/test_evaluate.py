@@ -357,3 +357,28 @@ def test_the_html_page_is_replaced_whole(llama_dir, quantized, tmp_path, monkeyp
     monkeypatch.undo()
     assert _eval(llama_dir / "model.onnx", quantized, "--data", llama_dir / "heldout.npz", "--html", page).exit_code == 0
     assert "<svg" in page.read_text() and [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_a_layer_whose_output_is_the_models_output_agrees_as_fetched(tmp_path):
+    """A MatMul whose output is the graph's output (lm_head's logits): eval fetches the output whole
+    and compares it a slice at a time; the numbers are those of the path that fetches every tensor."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from graphcal.calibration.pipeline import calibrate
+    from graphcal.evaluation import evaluate
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 8])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((16, 16)).astype(np.float32))
+    calibrate(tmp_path / "m.onnx", tmp_path / "d.npz", tmp_path / "q", scheme="W8A8_STATIC")
+    fast = evaluate(tmp_path / "m.onnx", tmp_path / "q" / "model.onnx", tmp_path / "d.npz")
+    slow = evaluate(tmp_path / "m.onnx", tmp_path / "q" / "model.onnx", tmp_path / "d.npz", in_graph=False)
+    assert [a.name for a in fast.layers] == ["mm"]
+    for a, b in zip(fast.outputs + fast.layers, slow.outputs + slow.layers):
+        for key in ("ref_sq", "cand_sq", "dot", "err_sq", "max_abs_err", "max_abs_ref"):
+            assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-9), (a.name, key)
+    assert 30 < fast.layers[0].sqnr_db < 60

@@ -9,6 +9,8 @@ import numpy as np
 
 from graphcal.errors import GraphcalError
 
+CHUNK = 1 << 20  # elements compared at a time (8 MB of float64 each)
+
 
 @dataclass
 class Agreement:
@@ -23,17 +25,21 @@ class Agreement:
     max_abs_ref: float = 0.0
 
     def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
-        ref, cand = np.asarray(ref, np.float64), np.asarray(cand, np.float64)
+        """Fold in one batch's tensors, in float64 a slice at a time (a large vocabulary's logits
+        in float64 whole would be several times the batch's own memory)."""
+        ref, cand = np.asarray(ref), np.asarray(cand)
         if ref.shape != cand.shape:
             raise GraphcalError(f"{self.name}: shapes differ between the models ({ref.shape} vs {cand.shape})")
-        err = cand - ref
-        self.ref_sq += float((ref * ref).sum())
-        self.cand_sq += float((cand * cand).sum())
-        self.dot += float((ref * cand).sum())
-        self.err_sq += float((err * err).sum())
-        if err.size:
+        ref, cand = ref.reshape(-1), cand.reshape(-1)
+        for start in range(0, ref.size, CHUNK):
+            r, c = ref[start:start + CHUNK].astype(np.float64), cand[start:start + CHUNK].astype(np.float64)
+            err = c - r
+            self.ref_sq += float(np.dot(r, r))
+            self.cand_sq += float(np.dot(c, c))
+            self.dot += float(np.dot(r, c))
+            self.err_sq += float(np.dot(err, err))
             self.max_abs_err = max(self.max_abs_err, float(np.abs(err).max()))
-            self.max_abs_ref = max(self.max_abs_ref, float(np.abs(ref).max()))
+            self.max_abs_ref = max(self.max_abs_ref, float(np.abs(r).max()))
 
     def add_sums(self, ref_sq: float, cand_sq: float, dot: float, err_sq: float, max_abs_err: float,
                  max_abs_ref: float) -> None:

@@ -24,6 +24,7 @@ from graphcal.evaluation.candidate import smoothable_layers, smoothquant_record,
 from graphcal.evaluation.report import EvalReport
 from graphcal.evaluation.sensitivity import SensitivityPlan, measure_sensitivity, quantized_layers
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
+from graphcal.graph.compare import PREFIX as PAIRED_PREFIX
 from graphcal.graph.external import common_root, is_external
 from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime
 from graphcal.graph.taps import add_taps
@@ -122,11 +123,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     if in_graph and not isolated and runs_in_onnxruntime(ref_model) and runs_in_onnxruntime(cand_model):
         # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
         folder = common_root([(ref_model, reference), (cand_model, candidate)])
-        model, weights, sums = paired_model(ref_model, cand_model, fetch)
-        names = [OUTPUT]
+        # the model's outputs come back whole and are compared here a slice at a time (Agreement.add)
+        model, weights, sums = paired_model(ref_model, cand_model, [t for t in fetch if t not in outputs],
+                                            fetched=outputs)
+        names = [OUTPUT, *outputs, *(PAIRED_PREFIX + o for o in outputs)]
         runtime = open_runtime(model, names, device="cpu", optimization=optimization,
                                renamed_weights=weights, external_folder=folder, priority_order=False)
-        paired = ModelRunner(names, "onnxruntime", runtime.run_numpy)
+        paired = ModelRunner(names, "onnxruntime", runtime.run_shared)
         del model, weights
         runner_kind = paired.kind
     else:
@@ -157,9 +160,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():
         if paired is not None:
-            values = paired.run(batch)[OUTPUT]
-            for agreement, tensor in compared:
-                agreement.add_sums(*map(float, values[sums[tensor]:sums[tensor] + len(SUMS)]))
+            values = paired.run(batch)
+            for agreement, tensor in zip(out_agree, outputs):
+                agreement.add(values[tensor], values[PAIRED_PREFIX + tensor])
+            for agreement, (_, tensor) in zip(layer_agree, layers):
+                if tensor in sums:  # else an output: it takes that output's sums below
+                    agreement.add_sums(*map(float, values[OUTPUT][sums[tensor]:sums[tensor] + len(SUMS)]))
+            del values
         else:
             ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
             for agreement, tensor in compared:
@@ -174,6 +181,11 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         if plan is not None and batches == min(2, calib.num_batches or 1):
             _check_time(plan, time.monotonic() - clock, batches, calib.num_batches, time_limit_s)
     bar.close()
+    if paired is not None:  # a layer whose output is a model output (lm_head's logits) agrees as that output does
+        by_output = dict(zip(outputs, out_agree))
+        for agreement, (_, tensor) in zip(layer_agree, layers):
+            if tensor in by_output:
+                agreement.add_sums(*(getattr(by_output[tensor], key) for key in SUMS))
     if sensitivity:  # the comparison's sessions go before sensitivity opens its own
         paired = ref_run = cand_run = forced_run = runtime = None  # noqa: F841
         trim_heap()

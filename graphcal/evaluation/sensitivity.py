@@ -180,7 +180,7 @@ def _runner(model: onnx.ModelProto, outputs, optimization, folder):
     if runs_in_onnxruntime(model):
         from graphcal.runtime import open_runtime  # lazy: it imports onnxruntime, loaded when a comparison runs
 
-        return open_runtime(model, list(outputs), device="cpu", optimization=optimization, external_folder=folder).run_numpy
+        return open_runtime(model, list(outputs), device="cpu", optimization=optimization, external_folder=folder).run_shared
     from onnx.reference import ReferenceEvaluator  # lazy: only models onnxruntime cannot run
 
     evaluator = ReferenceEvaluator(model)

@@ -23,13 +23,16 @@ SUMS = ("ref_sq", "cand_sq", "dot", "err_sq", "max_abs_err", "max_abs_ref")
 OUTPUT = "graphcal-compare/all"  # the graph's one output: SUMS of every pair, one after the other
 
 
-def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: list[str]
+def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: list[str], fetched: list[str] = ()
                  ) -> tuple[onnx.ModelProto, list[tuple[str, onnx.TensorProto]], dict[str, int]]:
     """One weightless graph running both models (their inputs shared) whose one output, ``OUTPUT``,
     holds the agreement sums of each tensor of ``pairs`` (its name in both models), six in SUMS
     order per tensor; the weights it reads, as (name in the graph, the models' own initializer),
-    for ``runtime.open_runtime``'s ``renamed_weights``; and {tensor: where its six sums start}. ``reference`` is raised to
-    the candidate's opset in place if below it; no weight is copied."""
+    for ``runtime.open_runtime``'s ``renamed_weights``; and {tensor: where its six sums start}.
+    ``fetched``: model outputs returned as they are instead, the reference's under its name and the
+    candidate's under ``PREFIX + name`` (a large vocabulary's logits: six float64 sums in the graph
+    would take three float64 copies of them). ``reference`` is raised to the candidate's opset in
+    place if below it; no weight is copied."""
     opset = max(default_opset(reference), default_opset(candidate))
     if default_opset(reference) < opset:
         from graphcal.graph.qdq.opset import upgrade_opset  # lazy: the graph.qdq package loads torch
@@ -115,8 +118,17 @@ def paired_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, pairs: 
     # 1.5B decoder against 8.4 GB for the two models' plain sessions); in priority order it
     # dequantized every weight up front.
     order.extend(chain)
+    if accumulated is None:  # nothing compared in the graph (every pair fetched): no sums
+        accumulated = "graphcal-compare/none"
+        graph.initializer.append(numpy_helper.from_array(np.zeros(0, np.float64), accumulated))
     order.append(helper.make_node("Identity", [accumulated], [OUTPUT], name=OUTPUT))
     graph.output.append(helper.make_tensor_value_info(OUTPUT, TensorProto.DOUBLE, [len(SUMS) * len(out)]))
+    ref_outputs = {o.name: o for o in reference.graph.output}
+    for name in fetched:
+        for prefix in ("", PREFIX):
+            value = graph.output.add()
+            value.CopyFrom(ref_outputs[name])
+            value.name = prefix + name
     graph.node.extend(order)
     for label, shape in (("row", [1, -1]), ("column", [-1, 1]), ("scalar", []), ("one", [1])):
         graph.initializer.append(numpy_helper.from_array(np.array(shape, dtype=np.int64), f"graphcal-compare/{label}"))
