@@ -37,11 +37,12 @@ from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths
-from graphcal.graph.io import save_model
+from graphcal.graph.io import runs_in_onnxruntime, save_model
 from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
+from graphcal.output.companions import copy_companions
 from graphcal.output.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
-from graphcal.runtime import observer_device
+from graphcal.runtime import check_loads, observer_device
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 log = logging.getLogger("graphcal")
@@ -202,7 +203,11 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
     def write(tmp: Path) -> list[Path]:
         from safetensors.torch import save_file  # lazy: safetensors' torch half loads only when writing
 
-        files = save_model(qdq_model, tmp / MODEL_FILE, external=bool(run.data_files), base_dir=run.base_dir)
+        files = save_model(qdq_model, tmp / MODEL_FILE, external=bool(run.data_files), base_dir=run.base_dir,
+                           unchecked=run.unchecked)
+        if run.unchecked and runs_in_onnxruntime(qdq_model):  # what the checker passed over, onnxruntime loads
+            check_loads(tmp / MODEL_FILE)
+        files += copy_companions(run.companions, tmp, MODEL_FILE)  # genai_config.json, the tokenizer, ...
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]

@@ -24,10 +24,11 @@ from graphcal.config import DEFAULT_IGNORE, RunConfig
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
-from graphcal.graph.io import default_opset, load_model_info, value_types
+from graphcal.graph.io import default_opset, load_model_info, unchecked_ops, value_types
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
 from graphcal.graph.scaling import Resolution, candidates, resolve
 from graphcal.graph.targets import Skipped, find_targets, select
+from graphcal.output.companions import find_companions
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
 
@@ -71,6 +72,8 @@ class RunPlan:
     forms: tuple[str, ...] = ()  # what onnxruntime runs for the targets (--target onnxruntime)
     smoothing: Resolution | None = None  # SmoothQuant's mappings (None: no smoothing asked for)
     awq: Resolution | None = None  # AWQ's mappings (None: no AWQ asked for)
+    unchecked: frozenset[str] = frozenset()  # default-domain ops onnx has no schema for (graph.io.unchecked_ops)
+    companions: tuple[Path, ...] = ()  # the input folder's files -o receives too (output.companions)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -180,6 +183,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
+        unchecked=unchecked_ops(model), companions=find_companions(model_path),
     )
 
 

@@ -234,13 +234,15 @@ def _estimated_size(model: onnx.ModelProto) -> int | None:
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
-               base_dir: str | os.PathLike | None = None) -> list[Path]:
+               base_dir: str | os.PathLike | None = None, unchecked: frozenset[str] = frozenset()) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
     ``<name>.data`` beside it (one file, tensors over 1 KB). Without ``external``, weights still
     referenced in the input's file (a lazy inline model) are read into ``model`` first.
 
     The written file is checked with ``onnx.checker`` (from the file, so external data and
     models past 2 GB are checked too); a model it rejects is an error, never an output.
+    ``unchecked``: default-domain op types onnx has no schema for, which the input held too
+    (:func:`unchecked_ops`); the checker passes over them as it would over a custom domain's.
     Returns the files written.
     """
     if not external:  # weights still referenced in the (inline) input file come into the model
@@ -255,14 +257,70 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
         files = [path]
     else:
         files = save_with_external_data(model, path, base_dir=base_dir)
-    check_written(path)
+    check_written(path, unchecked)
     return files
 
 
-def check_written(path: Path) -> None:
-    """``onnx.checker`` on a model file graphcal wrote; its complaint becomes a GraphcalError."""
+UNCHECKED_DOMAIN = "graphcal.unchecked"  # where the checker's view puts ops onnx has no schema for
+
+
+def unchecked_ops(model: onnx.ModelProto) -> frozenset[str]:
+    """Op types the model runs in the default ONNX domain that onnx has no schema for at its opset:
+    onnxruntime's contrib ops as onnxruntime-genai's builder writes them (SimplifiedLayerNormalization,
+    which onnxruntime registers in both domains), or an op newer than the model's opset. onnx's
+    checker refuses such a model, input and output alike; onnxruntime runs it."""
+    opset = default_opset(model)
+    local = {(f.domain, f.name) for f in model.functions}
+    found = set()
+    for graph in _graphs(model.graph):
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx") or (node.domain, node.op_type) in local:
+                continue
+            try:
+                onnx.defs.get_schema(node.op_type, opset, "")
+            except onnx.defs.SchemaError:
+                found.add(node.op_type)
+    return frozenset(found)
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                yield from _graphs(attr.g)
+            for g in attr.graphs:
+                yield from _graphs(g)
+
+
+def check_written(path: Path, unchecked: frozenset[str] = frozenset()) -> None:
+    """``onnx.checker`` on a model file graphcal wrote; its complaint becomes a GraphcalError.
+    With ``unchecked`` op types, the checker reads a view of the file in which those nodes are in a
+    domain of their own (a small file beside it, sharing its external data, removed after)."""
     try:
-        onnx.checker.check_model(str(path))
+        if not unchecked:
+            onnx.checker.check_model(str(path))
+        else:
+            _check_view(path, unchecked)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as e:
         raise GraphcalError(f"the written model fails onnx's checker, so it was not kept ({first_line(e)}); "
                             "this is a graphcal bug or a model onnx cannot represent: please report it") from e
+
+
+def _check_view(path: Path, unchecked: frozenset[str]) -> None:
+    view = onnx.load(str(path), load_external_data=False)
+    for graph in _graphs(view.graph):
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in unchecked:
+                node.domain = UNCHECKED_DOMAIN
+    view.opset_import.append(onnx.helper.make_opsetid(UNCHECKED_DOMAIN, 1))
+    if not any(map(is_external, view.graph.initializer)):
+        onnx.checker.check_model(view)
+        return
+    at = path.with_name(f".graphcal-check-{path.name}")  # beside the file, so its data references resolve
+    try:
+        onnx.save_model(view, str(at))
+        del view
+        onnx.checker.check_model(str(at))
+    finally:
+        at.unlink(missing_ok=True)
