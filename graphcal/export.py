@@ -181,7 +181,6 @@ def export_torch(
 # --------------------------------------------------------------------------------------------
 
 
-@releases_outputs  # the -o reservation is released however the export ends
 @dataclass
 class Exported:
     """What graphcal export wrote, and the calibration data's padding share (None without --text)."""
@@ -191,6 +190,7 @@ class Exported:
     padding: float | None = None  # padded positions / all positions in calib.npz
 
 
+@releases_outputs  # the -o reservation is released however the export ends
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
                       num_samples: int | None = None, pack: bool = False) -> Exported:
