@@ -394,3 +394,58 @@ def test_a_model_without_a_kv_cache_is_refused_as_before(tmp_path):
     with pytest.raises(GraphcalError, match=r"<arrays>: no array for model input\(s\) attention_mask \(the model "
                                             r"takes: attention_mask, input_ids\)"):
         load_data({"input_ids": _ids(n=2)}, specs)
+
+
+# --- graphcal export: calib.npz for an onnxruntime-genai folder ---------------------------------
+
+
+@pytest.fixture
+def genai_folder(tmp_path):
+    """An onnxruntime-genai model folder as the builder writes it, minus the weights: genai_config.json,
+    a word-level tokenizer (tokenizer.json, tokenizer_config.json), no config.json, and the model."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "genai"
+    model = _decoder(folder, size="kv_cache_dim", positions=False)
+    _genai(folder, inputs={"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"})
+    words = ["<unk>", "<pad>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                            model_input_names=["input_ids", "attention_mask"]).save_pretrained(folder)
+    assert not (folder / "config.json").exists()
+    return folder, model
+
+
+def test_export_text_for_a_genai_folder_writes_token_data_that_runs(genai_folder, tmp_path):
+    folder, model = genai_folder
+    lines = [[f"w{i}" for i in np.random.default_rng(n).integers(0, VOCAB - 3, 7)] for n in range(5)]
+    (tmp_path / "calib.txt").write_text("\n".join(" ".join(line) for line in lines) + "\n")
+    result = _cli("export", folder, "-o", tmp_path / "data", "--text", tmp_path / "calib.txt", "--seq", 8, "--pack")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")) == ["calib.npz"]
+    arrays = dict(np.load(tmp_path / "data" / "calib.npz"))
+    assert sorted(arrays) == ["attention_mask", "input_ids"]
+    stream = [x for line in lines for x in [*(int(w[1:]) + 3 for w in line), 2]]  # word ids, then <eos> (2)
+    want = np.array(stream[:len(stream) // 8 * 8], np.int64).reshape(-1, 8)
+    np.testing.assert_array_equal(arrays["input_ids"], want)
+    np.testing.assert_array_equal(arrays["attention_mask"], np.ones_like(want))
+    run = _cli("run", model, "--data", tmp_path / "data" / "calib.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "q")
+    assert run.exit_code == 0, run.output
+    assert "filled for an empty KV cache" in run.output
+
+
+def test_export_for_a_genai_folder_needs_text_and_bounds_seq_by_its_context(genai_folder, tmp_path):
+    folder, _ = genai_folder
+    (tmp_path / "t.txt").write_text("w1 w2\n")
+    no_text = _cli("export", folder, "-o", tmp_path / "a")
+    assert no_text.exit_code == 2 and "give --text to write calib.npz for it" in no_text.output
+    too_long = _cli("export", folder, "-o", tmp_path / "b", "--text", tmp_path / "t.txt", "--seq", 65)
+    assert too_long.exit_code == 2
+    assert "--seq 65 is past the model's context of 64 tokens (its config's model.context_length)" in too_long.output
+    dynamo = _cli("export", folder, "-o", tmp_path / "c", "--text", tmp_path / "t.txt", "--dynamo")
+    assert dynamo.exit_code == 2 and "--dynamo and --opset do not apply" in dynamo.output
+    assert not any((tmp_path / d).exists() for d in "abc")
