@@ -32,6 +32,7 @@ from graphcal.output.process import on_abort
 log = logging.getLogger("graphcal")
 
 MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
+GENAI_CONFIG = "genai_config.json"  # an onnxruntime-genai model folder's (graphcal.data.fill reads it)
 
 #: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
 BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
@@ -181,7 +182,6 @@ def export_torch(
 # --------------------------------------------------------------------------------------------
 
 
-@releases_outputs  # the -o reservation is released however the export ends
 @dataclass
 class Exported:
     """What graphcal export wrote, and the calibration data's padding share (None without --text)."""
@@ -191,6 +191,7 @@ class Exported:
     padding: float | None = None  # padded positions / all positions in calib.npz
 
 
+@releases_outputs  # the -o reservation is released however the export ends
 def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dynamo: bool = False,
                       opset: int | None = None, text: str | os.PathLike | None = None, seq: int = 128,
                       num_samples: int | None = None, pack: bool = False) -> Exported:
@@ -206,6 +207,9 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     written with external data. ``out_dir`` follows graphcal run's rules (graphcal.output): checked
     and locked first, written in a temporary folder beside it and swapped in. Returns the files
     written and the share of padding in calib.npz.
+
+    An onnxruntime-genai model folder (genai_config.json, no config.json) has its model built
+    already: only ``text`` is tokenized, into calib.npz (:func:`tokenize_genai`).
     """
     import numpy as np  # lazy: kept off the CLI's start-up path
     import torch
@@ -216,8 +220,14 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     except ImportError:
         raise GraphcalError("graphcal export needs transformers: pip install 'graphcal[export]'") from None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").is_file() and (model_dir / GENAI_CONFIG).is_file():
+        if dynamo or opset is not None:
+            raise UsageError(f"{model_dir} is an onnxruntime-genai model folder ({GENAI_CONFIG}, no config.json): its "
+                             "model is built already, so --dynamo and --opset do not apply; give --text alone")
+        return tokenize_genai(model_dir, out_dir, text, seq=seq, num_samples=num_samples, pack=pack)
     if not (model_dir / "config.json").is_file():
-        raise UsageError(f"{model_dir} is not a transformers model folder (no config.json)")
+        raise UsageError(f"{model_dir} is not a transformers model folder (no config.json) nor an onnxruntime-genai "
+                         f"one ({GENAI_CONFIG})")
     opset = opset or (18 if dynamo else 17)
     sources = [model_dir, *([text] if text is not None else [])]
     check_output_dir(out_dir, sources)  # reads only: -o refused before the config is read
@@ -252,18 +262,7 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     axes = {n: dict(BATCH_SEQ_AXES) for n in [*names, output]}
     arrays = None
     if text is not None:
-
-        raw = read_regular(text, "--text file", MAX_TEXT_BYTES, error=UsageError)  # regular files only, bounded
-        try:
-            lines = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
-        except UnicodeDecodeError as e:
-            raise UsageError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-        if num_samples is not None and not pack:
-            lines = lines[:num_samples]
-        if not lines:
-            raise GraphcalError(f"{text} holds no non-empty lines")
-        log.info("tokenizing %s lines of %s", f"{len(lines):,}", text)
-        arrays = tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
+        arrays = _tokenize_text(tokenizer, text, names, seq, num_samples, pack)
 
     def write(tmp: Path) -> list[Path]:
         path = export_torch(model, inputs, tmp / "model.onnx", output_names=[output], dynamic_axes=axes,
@@ -283,6 +282,69 @@ def export_pretrained(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     mask = arrays.get("attention_mask")
     padding = float(1 - mask.mean()) if mask is not None else None
     return Exported(files, len(arrays["input_ids"]), padding)
+
+
+def _tokenize_text(tokenizer, text, names: list[str], seq: int, num_samples: int | None, pack: bool) -> dict:
+    """``text``'s non-empty lines tokenized into the int64 arrays ``names`` (graphcal.export_text.tokenize_lines);
+    the file is read as a bounded regular file."""
+    raw = read_regular(text, "--text file", MAX_TEXT_BYTES, error=UsageError)  # regular files only, bounded
+    try:
+        lines = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if num_samples is not None and not pack:
+        lines = lines[:num_samples]
+    if not lines:
+        raise GraphcalError(f"{text} holds no non-empty lines")
+    log.info("tokenizing %s lines of %s", f"{len(lines):,}", text)
+    return tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
+
+
+@releases_outputs  # the -o reservation is released however the tokenizing ends
+def tokenize_genai(model_dir: Path, out_dir: Path, text: str | os.PathLike | None, *, seq: int = 128,
+                   num_samples: int | None = None, pack: bool = False) -> Exported:
+    """``out_dir/calib.npz`` for an onnxruntime-genai model folder (its model is built already):
+    ``text`` tokenized with the folder's tokenizer (tokenizer.json, tokenizer_config.json) into the
+    decoder's ``input_ids`` and ``attention_mask`` only, named as ``genai_config.json``'s
+    ``model.decoder.inputs`` names them. ``--seq`` is bounded by its ``model.context_length``. graphcal
+    fills the past tensors (and position_ids) when it calibrates (graphcal.data.fill)."""
+    import numpy as np  # lazy: kept off the CLI's start-up path
+
+    from graphcal.data.fill import read_genai_config  # lazy: numpy and onnx, for this path only
+    from graphcal.export_text import genai_context
+
+    if text is None:
+        raise UsageError(f"{model_dir} is an onnxruntime-genai model folder ({GENAI_CONFIG}, no config.json): its model "
+                         "is built already; give --text to write calib.npz for it")
+    check_output_dir(out_dir, [model_dir, text])  # reads only: -o refused before the config is read
+    config = read_genai_config(model_dir) or {}
+    check_seq(seq, None, context=genai_context(config))  # before -o is locked or the tokenizer is loaded
+    decoder = config.get("model", {}).get("decoder", {}) if isinstance(config.get("model"), dict) else {}
+    inputs = decoder.get("inputs") if isinstance(decoder, dict) else None
+    inputs = inputs if isinstance(inputs, dict) else {}
+    names = {key: inputs.get(key, key) for key in ("input_ids", "attention_mask")
+             if key == "input_ids" or key in inputs or not inputs}
+    if not all(isinstance(v, str) for v in names.values()):
+        raise GraphcalError(f"{model_dir / GENAI_CONFIG}: model.decoder.inputs does not name the inputs as strings")
+    try:
+        import transformers  # lazy: optional dependency (the export extra), seconds to import
+    except ImportError:
+        raise GraphcalError("graphcal export needs transformers: pip install 'graphcal[export]'") from None
+    slot = reserve_output(out_dir, [model_dir, text], main=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise GraphcalError(f"--text needs the model folder's tokenizer (tokenizer.json): {first_line(e)}") from e
+    arrays = _tokenize_text(tokenizer, text, list(names), seq, num_samples, pack)
+    arrays = {names[key]: value for key, value in arrays.items()}  # the decoder's own input names
+
+    def write(tmp: Path) -> list[Path]:
+        np.savez(tmp / "calib.npz", **arrays)
+        return [tmp / "calib.npz"]
+
+    files = slot.write(write)
+    mask = arrays.get(names.get("attention_mask", ""))
+    return Exported(files, len(arrays[names["input_ids"]]), float(1 - mask.mean()) if mask is not None else None)
 
 
 def _normalise(model) -> None:

@@ -44,12 +44,23 @@ def context_length(config) -> tuple[str, int] | None:
     return None
 
 
-def check_seq(seq: int, config) -> None:
+def genai_context(config: dict) -> tuple[str, int] | None:
+    """(the field, the longest sequence) of an onnxruntime-genai ``genai_config.json`` (a dict): its
+    ``model.context_length``, if it gives one."""
+    model = config.get("model") if isinstance(config, dict) else None
+    value = model.get("context_length") if isinstance(model, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return "model.context_length", value
+    return None
+
+
+def check_seq(seq: int, config, *, context: tuple[str, int] | None = None) -> None:
     """Refuse a ``--seq`` past the model's context (its config's max_position_embeddings, or
-    :data:`MAX_SEQ` when the config names none): before the model or any text is loaded."""
+    ``context`` when given, or :data:`MAX_SEQ` when the config names none): before the model or
+    any text is loaded."""
     if seq < 1:
         raise UsageError(f"--seq must be at least 1, got {seq:,}")
-    context = context_length(config)
+    context = context if context is not None else context_length(config)
     if context is not None and seq > context[1]:
         raise UsageError(f"--seq {seq:,} is past the model's context of {context[1]:,} tokens (its config's "
                          f"{context[0]}); calibrate on sequences it can take")

@@ -57,7 +57,7 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
     ref_outputs = {n.name: n.output[0] for n in ref_model.graph.node}
     del ref_model, quant_model
 
-    calib = load_data(data, inputs, batch_size=batch_size)
+    calib = load_data(data, inputs, batch_size=batch_size, model_dir=Path(reference).parent)
     prefill_feeds = next(iter(calib.batches()), None)
     if prefill_feeds is None:  # a fixed batch larger than the data
         raise GraphcalError(f"{data}: {calib.num_samples} samples, fewer than the model's fixed batch of {calib.batch_size}")
@@ -119,7 +119,7 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         else:
             memory_skipped = "--no-memory"
 
-    notes = []
+    notes = list(calib.notes)  # the inputs filled for the data (a KV-cache model's past tensors, ...)
     if active != CUDA and any(layer.kind == "integer" and "MatMulNBits" not in layer.kernel
                                for layer in facts["quantized"].layers):
         notes += [INT8_SATURATION_NOTE] if int8_gemm_saturates() else []

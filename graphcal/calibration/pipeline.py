@@ -170,7 +170,7 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
             files: list[Path] = (), slot_warnings: list[str] = ()) -> CalibrationResult:
     """What the run did: on rank 0 (``weights`` given) what it wrote; on other ranks, their pass."""
     run, calib, dist = ready.plan, ready.calib, ready.dist
-    warnings = list(run.warnings) + activations.warnings()
+    warnings = list(run.warnings) + (list(calib.notes) if calib is not None else []) + activations.warnings()
     padding = activations.padding
     if padding is not None and padding.unmasked:
         warnings.append("--exclude-padding: observed with their padding (not shaped [batch, seq, ...] like the "

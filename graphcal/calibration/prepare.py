@@ -47,7 +47,8 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     run = plan(Path(model), config, target, matmulnbits)
     inputs = graph_inputs(run.model)
-    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples) if data is not None else None
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples,
+                      model_dir=Path(model).parent) if data is not None else None
     names = tuple(i.name for i in inputs)
     if exclude_padding:
         check_padding_input(data_label(data) if data is not None else f"the model {model}", names)

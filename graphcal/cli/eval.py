@@ -60,4 +60,6 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
         return report
 
     report = guarded(call, debug)
+    for w in report.warnings:
+        click.echo(f"warning: {w}", err=True)
     click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report))

@@ -1,4 +1,5 @@
-"""graphcal export: a local transformers model folder to ONNX, with calib.npz tokenized from a text file."""
+"""graphcal export: a local transformers model folder to ONNX, with calib.npz tokenized from a text file (or
+calib.npz alone for an onnxruntime-genai model folder)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from graphcal.cli.options import DEBUG_OPTION
 @click.command(name="export")
 @click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for model.onnx (and calib.npz with --text).")
+              help="Folder for model.onnx (and calib.npz with --text); for an onnxruntime-genai folder, calib.npz only.")
 @click.option("--dynamo", is_flag=True, help="Use torch's dynamo exporter (opset >= 18) instead of the legacy one.")
 @click.option("--opset", type=click.IntRange(min=13), default=None, help="ONNX opset (default: 17 legacy, 18 dynamo).")
 @click.option("--text", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
@@ -29,10 +30,16 @@ from graphcal.cli.options import DEBUG_OPTION
 def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, pack, debug):
     """Export a local transformers model folder to ONNX, ready for graphcal run (nothing is downloaded).
 
+    MODEL_DIR may also be an onnxruntime-genai model folder (genai_config.json and tokenizer.json,
+    no config.json): its model is built already, so only --text is tokenized, into calib.npz with
+    input_ids and attention_mask; run fills the KV cache's past tensors (docs/data.md).
+
     \b
     Example:
       graphcal export ./my-llama -o exported/ --text calib.txt --seq 256
       graphcal run exported/model.onnx --data exported/calib.npz --scheme W8A8 -o out/
+      graphcal export ./genai-model -o genai-data/ --text calib.txt --seq 256 --pack
+      graphcal run ./genai-model/model.onnx --data genai-data/calib.npz --scheme W8A8 -o out/
     """
     from graphcal.export import export_pretrained  # lazy: the other verbs need none of it (nor tempfile, inspect)
 

@@ -45,7 +45,9 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
                                  **algorithm)
         ready = prepare(model, config, target=target_runtime, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
                         num_samples=num_samples, exclude_padding=exclude_padding, device=device)
-        return from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
+        report = from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
+        report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
+        return report
 
     report = guarded(call, debug)
     for w in report.warnings:

@@ -1,9 +1,11 @@
 """Option text from strangers: JSON and YAML read within bounds, and values quoted back cut short.
 
-A ``--scheme`` / ``--kv-cache-scheme`` JSON is read up to 1 MB and 32 levels of nesting; a
+A ``--scheme`` / ``--kv-cache-scheme`` JSON (and a model folder's genai_config.json, through
+graphcal.data.fill) is read up to 1 MB and 32 levels of nesting; a
 recipe's YAML with PyYAML's safe loader, a nesting cap and a cap on its size with every alias
 expanded. In both, a key given twice in one mapping is refused (each format would keep the last
-silently). Every limit is a one-line :class:`~graphcal.errors.UsageError`. Imports nothing of
+silently). Every limit is a one-line :class:`~graphcal.errors.UsageError` (a genai_config.json's:
+a GraphcalError, as the file is data, not an option). Imports nothing of
 graphcal's but its errors and limits.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from graphcal.errors import UsageError, shown
+from graphcal.errors import GraphcalError, UsageError, shown
 from graphcal.limits import json_depth
 
 MAX_JSON_BYTES = 1 << 20
@@ -23,19 +25,21 @@ MAX_RECIPE_DEPTH = 32  # a recipe nests about 6 deep
 MAX_RECIPE_NODES = 100_000  # after aliases are expanded: a real recipe has a few hundred
 
 
-def load_json(text: str, what: str):
-    """``json.loads`` for option values from strangers: at most 1 MB and 32 levels deep (a usage error otherwise)."""
+def load_json(text: str, what: str, *, error: type[GraphcalError] = UsageError, needs: str = "a scheme needs 3"):
+    """``json.loads`` for text from strangers: at most 1 MB and 32 levels deep, no key twice in one
+    object (``error``, a usage error by default, otherwise; ``needs`` ends the nesting message).
+    json's own errors (JSONDecodeError, a ValueError) pass through."""
     if len(text) > MAX_JSON_BYTES:
-        raise UsageError(f"{what} JSON is {len(text):,} characters; at most {MAX_JSON_BYTES:,} are read")
+        raise error(f"{what} JSON is {len(text):,} characters; at most {MAX_JSON_BYTES:,} are read")
     if json_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise UsageError(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; a scheme needs 3")
+        raise error(f"{what} JSON nests deeper than {MAX_JSON_DEPTH} levels; {needs}")
 
     def once(pairs: list) -> dict:
         out = {}
         for key, value in pairs:
             if key in out:
-                raise UsageError(f"{what} JSON gives the key {shown(key)!r} twice in one object; json would keep only "
-                                 "the last, so give it once")
+                raise error(f"{what} JSON gives the key {shown(key)!r} twice in one object; json would keep only "
+                            "the last, so give it once")
             out[key] = value
         return out
 

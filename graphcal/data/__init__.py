@@ -13,6 +13,8 @@ The package, by job:
 - ``npz``: reading .npz files, bounded (regular files only, headers checked against the zip,
   one batch within half the available memory, rows streamed);
 - ``reader``: an onnxruntime ``CalibrationDataReader`` as calibration data;
+- ``fill``: for a model with a KV cache, the inputs token data lacks (past tensors of length 0,
+  attention_mask, position_ids), filled as a prefill from an empty cache has them;
 - ``calibration``: :class:`Calibration`, the one type the stages see, whatever the data came from;
 - ``load``: :func:`load_data` and :class:`CalibrationData`, the batches a run streams;
 - ``padding``: the ``attention_mask`` input that --exclude-padding reads.

@@ -14,10 +14,13 @@ class Calibration(Protocol):
     one held at a time, each checked; :meth:`check_values` reads them all once to refuse NaN/Inf.
     ``rereadable``: the batches can be streamed again (arrays: yes; a CalibrationDataReader: no, so
     nothing that needs two passes, or a pass per layer block, runs on it). ``num_samples`` and
-    ``num_batches`` are known ahead for arrays, and counted while streaming for a reader."""
+    ``num_batches`` are known ahead for arrays, and counted while streaming for a reader.
+    ``notes``: what was filled for inputs the data lacks (graphcal.data.fill), one line, for the
+    verbs' warnings (empty when nothing was; a reader's grows as its batches stream)."""
 
     rereadable: bool
     num_samples: int
+    notes: list[str]
 
     @property
     def num_batches(self) -> int: ...

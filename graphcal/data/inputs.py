@@ -77,7 +77,7 @@ def validate(source: Source, inputs: list[InputSpec], fixed_batch: int | None) -
         if len(shape) != len(spec.shape):
             raise GraphcalError(
                 f"{where}: input {spec.name!r} has rank {len(shape)} {tuple(shape)}, the model expects rank "
-                f"{len(spec.shape)} {_fmt(spec.shape)}; the first dimension is the sample (batch) dimension"
+                f"{len(spec.shape)} {format_shape(spec.shape)}; the first dimension is the sample (batch) dimension"
             )
         if not shape:
             continue
@@ -123,7 +123,7 @@ def check_finite(batch: dict[str, np.ndarray], where: str, start: int) -> None:
             raise GraphcalError(f"{where}: input {name!r} holds NaN or Inf (sample {bad}); clean the data first")
 
 
-def _fmt(shape) -> str:
+def format_shape(shape) -> str:
     return "[" + ", ".join(str(d) if d not in (None, "") else "?" for d in shape) + "]"
 
 

@@ -3,7 +3,9 @@
 :func:`load_data` takes an .npz file, a folder of them, a mapping of arrays or a
 CalibrationDataReader (graphcal.data.reader). It checks everything against the graph's inputs
 before anything runs, from the array headers alone (graphcal.data.inputs; nothing is loaded for
-the checks), and refuses a batch that would not fit in memory (graphcal.data.npz).
+the checks), and refuses a batch that would not fit in memory (graphcal.data.npz). For a model
+with a KV cache, the inputs token data lacks (past tensors, attention_mask, position_ids) are
+filled as a prefill from an empty cache has them (graphcal.data.fill).
 :class:`CalibrationData` then streams the run's batches, one at a time, each checked for NaN and Inf.
 """
 
@@ -15,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from graphcal.data.calibration import Calibration
-from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, validate
+from graphcal.data.fill import Fill, Filler, describe
+from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch
 from graphcal.data.npz import check_memory, npz_files, npz_source, rows
 from graphcal.data.reader import ReaderData
 from graphcal.data.source import Source
@@ -29,9 +32,12 @@ class CalibrationData:
 
     rereadable = True  # arrays stream as often as a run needs (graphcal.data.calibration.Calibration)
 
-    def __init__(self, sources: list[Source], inputs: list[InputSpec], batch_size: int, num_samples: int | None):
+    def __init__(self, sources: list[Source], inputs: list[InputSpec], batch_size: int, num_samples: int | None,
+                 fills: list[Fill | None] | None = None):
         self._sources = sources
         self._inputs = inputs
+        self._fills = fills or [None] * len(sources)  # per source: the inputs filled for it (graphcal.data.fill)
+        self.notes = describe(self._fills)  # what was filled, one line (empty: nothing)
         self.batch_size = batch_size
         # A model with a fixed batch dimension cannot take a short last batch.
         self._drop_last = fixed_batch(inputs) is not None
@@ -55,14 +61,14 @@ class CalibrationData:
         Each file is opened once per call and each of its arrays read forward once, only as far
         as ``num_samples`` reaches."""
         left = self.num_samples
-        names = [spec.name for spec in self._inputs]
-        for source in self._sources:
+        for source, fill in zip(self._sources, self._fills):
             if left <= 0:
                 return
             n = min(left, source.num_samples)
             left -= n
             if n == 0:
                 continue
+            names = [spec.name for spec in self._inputs if spec.name in source.headers]
             with rows(source, names) as take:
                 for start in range(0, n, self.batch_size):
                     stop = min(start + self.batch_size, n)
@@ -70,7 +76,7 @@ class CalibrationData:
                         break
                     batch = take(start, stop)
                     check_finite(batch, source.label, start)
-                    yield batch
+                    yield batch if fill is None else fill.complete(batch)
 
     def check_values(self) -> int:
         """Stream every batch the run would use once and refuse NaN or Inf, as :meth:`batches`
@@ -90,21 +96,25 @@ def load_data(
     *,
     batch_size: int | None = None,
     num_samples: int | None = None,
+    model_dir: str | Path | None = None,
 ) -> Calibration:
     """Open and validate calibration data for a model with ``inputs``.
 
     ``data`` is an .npz path, a folder of .npz files, a mapping of arrays, or an onnxruntime
     CalibrationDataReader (streamed; see :class:`ReaderData`). ``batch_size`` defaults to the
-    model's fixed batch dimension, else 8.
+    model's fixed batch dimension, else 8. For a model with a KV cache, the inputs the data lacks
+    are filled for a prefill from an empty cache (graphcal.data.fill; ``model_dir``, the model's
+    folder, may hold a genai_config.json giving symbolic past dims); ``.notes`` says what was.
     """
     if batch_size is not None and batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
     if num_samples is not None and num_samples <= 0:
         raise UsageError(f"--num-samples must be positive, got {num_samples}")
+    filler = Filler(inputs, Path(model_dir) if model_dir is not None else None)
     if hasattr(data, "get_next"):  # an onnxruntime CalibrationDataReader
         if batch_size is not None:
             raise UsageError("batch_size does not apply to a CalibrationDataReader: its batches are used as they come")
-        return ReaderData(data, inputs, num_samples)
+        return ReaderData(data, inputs, num_samples, filler)
     fixed = fixed_batch(inputs)
     if batch_size is None:
         batch_size = fixed or DEFAULT_BATCH_SIZE
@@ -115,11 +125,10 @@ def load_data(
         sources = [Source("<arrays>", check_arrays(data), arrays=data)]
     else:
         sources = [npz_source(p) for p in npz_files(Path(data))]
-    for s in sources:
-        validate(s, inputs, fixed)
+    fills = [filler.check(s, fixed) for s in sources]  # validated; the inputs a KV-cache model lacks filled
     if sum(s.num_samples for s in sources) == 0:
         raise GraphcalError(f"calibration data {data if not isinstance(data, Mapping) else '<arrays>'} holds zero samples")
-    calib = CalibrationData(sources, inputs, batch_size, num_samples)
+    calib = CalibrationData(sources, inputs, batch_size, num_samples, fills)
     check_memory(sources, batch_size, calib.num_samples)
     return calib
 

@@ -6,7 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, slice_rows, validate
+from graphcal.data.fill import Filler, describe
+from graphcal.data.inputs import InputSpec, check_arrays, check_finite, fixed_batch, slice_rows
 from graphcal.data.source import Source
 from graphcal.errors import GraphcalError
 
@@ -18,9 +19,11 @@ class ReaderData:
 
     rereadable = False  # a reader streams once (graphcal.data.calibration.Calibration)
 
-    def __init__(self, reader, inputs: list[InputSpec], num_samples: int | None):
+    def __init__(self, reader, inputs: list[InputSpec], num_samples: int | None, filler: Filler | None = None):
         self._reader = reader
         self._inputs = inputs
+        self._filler = filler or Filler(inputs)  # the inputs a KV-cache model's batches lack (graphcal.data.fill)
+        self._fills: dict = {}  # the distinct fills of the batches so far (graphcal.data.fill.Fill), in order
         self._cap = num_samples
         self._fixed_batch = fixed_batch(inputs)
         self.num_samples = 0  # counted while streaming
@@ -44,7 +47,9 @@ class ReaderData:
                                     f"{type(batch).__name__}, not a mapping of input names to arrays")
             arrays = {k: np.asarray(v) for k, v in batch.items()}
             source = Source(f"CalibrationDataReader batch {self.num_batches}", check_arrays(arrays), arrays=arrays)
-            validate(source, self._inputs, self._fixed_batch)
+            fill = self._filler.check(source, self._fixed_batch)  # validated, and what is filled
+            if fill is not None:
+                self._fills.setdefault(fill)
             n = source.num_samples
             if self._cap is not None and self.num_samples + n > self._cap:
                 n = self._cap - self.num_samples
@@ -52,9 +57,15 @@ class ReaderData:
             check_finite(arrays, source.label, 0)
             self.num_samples += n
             self.num_batches += 1
+            arrays = arrays if fill is None else fill.complete(arrays)
             yield {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in self._inputs}
         if self.num_batches == 0:
             raise GraphcalError("the CalibrationDataReader gave no batches (get_next() returned None at once)")
+
+    @property
+    def notes(self) -> list[str]:
+        """What was filled for the batches streamed so far, one line (empty: nothing)."""
+        return describe(self._fills)
 
     def check_values(self) -> int:
         """Nothing to do ahead: a reader's batches are checked (NaN/Inf included) as they stream,

@@ -153,7 +153,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
     alone = [Agreement(name) for name, _ in layers] if isolated else None
-    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples)
+    calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples, model_dir=Path(reference).parent)
     batches, clock = 0, time.monotonic()
     log.info("evaluating on %s samples in batches of %s", calib.num_samples, calib.batch_size)
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
@@ -196,7 +196,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
                                    ignored if ignored is not None else list(DEFAULT_IGNORE))
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
                       runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
-                      smoothable=smoothable, sensitivity=sens)
+                      smoothable=smoothable, sensitivity=sens, warnings=list(calib.notes))
 
 
 def _check_time(plan: SensitivityPlan, seconds: float, batches: int, num_batches: int | None,

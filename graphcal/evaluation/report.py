@@ -27,6 +27,7 @@ class EvalReport:
     isolated: list[Agreement] | None = None  # each layer's own error, on the reference's inputs (eval --isolated)
     smoothable: dict[str, str] = field(default_factory=dict)  # layer -> SmoothQuant scope that reaches its input, if unsmoothed
     sensitivity: Sensitivity | None = None  # eval --sensitivity
+    warnings: list[str] = field(default_factory=list)  # what the CLI shows on stderr (inputs filled for the data)
 
     @property
     def ranked(self) -> list[Agreement]:
@@ -84,7 +85,7 @@ class EvalReport:
                 # the advice once, as flags to paste (the model's own ignores kept): the layer names alone,
                 # pasted as --ignore values, would drop the default lm_head ignore
                 "worst_layers": [a.name for a in self.worst()], "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
-                "skipped_layers": self.skipped_layers,
+                "skipped_layers": self.skipped_layers, "warnings": self.warnings,
                 **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {})}
 
     def _sensitivity_dict(self) -> dict:
