@@ -1,0 +1,151 @@
+"""onnxruntime-genai builder models in, drop-in genai folders out (issue 32).
+
+A tiny random-weight Llama made with transformers here, built offline by onnxruntime-genai's own
+model builder (fp32, CPU), is quantized by graphcal from token ids alone (the KV cache filled:
+graphcal.data.fill) and generated with through onnxruntime-genai's own loop (greedy). The
+reference is the fp32 builder model in that same loop: the first tokens and the first step's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from graphcal.cli import cli
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
+
+PROMPT = [1, 5, 9, 33, 70, 12]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def builder_model(tmp_path_factory):
+    """(the builder's fp32 folder, token-only calibration data)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("genai")
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(root / "hf")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(root / "hf")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "hf"),
+                            "-o", str(root / "fp32"), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")],
+                           capture_output=True, text=True, env=env)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ids = np.random.default_rng(0).integers(3, 256, size=(16, 24))
+    np.savez(root / "calib.npz", input_ids=ids)
+    return root / "fp32", root / "calib.npz"
+
+
+def _generate(folder):
+    """Greedy tokens after PROMPT and the first step's logits, by onnxruntime-genai's own loop."""
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(PROMPT) + STEPS)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([PROMPT], np.int32))
+    logits = np.array(generator.get_output("logits"))[0, -1].astype(np.float64)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens, logits
+
+
+def _sqnr(ref, got):
+    return 10 * np.log10((ref * ref).sum() / ((got - ref) ** 2).sum())
+
+
+def test_a_builder_model_fails_onnx_checker_as_graphcal_finds_it(builder_model):
+    """The premise: onnx's checker rejects the builder's own output (SimplifiedLayerNormalization in
+    the default domain), so graphcal's check of what it writes must pass over exactly that."""
+    from graphcal.graph.io import unchecked_ops
+
+    folder, _ = builder_model
+    with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
+        onnx.checker.check_model(str(folder / "model.onnx"))
+    assert unchecked_ops(onnx.load(folder / "model.onnx", load_external_data=False)) == {"SimplifiedLayerNormalization"}
+
+
+@pytest.mark.parametrize("args", [
+    ["--scheme", "W4A16", "--group-size", "32"],
+    ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq"],
+    ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq"],
+    ["--scheme", "W8A8"],
+    ["--scheme", "W8A8_STATIC", "--smoothquant"],
+], ids=["rtn", "gptq", "awq", "w8a8", "w8a8-static-smoothquant"])
+def test_graphcal_output_is_a_genai_folder_that_generates_as_fp32_does(builder_model, tmp_path, args):
+    folder, calib = builder_model
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out), *args])
+    assert result.exit_code == 0, result.output
+    assert "filled for an empty KV cache: 4 past tensors" in result.output
+    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json"):  # the drop-in folder
+        assert (out / name).read_bytes() == (folder / name).read_bytes(), name
+    assert json.loads((out / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+    ref_tokens, ref_logits = _generate(folder)
+    tokens, logits = _generate(out)
+    assert tokens[:2] == ref_tokens[:2]
+    assert _sqnr(ref_logits, logits) > 15  # measured 20.5-27.4 dB on this model; a broken layer gives ~0
+    if "--smoothquant" in args or "awq" in args:  # the folds found the builder's norms (SkipSimplifiedLayerNormalization)
+        assert "activation(s) first" in result.output
+
+
+def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_model, tmp_path):
+    import shutil
+
+    folder, calib = builder_model
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (src / "model.onnx").rename(src / "decoder.onnx")
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "decoder.onnx"
+    (src / "genai_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(src / "decoder.onnx"), "--data", str(calib), "-o", str(out),
+                                      "--scheme", "W4A16", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "genai_config.json").read_text())
+    assert written["model"]["decoder"]["filename"] == "model.onnx"
+    written["model"]["decoder"]["filename"] = "decoder.onnx"
+    assert written == config  # nothing else changed
+    assert _generate(out)[0][:2] == _generate(folder)[0][:2]
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p, tmp: p.symlink_to(tmp / "secret.json"), "leads outside the model's folder"),
+    (lambda p, tmp: os.mkfifo(p), "not a regular file"),
+    (lambda p, tmp: p.write_bytes(b" " * (64 << 20) + b"{}"), "companion files of at most"),
+], ids=["symlink-out", "fifo", "too-big"])
+def test_a_hostile_companion_file_is_refused_before_any_pass(llama_dir, tmp_path, make, fragment):
+    """-o receives the input folder's genai_config.json and tokenizer: a link out of the folder, a FIFO or
+    an oversized one is refused in one line before calibrating, and -o is not created."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(llama_dir / "model.onnx", src / "model.onnx")
+    (tmp_path / "secret.json").write_text("{}")
+    make(src / "tokenizer.json", tmp_path)
+    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                                      "-o", str(tmp_path / "out"), "--scheme", "W8A8_STATIC"])
+    assert result.exit_code == 1 and fragment in result.output, result.output
+    assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert "calibrat" not in result.output
