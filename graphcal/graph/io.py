@@ -307,12 +307,18 @@ def check_written(path: Path, unchecked: frozenset[str] = frozenset()) -> None:
                             "this is a graphcal bug or a model onnx cannot represent: please report it") from e
 
 
+def set_domain(model: onnx.ModelProto, op_types: frozenset[str], old: str, new: str) -> None:
+    """Move the nodes of ``op_types`` in domain ``old`` ("" covers "ai.onnx") to domain ``new``, subgraphs included."""
+    olds = ("", "ai.onnx") if old in ("", "ai.onnx") else (old,)
+    for graph in _graphs(model.graph):
+        for node in graph.node:
+            if node.domain in olds and node.op_type in op_types:
+                node.domain = new
+
+
 def _check_view(path: Path, unchecked: frozenset[str]) -> None:
     view = onnx.load(str(path), load_external_data=False)
-    for graph in _graphs(view.graph):
-        for node in graph.node:
-            if node.domain in ("", "ai.onnx") and node.op_type in unchecked:
-                node.domain = UNCHECKED_DOMAIN
+    set_domain(view, unchecked, "", UNCHECKED_DOMAIN)
     view.opset_import.append(onnx.helper.make_opsetid(UNCHECKED_DOMAIN, 1))
     if not any(map(is_external, view.graph.initializer)):
         onnx.checker.check_model(view)

@@ -10,7 +10,7 @@ import onnx
 from onnx import helper
 
 from graphcal.errors import GraphcalError, first_line
-from graphcal.graph.io import MAX_ORT_IR, default_opset, hollow_copy
+from graphcal.graph.io import MAX_ORT_IR, UNCHECKED_DOMAIN, default_opset, hollow_copy, set_domain, unchecked_ops
 
 
 def ir_for_opset(opset: int) -> int:
@@ -29,10 +29,22 @@ def upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
     hollow = hollow_copy(model)
     hollow.graph.initializer.extend(
         onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type) for t in model.graph.initializer)
+    # ops onnx has no schema for (onnxruntime's SimplifiedLayerNormalization in the default domain, as
+    # onnxruntime-genai's builder writes it) would stop the converter: it sees them in a domain of
+    # their own, which it leaves alone, and they come back to the default domain after
+    unchecked = unchecked_ops(hollow)
+    if unchecked:
+        set_domain(hollow, unchecked, "", UNCHECKED_DOMAIN)
+        hollow.opset_import.append(helper.make_opsetid(UNCHECKED_DOMAIN, 1))
     try:
         converted = version_converter.convert_version(hollow, opset)
     except Exception:  # noqa: BLE001 -- retried below on the whole model, which reports the real error
         converted = None
+    if converted is not None and unchecked:
+        set_domain(converted, unchecked, UNCHECKED_DOMAIN, "")
+        imports = [o for o in converted.opset_import if o.domain != UNCHECKED_DOMAIN]
+        del converted.opset_import[:]
+        converted.opset_import.extend(imports)
     if converted is None:
         try:
             upgraded = version_converter.convert_version(model, opset)
