@@ -169,6 +169,7 @@ def test_int4_weights_run_as_matmulnbits_at_both_shapes(tmp_path, data):
     _check_timing(shapes["prefill"], 2, 16)
     _check_timing(shapes["decode"], 1, 1)
     assert report["ratios"] == {name: shapes[name]["ratio"] for name in ("prefill", "decode")}
+    assert shapes["decode"]["past"] is None  # no KV cache: no past
     assert report["reference"]["size_bytes"] == _sizes(ref) and report["quantized"]["size_bytes"] == _sizes(quant)
     assert report["size_ratio"] == pytest.approx(_sizes(quant) / _sizes(ref))
     assert report["memory_skipped"] == "--no-memory" and report["quantized"]["memory"] is None

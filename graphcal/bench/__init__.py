@@ -4,9 +4,12 @@ Both models run in onnxruntime at its default settings (ORT_ENABLE_ALL, default 
 session config keys; only the log level is raised), as a deployment would open them, on the
 chosen device. Reported side by side:
 
-- time per batch at two shapes: the data's first batch (prefill) and, for models whose inputs
-  have a free axis 1, one token of one sample (decode-like). Rounds are interleaved, the order
-  flipped every round, so that drift (clocks, other load) hits both models alike;
+- time per batch at two shapes: the data's first batch (prefill) and a decode shape. For a
+  model with a KV cache (``past_key_values.N.key/value`` inputs) that is one new token over a real
+  past of P tokens, the past made by each model's own prefill of the first sample; for other
+  models whose inputs have a free axis 1, one token of one sample (decode-like). Rounds are
+  interleaved, the order flipped every round, so that drift (clocks, other load) hits both models
+  alike;
 - the size of each model (its .onnx file plus the external data files it reads);
 - the peak host memory of a fresh process that opens the model and runs one batch (and, on CUDA,
   the GPU memory nvidia-smi attributes to it);
@@ -22,6 +25,7 @@ The package, by job:
 - ``measure``: :func:`bench`, the measurement that runs the rest;
 - ``session``: sessions opened as a deployment opens them, and one call to time;
 - ``timing``: interleaved rounds;
+- ``decode``: a KV-cache model's decode step, its past made by the model's own prefill;
 - ``kernels``: the kernel behind every weight MatMul/Gemm;
 - ``memory`` and ``child``: peak memory, measured in a fresh process (``python -P -m graphcal.bench.child``);
 - ``report`` (records, JSON) and ``text`` (the text report).

@@ -45,6 +45,13 @@ class Shape:
     reference: Timing | None = None
     quantized: Timing | None = None
     skipped: str | None = None
+    past: int | None = None  # a KV-cache model's decode step: the length of the past it runs over
+
+    @property
+    def title(self) -> str:
+        """How the text report names it: "prefill 8x32", "decode (past 23) 1x1", "decode"."""
+        name = self.name if self.past is None else f"{self.name} (past {self.past})"
+        return name if self.skipped is not None else f"{name} {self.batch}x{self.seq or '-'}"
 
     @property
     def ratio(self) -> float | None:
@@ -53,7 +60,7 @@ class Shape:
         return self.quantized.median / self.reference.median
 
     def as_dict(self) -> dict:
-        out = {"name": self.name, "inputs": self.inputs, "batch": self.batch, "seq": self.seq,
+        out = {"name": self.name, "inputs": self.inputs, "batch": self.batch, "seq": self.seq, "past": self.past,
                "measured": self.skipped is None, "skipped": self.skipped, "ratio": self.ratio}
         for label in MODELS:
             timing = getattr(self, label)

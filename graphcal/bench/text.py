@@ -21,19 +21,20 @@ def format_text(report: BenchReport, layers: bool = False) -> str:
     lines = [f"onnxruntime {report.onnxruntime} on {report.provider}, {cpus}; default session options "
              f"({OPTIMIZATION}); {report.warmup} warm-up runs, {report.rounds} interleaved rounds",
              f"reference: {report.reference.path}", f"quantized: {report.quantized.path}", ""]
-    head = f"{'shape':<16} {'model':<10} {'median ms':>10} {'p10-p90 ms':>19} {'min-max ms':>19} {'samples/s':>11} {'tokens/s':>11}"
+    w = max([16] + [len(shape.title) + 1 for shape in report.shapes if shape.skipped is None])
+    head = f"{'shape':<{w}} {'model':<10} {'median ms':>10} {'p10-p90 ms':>19} {'min-max ms':>19} {'samples/s':>11} {'tokens/s':>11}"
     lines.append(head)
     for shape in report.shapes:
-        title = shape.name if shape.skipped is not None else f"{shape.name} {shape.batch}x{shape.seq or '-'}"
+        title = shape.title
         if shape.skipped is not None:
-            lines.append(f"{title:<16} skipped: {shape.skipped}")
+            lines.append(f"{title:<{w}} skipped: {shape.skipped}")
             continue
         for i, label in enumerate(MODELS):
             t = getattr(shape, label).as_dict()
-            lines.append(f"{title if i == 0 else '':<16} {label:<10} {_ms(t['median_s']):>10} "
+            lines.append(f"{title if i == 0 else '':<{w}} {label:<10} {_ms(t['median_s']):>10} "
                          f"{_ms(t['p10_s']) + '-' + _ms(t['p90_s']):>19} {_ms(t['min_s']) + '-' + _ms(t['max_s']):>19} "
                          f"{_rate(t['samples_per_s']):>11} {_rate(t['tokens_per_s']):>11}")
-        lines.append(f"{'':<16} {'ratio':<10} {shape.ratio:>9.2f}x  (quantized / reference median; below 1 = faster)")
+        lines.append(f"{'':<{w}} {'ratio':<10} {shape.ratio:>9.2f}x  (quantized / reference median; below 1 = faster)")
     lines.append("")
     ref, quant = report.reference, report.quantized
     lines.append(f"{'size':<16} reference {format_size(ref.size)}, quantized {format_size(quant.size)} "
