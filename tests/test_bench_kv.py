@@ -1,4 +1,4 @@
-"""graphcal bench on KV-cache decoders: a decode step over a real past.
+"""graphcal bench on KV-cache decoders: a decode step over a real past, and onnxruntime-genai's own loop.
 
 The model is conftest.py's ``builder_model``: a tiny random-weight Llama built offline by
 onnxruntime-genai's model builder (tests/genai_models.py). The decode step's reference is the
@@ -10,6 +10,8 @@ checked to exist and be consistent (speed belongs to benchmarks, not tests).
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -23,6 +25,7 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model_info
 
 FAST = ["--rounds", "2", "--warmup", "1", "--no-memory", "--device", "cpu"]
+LOOP = ["--genai-tokens", "4", "--genai-rounds", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +105,10 @@ def test_past_inputs_find_their_present_outputs_by_layer_and_kind(tmp_path):
         cache_names(names, tmp_path)
 
 
-def test_bench_times_the_decode_step(builder_model, quantized):
+def test_bench_times_the_decode_step_and_the_genai_loop(builder_model, quantized):
     folder, calib = builder_model
     result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                      *FAST, "--json"])
+                                      *FAST, *LOOP, "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert list(report["shapes"]) == ["decode", "prefill"] and report["shapes"]["prefill"]["past"] is None
@@ -120,11 +123,54 @@ def test_bench_times_the_decode_step(builder_model, quantized):
     assert decode["ratio"] == pytest.approx(decode["quantized"]["median_s"] / decode["reference"]["median_s"])
     assert report["ratios"]["decode"] == decode["ratio"]
 
+    loop = report["genai_loop"]
+    assert loop["measured"] and loop["skipped"] is None and loop["provider"] == "cpu"
+    assert (loop["prompt_tokens"], loop["new_tokens"], loop["rounds"]) == (23, 4, 1)
+    assert loop["onnxruntime_genai"] == pytest.importorskip("onnxruntime_genai").__version__
+    for label in ("reference", "quantized"):
+        t = loop[label]
+        assert t["generated_tokens"] == 4 and t["rounds"] == 1
+        assert 0 < t["ttft_min_s"] <= t["ttft_median_s"] <= t["ttft_max_s"]
+        assert t["decode_median_s"] > 0 and t["decode_tokens_per_s"] == pytest.approx(1 / t["decode_median_s"])
+    assert loop["ttft_ratio"] == pytest.approx(loop["quantized"]["ttft_median_s"] / loop["reference"]["ttft_median_s"])
+    assert loop["decode_ratio"] == pytest.approx(loop["quantized"]["decode_median_s"] / loop["reference"]["decode_median_s"])
+
     text = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                    *FAST, "--past", "5"])
+                                    *FAST, *LOOP, "--past", "5"])
     assert text.exit_code == 0, text.output
     lines = text.output.splitlines()
     assert any(line.startswith("decode (past 5) 1x1") and "reference" in line for line in lines), text.output
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("genai loop")]
+    assert "a prompt of 5 tokens, 4 new" in lines[at]
+    assert [lines[at + k].split()[0] for k in (1, 2, 3, 4)] == ["model", "reference", "quantized", "ratio"]
+    assert "TTFT" in lines[at + 4] and "time per decoded token" in lines[at + 4]
+
+
+def test_the_genai_loop_is_skipped_in_one_line_where_it_cannot_run(builder_model, quantized, tmp_path, monkeypatch):
+    folder, calib = builder_model
+    bare = tmp_path / "bare"  # the quantized model without its genai_config.json
+    bare.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copy(quantized.parent / name, bare / name)
+    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(bare / "model.onnx"), "--data",
+                                      str(calib), *FAST, *LOOP])
+    assert result.exit_code == 0, result.output
+    assert f"genai loop       skipped: {bare} holds no genai_config.json (not an onnxruntime-genai folder)" in result.output
+    assert "decode (past 23) 1x1" in result.output  # the decode step needs no genai folder for the quantized model
+
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as when it is not installed
+    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                                      *FAST, *LOOP, "--json"])
+    assert result.exit_code == 0, result.output
+    loop = json.loads(result.output)["genai_loop"]
+    assert not loop["measured"] and loop["reference"] is None and loop["ttft_ratio"] is None
+    assert loop["skipped"].startswith("onnxruntime-genai is not installed")
+
+    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                                      *FAST, "--genai-tokens", "0", "--no-decode"])
+    assert result.exit_code == 0, result.output
+    assert "genai loop       skipped: --genai-tokens 0" in result.output
+    assert "decode           skipped: --no-decode" in result.output
 
 
 def test_a_past_longer_than_the_first_sample_is_a_usage_error(builder_model, quantized):
@@ -136,14 +182,15 @@ def test_a_past_longer_than_the_first_sample_is_a_usage_error(builder_model, qua
 
 
 def test_a_model_without_kv_cache_keeps_its_shapes(llama_dir):
-    """tiny-llama has no KV cache: the decode shape stays one token without a past."""
+    """tiny-llama has no KV cache: the decode shape stays one token without a past, no genai loop."""
     args = [str(llama_dir / "model.onnx"), str(llama_dir / "model.onnx"), "--data", str(llama_dir / "heldout.npz"),
             *FAST]
     report = json.loads(CliRunner().invoke(cli, ["bench", *args, "--json"]).output)
     assert [(s["name"], s["batch"], s["seq"], s["past"]) for s in report["shapes"].values()] == [
         ("decode", 1, 1, None), ("prefill", 8, 32, None)]
     assert report["shapes"]["decode"]["inputs"] == {"attention_mask": [1, 1], "input_ids": [1, 1]}
+    assert report["genai_loop"] is None
     text = CliRunner().invoke(cli, ["bench", *args]).output
-    assert "decode 1x1" in text and "past" not in text
+    assert "decode 1x1" in text and "genai loop" not in text and "past" not in text
     result = CliRunner().invoke(cli, ["bench", *args, "--past", "3"])
     assert result.exit_code == 2 and "takes no past tensors (no KV cache)" in result.output

@@ -2,7 +2,8 @@
 
 The shapes timed are the data's first batch (prefill) and a decode shape: for a model with a KV
 cache, one new token over a real past of P tokens that each model's own prefill made
-(graphcal.bench.decode); for other models whose inputs have a free axis 1, one token of one
+(graphcal.bench.decode), and onnxruntime-genai's generate loop where the folders are genai folders
+(graphcal.bench.genai_loop); for other models whose inputs have a free axis 1, one token of one
 sample without a past (decode-like).
 """
 
@@ -17,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from graphcal.bench.decode import plan, step_feeds, takes_kv_cache
+from graphcal.bench.decode import first_sample, plan, step_feeds, takes_kv_cache
+from graphcal.bench.genai_loop import genai_loop
 from graphcal.bench.kernels import kernels
 from graphcal.bench.memory import measure_memory, probe_model
-from graphcal.bench.report import MODELS, BenchReport, ModelFacts, Shape, Timing
+from graphcal.bench.report import MODELS, BenchReport, GenaiLoop, ModelFacts, Shape, Timing
 from graphcal.bench.session import CPU, CUDA, open_session, options, runner
 from graphcal.bench.timing import RunFailed, time_interleaved
 from graphcal.data import InputSpec, graph_inputs, load_data
@@ -35,16 +37,18 @@ log = logging.getLogger("graphcal")
 
 def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, batch_size: int | None = None,
           device: str = "auto", warmup: int = 3, rounds: int = 20, decode: bool = True,
-          memory: bool = True, past: int | None = None) -> BenchReport:
+          memory: bool = True, past: int | None = None, genai_tokens: int = 32, genai_rounds: int = 3) -> BenchReport:
     """Time ``quantized`` against ``reference`` on ``data``'s first batch and a decode shape, and
     report sizes, peak memory and the kernel behind every weight MatMul/Gemm. See graphcal.bench's doc.
 
     For a KV-cache model, ``past`` is the decode step's past length (default: the first sample's
-    length minus 1)."""
+    length minus 1) and ``genai_tokens`` the tokens onnxruntime-genai's loop generates in each of
+    ``genai_rounds`` rounds (0: the loop is not run)."""
     if rounds < 1 or warmup < 0:
         raise UsageError(f"rounds must be at least 1 and warmup at least 0 (got {rounds} and {warmup})")
-    if past is not None and past < 1:
-        raise UsageError(f"past must be at least 1 (got {past})")
+    if (past is not None and past < 1) or genai_tokens < 0 or genai_rounds < 1:
+        raise UsageError(f"past must be at least 1, genai_tokens at least 0 and genai_rounds at least 1 (got {past}, "
+                         f"{genai_tokens} and {genai_rounds})")
     check_device(device)
     providers = [CUDA, CPU] if device == "cuda" or (device == "auto" and cuda_usable()) else [CPU]
     if providers[0] == CUDA and hasattr(ort, "preload_dlls"):
@@ -130,6 +134,10 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
             shape.quantized = Timing(samples[1], calls[1], shape.batch, tokens)
         del sessions, runners, feeds
 
+        loop = None
+        if kv_cache:
+            loop = _genai_loop(paths, prefill_feeds, decode_plan, genai_tokens, genai_rounds, warmup, active)
+
         for label in MODELS:
             log.info("reading the kernels onnxruntime runs for %s", paths[label])
             facts[label].layers = kernels(paths[label], targets, ref_outputs, providers, prefill_feeds, tmp, label)
@@ -153,7 +161,7 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         onnxruntime=ort.__version__, device="cuda" if active == CUDA else "cpu", provider=active,
         cpu_count=os.cpu_count(), usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         warmup=warmup, rounds=rounds, reference=facts["reference"], quantized=facts["quantized"], shapes=shapes,
-        memory_skipped=memory_skipped, notes=notes,
+        memory_skipped=memory_skipped, notes=notes, genai_loop=loop,
     )
 
 
@@ -171,6 +179,25 @@ def _decode_feeds(shape: Shape, feeds: dict, sessions: dict, decode_plan, inputs
             shape.skipped = f"{label}: {e}"
             return
     shape.inputs = {k: list(v.shape) for k, v in feeds["decode"]["reference"].items()}
+
+
+def _genai_loop(paths: dict[str, Path], prefill_feeds: dict[str, np.ndarray], decode_plan, tokens: int, rounds: int,
+                warmup: int, provider: str) -> GenaiLoop:
+    """onnxruntime-genai's loop on both models, prompted with the decode step's past (the first
+    sample's first P tokens; the whole sample when no step can be planned)."""
+    if decode_plan is not None:
+        prompt = decode_plan.tokens[:, :decode_plan.past]
+    elif "input_ids" in prefill_feeds:
+        prompt = first_sample(prefill_feeds)
+    else:
+        prompt = np.zeros((1, 0), np.int64)
+    if tokens == 0:
+        return GenaiLoop(int(prompt.shape[1]), 0, rounds, skipped="--genai-tokens 0")
+    if "input_ids" not in prefill_feeds or prompt.shape[1] == 0:
+        return GenaiLoop(int(prompt.shape[1]), tokens, rounds,
+                         skipped="the data holds no input_ids (onnxruntime-genai's loop is prompted with token ids)")
+    log.info("timing onnxruntime-genai's generate loop: %d prompt tokens, %d new", prompt.shape[1], tokens)
+    return genai_loop(paths, prompt, tokens, rounds, warmup, provider)
 
 
 def _same_inputs(ref: list[InputSpec], quant: list[InputSpec], paths: dict[str, Path]) -> None:

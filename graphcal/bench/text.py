@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphcal.bench.report import MODELS, OPTIMIZATION, BenchReport, summarize
+from graphcal.bench.report import MODELS, OPTIMIZATION, BenchReport, GenaiLoop, summarize
 from graphcal.limits import format_size
 
 
@@ -13,6 +13,28 @@ def _ms(seconds: float) -> str:
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _genai_lines(loop: GenaiLoop) -> list[str]:
+    """onnxruntime-genai's loop: one line when skipped, else its setting and a row per model."""
+    if loop.skipped is not None:
+        return ["", f"{'genai loop':<16} skipped: {loop.skipped}"]
+    lines = ["", f"{'genai loop':<16} onnxruntime-genai {loop.version or '?'} on {loop.provider}, greedy: a prompt of "
+                 f"{loop.prompt_tokens} tokens, {loop.new_tokens} new; {loop.rounds} rounds, the order flipped every round",
+             f"{'':<16} {'model':<10} {'TTFT ms':>10} {'p10-p90 ms':>19} {'ms/token':>10} {'p10-p90 ms':>19} "
+             f"{'decode tokens/s':>16}"]
+    for label in MODELS:
+        t = getattr(loop, label).as_dict()
+        per_token = "-" if t["decode_median_s"] is None else _ms(t["decode_median_s"])
+        spread = "-" if t["decode_median_s"] is None else _ms(t["decode_p10_s"]) + "-" + _ms(t["decode_p90_s"])
+        short = f" (only {t['generated_tokens']} generated)" if t["generated_tokens"] < loop.new_tokens else ""
+        lines.append(f"{'':<16} {label:<10} {_ms(t['ttft_median_s']):>10} "
+                     f"{_ms(t['ttft_p10_s']) + '-' + _ms(t['ttft_p90_s']):>19} {per_token:>10} {spread:>19} "
+                     f"{_rate(t['decode_tokens_per_s']):>16}{short}")
+    decode = "-" if loop.decode_ratio is None else f"{loop.decode_ratio:.2f}x"
+    lines.append(f"{'':<16} {'ratio':<10} TTFT {loop.ttft_ratio:.2f}x, time per decoded token {decode}  "
+                 "(quantized / reference median; below 1 = faster)")
+    return lines
 
 
 def format_text(report: BenchReport, layers: bool = False) -> str:
@@ -35,6 +57,8 @@ def format_text(report: BenchReport, layers: bool = False) -> str:
                          f"{_ms(t['p10_s']) + '-' + _ms(t['p90_s']):>19} {_ms(t['min_s']) + '-' + _ms(t['max_s']):>19} "
                          f"{_rate(t['samples_per_s']):>11} {_rate(t['tokens_per_s']):>11}")
         lines.append(f"{'':<{w}} {'ratio':<10} {shape.ratio:>9.2f}x  (quantized / reference median; below 1 = faster)")
+    if report.genai_loop is not None:
+        lines += _genai_lines(report.genai_loop)
     lines.append("")
     ref, quant = report.reference, report.quantized
     lines.append(f"{'size':<16} reference {format_size(ref.size)}, quantized {format_size(quant.size)} "
