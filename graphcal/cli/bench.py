@@ -23,7 +23,8 @@ from graphcal.cli.options import DEBUG_OPTION
 @click.option("--rounds", type=click.IntRange(min=1), default=20, show_default=True,
               help="Timed rounds per shape; each runs both models, the order flipped every round.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
-              help="Untimed runs of each model per shape before timing.")
+              help="Untimed runs of each model per shape before timing (onnxruntime-genai's loop: one untimed "
+                   "generation, none at 0).")
 @click.option("--no-decode", is_flag=True, help="Skip the decode shape (batch 1, one token; over a past on a "
                                                  "KV-cache model).")
 @click.option("--past", type=click.IntRange(min=1), default=None,
