@@ -133,8 +133,8 @@ def complete(arrays: dict[str, np.ndarray], inputs: list[InputSpec], model_dir: 
     return dict(arrays) if fill is None else fill.complete(arrays)
 
 
-def step_feeds(session, plan: DecodePlan, inputs: list[InputSpec], model_dir: Path | None) -> dict[str, np.ndarray]:
-    """The feeds of one decode step of ``session``'s model over a past of ``plan.past`` tokens: its
+def step_feeds(session, decode: DecodePlan, inputs: list[InputSpec], model_dir: Path | None) -> dict[str, np.ndarray]:
+    """The feeds of one decode step of ``session``'s model over a past of ``decode.past`` tokens: its
     own prefill over the first P tokens (empty cache), its present outputs as the past. A
     GraphcalError says why it cannot be made (onnxruntime's failure, a present missing or of
     another length)."""
@@ -145,8 +145,8 @@ def step_feeds(session, plan: DecodePlan, inputs: list[InputSpec], model_dir: Pa
     if missing:
         raise GraphcalError(f"the model has no output {missing[0][1]!r} to take its past input {missing[0][0]!r} "
                             "from")
-    p = plan.past
-    prefill = complete({plan.token_name: plan.tokens[:, :p]}, inputs, model_dir)
+    p = decode.past
+    prefill = complete({decode.token_name: decode.tokens[:, :p]}, inputs, model_dir)
     wanted = list(present.values())
     try:
         values = session.run(wanted, prefill)
@@ -159,4 +159,4 @@ def step_feeds(session, plan: DecodePlan, inputs: list[InputSpec], model_dir: Pa
             raise GraphcalError(f"{out} has shape {tuple(value.shape)} after a prefill of {p} tokens from an empty "
                                 f"cache, not [1, heads, {p}, head_size]")
         past[name] = value
-    return complete({plan.token_name: plan.tokens[:, p:p + 1], **past}, inputs, model_dir)
+    return complete({decode.token_name: decode.tokens[:, p:p + 1], **past}, inputs, model_dir)
