@@ -42,6 +42,16 @@ def bert_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def builder_model(tmp_path_factory):
+    """(a tiny onnxruntime-genai builder model's fp32 folder, token-only calibration data), built once
+    per session by the builder offline (tests/genai_models.py); skipped without onnxruntime-genai."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
+    from tests.genai_models import build_tiny_genai
+
+    return build_tiny_genai(tmp_path_factory.mktemp("genai"))
+
+
+@pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """Export forms made at test time: ``exported("dynamo")`` / ``exported("nofold")`` -> model path."""
     cache: dict[str, Path] = {}

@@ -169,6 +169,7 @@ def test_int4_weights_run_as_matmulnbits_at_both_shapes(tmp_path, data):
     _check_timing(shapes["prefill"], 2, 16)
     _check_timing(shapes["decode"], 1, 1)
     assert report["ratios"] == {name: shapes[name]["ratio"] for name in ("prefill", "decode")}
+    assert shapes["decode"]["past"] is None and report["genai_loop"] is None  # no KV cache: no past, no genai loop
     assert report["reference"]["size_bytes"] == _sizes(ref) and report["quantized"]["size_bytes"] == _sizes(quant)
     assert report["size_ratio"] == pytest.approx(_sizes(quant) / _sizes(ref))
     assert report["memory_skipped"] == "--no-memory" and report["quantized"]["memory"] is None
@@ -231,6 +232,7 @@ def test_fixed_sequence_skips_decode_and_text_lists_layers(tmp_path, data):
     text = result.output
     assert "decode           skipped: input 'x' fixes axis 1 at 16" in text
     assert "prefill 4x16" in text and "ratio" in text and "not measured (--no-memory)" in text
+    assert "genai loop" not in text
     layer = _layer(report, "quantized")
     assert f"quantized: {layer['kernel']}: 1" in text
     assert any(line.startswith(MODULE) and "MatMulNBits 4-bit" in line and "block 32" in line

@@ -1,9 +1,10 @@
 """onnxruntime-genai builder models in, drop-in genai folders out (issue 32).
 
-A tiny random-weight Llama made with transformers here, built offline by onnxruntime-genai's own
-model builder (fp32, CPU), is quantized by graphcal from token ids alone (the KV cache filled:
-graphcal.data.fill) and generated with through onnxruntime-genai's own loop (greedy). The
-reference is the fp32 builder model in that same loop: the first tokens and the first step's logits.
+A tiny random-weight Llama made with transformers, built offline by onnxruntime-genai's own model
+builder (fp32, CPU; conftest.py's ``builder_model``, made by tests/genai_models.py), is quantized
+by graphcal from token ids alone (the KV cache filled: graphcal.data.fill) and generated with
+through onnxruntime-genai's own loop (greedy). The reference is the fp32 builder model in that
+same loop: the first tokens and the first step's logits.
 """
 
 from __future__ import annotations
@@ -22,36 +23,6 @@ og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is 
 
 PROMPT = [1, 5, 9, 33, 70, 12]
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def builder_model(tmp_path_factory):
-    """(the builder's fp32 folder, token-only calibration data)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("genai")
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(root / "hf")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(root / "hf")
-    rng = np.random.default_rng(0)
-    (root / "calib.txt").write_text("\n".join(" ".join(f"w{i}" for i in rng.integers(3, 256, 30)) for _ in range(20)))
-    # graphcal export --genai: the builder, offline, and the text tokenized for its decoder
-    result = CliRunner().invoke(cli, ["export", str(root / "hf"), "--genai", "fp32", "-o", str(root / "fp32"),
-                                      "--text", str(root / "calib.txt"), "--seq", "24", "--pack"])
-    assert result.exit_code == 0, result.output
-    data = np.load(root / "fp32" / "calib.npz")
-    assert set(data) == {"input_ids", "attention_mask"} and data["input_ids"].shape == (25, 24)
-    np.savez(root / "calib.npz", input_ids=data["input_ids"][:16])  # token ids alone: run fills the rest
-    return root / "fp32", root / "calib.npz"
 
 
 def _generate(folder):

@@ -4,9 +4,14 @@ Both models run in onnxruntime at its default settings (ORT_ENABLE_ALL, default 
 session config keys; only the log level is raised), as a deployment would open them, on the
 chosen device. Reported side by side:
 
-- time per batch at two shapes: the data's first batch (prefill) and, for models whose inputs
-  have a free axis 1, one token of one sample (decode-like). Rounds are interleaved, the order
-  flipped every round, so that drift (clocks, other load) hits both models alike;
+- time per batch at two shapes: the data's first batch (prefill) and a decode shape. For a
+  model with a KV cache (``past_key_values.N.key/value`` inputs) that is one new token over a real
+  past of P tokens, the past made by each model's own prefill of the first sample; for other
+  models whose inputs have a free axis 1, one token of one sample (decode-like). Rounds are
+  interleaved, the order flipped every round, so that drift (clocks, other load) hits both models
+  alike;
+- for a KV-cache model in an onnxruntime-genai folder: onnxruntime-genai's own greedy generate
+  loop, time to first token and decode tokens/s;
 - the size of each model (its .onnx file plus the external data files it reads);
 - the peak host memory of a fresh process that opens the model and runs one batch (and, on CUDA,
   the GPU memory nvidia-smi attributes to it);
@@ -22,6 +27,8 @@ The package, by job:
 - ``measure``: :func:`bench`, the measurement that runs the rest;
 - ``session``: sessions opened as a deployment opens them, and one call to time;
 - ``timing``: interleaved rounds;
+- ``decode``: a KV-cache model's decode step, its past made by the model's own prefill;
+- ``genai_loop``: onnxruntime-genai's generate loop, timed;
 - ``kernels``: the kernel behind every weight MatMul/Gemm;
 - ``memory`` and ``child``: peak memory, measured in a fresh process (``python -P -m graphcal.bench.child``);
 - ``report`` (records, JSON) and ``text`` (the text report).
@@ -40,8 +47,8 @@ _HOME = {  # name -> the module that holds it
                     "graphcal.bench.kernels"),
     "bench": "graphcal.bench.measure",
     "measure_memory": "graphcal.bench.memory",
-    **dict.fromkeys(("MODELS", "OPTIMIZATION", "BenchReport", "Layer", "ModelFacts", "Shape", "Timing", "summarize"),
-                    "graphcal.bench.report"),
+    **dict.fromkeys(("MODELS", "OPTIMIZATION", "BenchReport", "GenaiLoop", "Layer", "LoopTiming", "ModelFacts", "Shape",
+                     "Timing", "summarize"), "graphcal.bench.report"),
     "format_text": "graphcal.bench.text",
     **dict.fromkeys(("MAX_CALLS", "MIN_SAMPLE_S"), "graphcal.bench.timing"),
 }

@@ -45,6 +45,13 @@ class Shape:
     reference: Timing | None = None
     quantized: Timing | None = None
     skipped: str | None = None
+    past: int | None = None  # a KV-cache model's decode step: the length of the past it runs over
+
+    @property
+    def title(self) -> str:
+        """How the text report names it: "prefill 8x32", "decode (past 23) 1x1", "decode"."""
+        name = self.name if self.past is None else f"{self.name} (past {self.past})"
+        return name if self.skipped is not None else f"{name} {self.batch}x{self.seq or '-'}"
 
     @property
     def ratio(self) -> float | None:
@@ -53,12 +60,72 @@ class Shape:
         return self.quantized.median / self.reference.median
 
     def as_dict(self) -> dict:
-        out = {"name": self.name, "inputs": self.inputs, "batch": self.batch, "seq": self.seq,
+        out = {"name": self.name, "inputs": self.inputs, "batch": self.batch, "seq": self.seq, "past": self.past,
                "measured": self.skipped is None, "skipped": self.skipped, "ratio": self.ratio}
         for label in MODELS:
             timing = getattr(self, label)
             out[label] = timing.as_dict() if timing is not None else None
         return out
+
+
+def _spread(samples: list[float], prefix: str) -> dict:
+    s = np.asarray(samples, dtype=np.float64)
+    return {f"{prefix}median_s": float(np.median(s)), f"{prefix}min_s": float(s.min()), f"{prefix}max_s": float(s.max()),
+            f"{prefix}p10_s": float(np.percentile(s, 10)), f"{prefix}p90_s": float(np.percentile(s, 90))}
+
+
+@dataclass
+class LoopTiming:
+    """One model in onnxruntime-genai's generate loop, per timed round."""
+
+    ttft: list[float]  # seconds from the prompt's append_tokens to the first generated token
+    per_token: list[float]  # seconds per generated token after the first (empty when only one was asked)
+    generated: list[int]  # tokens generated in each round
+
+    def as_dict(self) -> dict:
+        out = {**_spread(self.ttft, "ttft_"), "rounds": len(self.ttft), "generated_tokens": min(self.generated)}
+        if self.per_token:
+            out.update(_spread(self.per_token, "decode_"), decode_tokens_per_s=1 / float(np.median(self.per_token)))
+        else:
+            out.update(dict.fromkeys(("decode_median_s", "decode_min_s", "decode_max_s", "decode_p10_s", "decode_p90_s",
+                                      "decode_tokens_per_s")))
+        return out
+
+
+@dataclass
+class GenaiLoop:
+    """Both models in onnxruntime-genai's own generate loop (greedy), or why that was not measured."""
+
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int
+    version: str | None = None  # onnxruntime-genai's
+    provider: str | None = None  # "cpu" or "cuda": the provider the loop's models ran on
+    reference: LoopTiming | None = None
+    quantized: LoopTiming | None = None
+    skipped: str | None = None
+
+    def _ratio(self, attr: str) -> float | None:
+        if self.reference is None or self.quantized is None:
+            return None
+        ref, quant = getattr(self.reference, attr), getattr(self.quantized, attr)
+        return float(np.median(quant) / np.median(ref)) if ref and quant else None
+
+    @property
+    def ttft_ratio(self) -> float | None:
+        return self._ratio("ttft")
+
+    @property
+    def decode_ratio(self) -> float | None:
+        """Quantized / reference median time per decoded token (below 1 = faster)."""
+        return self._ratio("per_token")
+
+    def as_dict(self) -> dict:
+        return {"measured": self.skipped is None, "skipped": self.skipped, "onnxruntime_genai": self.version,
+                "provider": self.provider, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "rounds": self.rounds, "ttft_ratio": self.ttft_ratio, "decode_ratio": self.decode_ratio,
+                **{label: getattr(self, label).as_dict() if getattr(self, label) is not None else None
+                   for label in MODELS}}
 
 
 @dataclass
@@ -120,6 +187,7 @@ class BenchReport:
     shapes: list[Shape]
     memory_skipped: str | None = None
     notes: list[str] = field(default_factory=list)  # what the numbers mean on this machine
+    genai_loop: GenaiLoop | None = None  # KV-cache models only: onnxruntime-genai's generate loop
 
     def as_dict(self) -> dict:
         models = {}
@@ -138,5 +206,6 @@ class BenchReport:
             "ratios": {s.name: s.ratio for s in self.shapes},
             "size_ratio": self.quantized.size / self.reference.size,
             "memory_skipped": self.memory_skipped, "notes": self.notes,
+            "genai_loop": self.genai_loop.as_dict() if self.genai_loop is not None else None,
             **models,
         }

@@ -17,6 +17,13 @@ class RunFailed(Exception):
         self.index, self.detail = index, detail
 
 
+def round_order(count: int, rounds: int):
+    """For each of ``rounds`` rounds, the order in which ``count`` runs take their turn: 0, 1, ...
+    in even rounds, reversed in odd ones, so that drift falls on every run alike."""
+    order = list(range(count))
+    for r in range(rounds):
+        yield order if r % 2 == 0 else order[::-1]
+
 
 def time_interleaved(runs, warmup: int, rounds: int) -> tuple[list[list[float]], list[int]]:
     """Per run: ``rounds`` samples of seconds per call, and the calls averaged in each sample.
@@ -40,9 +47,8 @@ def time_interleaved(runs, warmup: int, rounds: int) -> tuple[list[list[float]],
         once = max(time.perf_counter() - start, 1e-9)
         calls.append(int(min(MAX_CALLS, max(1, math.ceil(MIN_SAMPLE_S / once)))))
     samples: list[list[float]] = [[] for _ in runs]
-    order = list(range(len(runs)))
-    for r in range(rounds):
-        for i in (order if r % 2 == 0 else order[::-1]):
+    for order in round_order(len(runs), rounds):
+        for i in order:
             start = time.perf_counter()
             for _ in range(calls[i]):
                 call(i)

@@ -1,0 +1,41 @@
+"""A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/test_genai.py,
+tests/test_bench_kv.py): a random-weight Llama made with transformers, built offline by
+onnxruntime-genai's own model builder through ``graphcal export --genai fp32``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+from graphcal.cli import cli
+
+
+def build_tiny_genai(root: Path) -> tuple[Path, Path]:
+    """(the builder's fp32 folder ``root/fp32``, token-only calibration data ``root/calib.npz``:
+    16 x 24 token ids)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(root / "hf")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(root / "hf")
+    rng = np.random.default_rng(0)
+    (root / "calib.txt").write_text("\n".join(" ".join(f"w{i}" for i in rng.integers(3, 256, 30)) for _ in range(20)))
+    # graphcal export --genai: the builder, offline, and the text tokenized for its decoder
+    result = CliRunner().invoke(cli, ["export", str(root / "hf"), "--genai", "fp32", "-o", str(root / "fp32"),
+                                      "--text", str(root / "calib.txt"), "--seq", "24", "--pack"])
+    assert result.exit_code == 0, result.output
+    data = np.load(root / "fp32" / "calib.npz")
+    assert set(data) == {"input_ids", "attention_mask"} and data["input_ids"].shape == (25, 24)
+    np.savez(root / "calib.npz", input_ids=data["input_ids"][:16])  # token ids alone: run fills the rest
+    return root / "fp32", root / "calib.npz"
