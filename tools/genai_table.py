@@ -1,0 +1,96 @@
+"""Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
+
+    python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq] [--json OUT]
+
+On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
+4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
+
+- fp32: the builder's fp32 model (``genai_fp32/``);
+- the builder's int4 (``-p int4``, block 32, its default method) and ``k_quant_mixed`` (int8 lm_head
+  and llama.cpp's "mixed layers"), built here offline into ``genai_int4/`` and ``genai_kq_mixed/``;
+- graphcal W4A16 with round-to-nearest, ``--algorithm gptq`` and ``--algorithm awq``, run on
+  ``genai_fp32/model.onnx`` with calib.npz's token ids only (graphcal fills the KV cache), written as
+  drop-in genai folders into ``graphcal_<method>/``.
+
+Each is scored by tools/lib/perplexity.py over eval.npz (onnxruntime on the CPU, default settings);
+size is the folder's model files. Every step is skipped when its folder exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.lib import REPO
+from tools.lib.perplexity import perplexity
+
+
+def _builder(work: Path, out: str, extra: list[str]) -> Path:
+    folder = work / out
+    if not (folder / "model.onnx").exists():
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(work / "hf"), "-o",
+                        str(folder), "-p", "int4", "-e", "cpu", "-c", str(work / "genai_cache"), *extra],
+                       check=True, env=env, capture_output=True)
+    return folder
+
+
+def _graphcal(work: Path, method: str, group: int) -> tuple[Path, float | None]:
+    folder = work / f"graphcal_{method}_g{group}"
+    seconds = None
+    if not (folder / "model.onnx").exists():
+        import numpy as np
+
+        ids = work / "calib_ids.npz"
+        if not ids.exists():
+            np.savez(ids, input_ids=np.load(work / "calib.npz")["input_ids"])  # token ids alone
+        command = [sys.executable, "-m", "graphcal", "run", str(work / "genai_fp32" / "model.onnx"), "--data", str(ids),
+                   "--scheme", "W4A16", "--group-size", str(group), "-o", str(folder), "-q"]
+        if method != "rtn":
+            command += ["--algorithm", method]
+        start = time.perf_counter()
+        subprocess.run(command, check=True, cwd=REPO)
+        seconds = time.perf_counter() - start
+    return folder, seconds
+
+
+def _size(folder: Path) -> int:
+    return sum((folder / n).stat().st_size for n in ("model.onnx", "model.onnx.data") if (folder / n).exists())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=REPO / "work" / "smollm")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    work = args.work
+    rows = [("fp32 (builder)", work / "genai_fp32", None),
+            ("builder int4, block 32 (default method)", _builder(work, "genai_int4", []), None),
+            ("builder int4 k_quant_mixed", _builder(work, "genai_kq_mixed",
+                                                     ["--extra_options", "algo_config=k_quant_mixed"]), None)]
+    for method in args.methods:
+        folder, seconds = _graphcal(work, method, args.group_size)
+        rows.append((f"graphcal W4A16 g{args.group_size} {method}", folder, seconds))
+    results = []
+    print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
+    print("|---|---|---|---|")
+    for label, folder, seconds in rows:
+        scored = perplexity(folder / "model.onnx", work / "eval.npz")
+        results.append({"label": label, "folder": str(folder), "perplexity": scored["perplexity"],
+                        "bytes": _size(folder), "run_s": seconds})
+        print(f"| {label} | {scored['perplexity']:.2f} | {_size(folder) / 1e6:.0f} | "
+              f"{'' if seconds is None else f'{seconds:.0f}'} |", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
