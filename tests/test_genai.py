@@ -102,7 +102,7 @@ def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_
 
 
 @pytest.mark.parametrize("make, fragment", [
-    (lambda p, tmp: p.symlink_to(tmp / "secret.json"), "leads outside the model's folder"),
+    (lambda p, tmp: p.symlink_to(tmp / "secret.json"), "leads out of the model's folder"),
     (lambda p, tmp: os.mkfifo(p), "not a regular file"),
     (lambda p, tmp: p.write_bytes(b" " * (64 << 20) + b"{}"), "companion files of at most"),
 ], ids=["symlink-out", "fifo", "too-big"])

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from graphcal.errors import GraphcalError
-from graphcal.limits import json_depth, read_regular
+from graphcal.limits import file_kind, json_depth, read_regular
 
 GENAI_CONFIG = "genai_config.json"
 # onnxruntime-genai's config, the tokenizer files transformers and onnxruntime-genai read, chat
@@ -39,10 +40,12 @@ def find_companions(model_path: str | os.PathLike) -> tuple[Path, ...]:
             continue
         real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
-            raise GraphcalError(f"{path} leads outside the model's folder (a link to {real}); graphcal copies only "
-                                "files inside it into -o")
-        if not path.is_file():
-            raise GraphcalError(f"{path} is not a regular file; graphcal copies only regular files into -o")
+            raise GraphcalError(f"{path} leads out of the model's folder (a link to {real}): copy the file in; "
+                                "graphcal copies only files inside the model's folder into -o")
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise GraphcalError(f"{path} is {file_kind(mode)}, not a regular file; graphcal copies only regular "
+                                "files into -o")
         size = path.stat().st_size
         if size > MAX_COMPANION_BYTES:
             raise GraphcalError(f"{path} is {size:,} bytes; graphcal copies companion files of at most "
