@@ -92,7 +92,7 @@ def test_bench_stops_inside_a_long_onnxruntime_run(slow, tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     code, seconds, err = _stopped(["bench", slow / "ref.onnx", slow / "q.onnx", "--data", slow / "data.npz",
-                                   "--no-decode", "--warmup", "1", "--rounds", "1"], "timing the prefill shape",
+                                   "--no-decode", "--warmup", "1", "--rounds", "1"], "timing the prefill",
                                   tmp_path, env={"TMPDIR": str(temp)})
     _stopped_promptly(code, seconds, err, 143)
     assert [p for p in temp.iterdir() if p.name.startswith("graphcal-bench-")] == []  # its temporary folder is gone
