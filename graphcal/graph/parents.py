@@ -10,6 +10,7 @@ the dynamo exporter's name_scopes metadata); without scopes by the structural po
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import onnx
@@ -97,7 +98,7 @@ def _scoped_output(index: GraphIndex, targets: Sequence[Target], outs: list[str]
         return bool(s) and (s == scope or s.startswith(scope + "."))
 
     values = index.descendants(outs, through_shapes=False)
-    graph_outputs = set(index.graph_outputs)
+    graph_outputs = _model_outputs(index)
     found = []
     for i in index.order:
         if not inside(i):
@@ -108,6 +109,16 @@ def _scoped_output(index: GraphIndex, targets: Sequence[Target], outs: list[str]
     return found[0] if len(found) == 1 else None
 
 
+CACHE_OUTPUT = re.compile(r"(^|[./_])present([./_]|$)")  # present.N.key, present_key_values.N: KV-cache states
+
+
+def _model_outputs(index: GraphIndex) -> set[str]:
+    """The graph outputs a parent's output leads to: all but a KV-cache decoder's present states
+    (Optimum's and onnxruntime-genai's ``present.N.key/value``), which k_proj and v_proj feed
+    directly. llm-compressor takes AWQ's loss on the attention module's output, not on its cache."""
+    return {o for o in index.graph_outputs if not CACHE_OUTPUT.search(o)}
+
+
 def _common_post_dominator(index: GraphIndex, outs: list[str], names: list[str]) -> str:
     """The immediate common post-dominator of ``outs`` in the graph of value tensors (edges into
     Shape/Size dropped), with every graph output leading to one exit (Cooper, Harvey and
@@ -116,7 +127,7 @@ def _common_post_dominator(index: GraphIndex, outs: list[str], names: list[str])
     exit_ = ""  # no tensor is named "" (an absent optional input)
     ipdom: dict[str, str] = {exit_: exit_}
     number = {exit_: 0}
-    graph_outputs = set(index.graph_outputs)
+    graph_outputs = _model_outputs(index)
 
     def intersect(a: str, b: str) -> str:
         while a != b:

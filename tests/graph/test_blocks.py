@@ -345,3 +345,23 @@ def test_no_common_parent_raises():
     with pytest.raises(GraphcalError, match="no single tensor"):
         parent_output(model, targets)
     assert parent_output(model, targets[:1]) == "y0"
+
+
+def test_kv_cache_outputs_do_not_end_a_parent(llama):
+    """A KV-cache decoder (Optimum's text-generation-with-past) hands k_proj's and v_proj's states out
+    as present.N.key/value: AWQ's parent of q/k/v is still the attention output (llm-compressor's loss
+    is on the module's output, not its cache)."""
+    from onnx import helper
+
+    model = onnx.ModelProto()
+    model.CopyFrom(llama.model)
+    attn = "model.layers.0.self_attn."
+    for kind, proj in (("key", "k_proj"), ("value", "v_proj")):
+        out = llama.by_name[attn + proj]
+        node = next(n for n in model.graph.node if n.name == out.node)
+        name = f"present.0.{kind}"
+        model.graph.node.append(helper.make_node("Identity", [node.output[0]], [name],
+                                                 name=f"/model/layers.0/self_attn/present_{kind}"))
+        model.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    group = [llama.by_name[attn + m] for m in ("q_proj", "k_proj", "v_proj")]
+    assert parent_output(model, group) == "/model/layers.0/self_attn/o_proj/MatMul_output_0"
