@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graphcal.data.fill import GENAI_CONFIG, read_genai_config
 from graphcal.errors import GraphcalError, UsageError, first_line
-from graphcal.export_text import check_seq, pack_windows, tokenize_lines  # noqa: F401 -- pack_windows: its old home
+from graphcal.export_text import check_seq, genai_context, pack_windows, tokenize_lines  # noqa: F401 -- pack_windows: its old home
 from graphcal.graph import io as graph_io
 from graphcal.limits import read_regular
 from graphcal.output import check_output_dir, releases_outputs, reserve_output
@@ -32,7 +33,6 @@ from graphcal.output.process import on_abort
 log = logging.getLogger("graphcal")
 
 MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
-GENAI_CONFIG = "genai_config.json"  # an onnxruntime-genai model folder's (graphcal.data.fill reads it)
 
 #: Dynamic axes of the tiny models' [batch, seq] inputs and outputs (legacy exporter).
 BATCH_SEQ_AXES = {0: "batch", 1: "seq"}
@@ -309,9 +309,6 @@ def tokenize_genai(model_dir: Path, out_dir: Path, text: str | os.PathLike | Non
     ``model.decoder.inputs`` names them. ``--seq`` is bounded by its ``model.context_length``. graphcal
     fills the past tensors (and position_ids) when it calibrates (graphcal.data.fill)."""
     import numpy as np  # lazy: kept off the CLI's start-up path
-
-    from graphcal.data.fill import read_genai_config  # lazy: numpy and onnx, for this path only
-    from graphcal.export_text import genai_context
 
     if text is None:
         raise UsageError(f"{model_dir} is an onnxruntime-genai model folder ({GENAI_CONFIG}, no config.json): its model "

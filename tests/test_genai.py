@@ -169,3 +169,24 @@ def test_every_scheme_writes_for_fp32_and_fp16_builds(builder_model, fp16_builde
         # reusing a buffer of another shape), so fp16 builds are held to the checker and the load
         tokens, _ = _generate(out)
         assert len(tokens) == STEPS
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{not json", "genai_config.json is not valid JSON"),
+    ('{"model": {"decoder": {"filename": "a.onnx", "filename": "b.onnx"}}}', "gives the key 'filename' twice"),
+], ids=["not-json", "duplicate-key"])
+def test_a_bad_genai_config_is_refused_before_any_pass(llama_dir, tmp_path, text, fragment):
+    """-o would receive the folder's genai_config.json (its model file name set to graphcal's): it is
+    read and parsed before calibrating, with the KV-cache fill's checks, never after the pass."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(llama_dir / "model.onnx", src / "model.onnx")
+    (src / "genai_config.json").write_text(text)
+    args = [str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"), "--scheme", "W8A8_STATIC"]
+    inspected = CliRunner().invoke(cli, ["inspect", *args])  # no pass at all: refused from the plan
+    assert inspected.exit_code == 1 and fragment in inspected.output, inspected.output
+    result = CliRunner().invoke(cli, ["run", *args, "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and fragment in result.output, result.output
+    assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()

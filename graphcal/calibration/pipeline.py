@@ -207,7 +207,7 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
                            unchecked=run.unchecked)
         if run.unchecked and runs_in_onnxruntime(qdq_model):  # what the checker passed over, onnxruntime loads
             check_loads(tmp / MODEL_FILE)
-        files += copy_companions(run.companions, tmp, MODEL_FILE)  # genai_config.json, the tokenizer, ...
+        files += copy_companions(run.companions, tmp)  # genai_config.json, the tokenizer, ...
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]

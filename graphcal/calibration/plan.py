@@ -28,7 +28,8 @@ from graphcal.graph.io import default_opset, load_model_info, unchecked_ops, val
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
 from graphcal.graph.scaling import Resolution, candidates, resolve
 from graphcal.graph.targets import Skipped, find_targets, select
-from graphcal.output.companions import find_companions
+from graphcal.output import MODEL_FILE
+from graphcal.output.companions import Companions, find_companions
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target, enum_value
 
@@ -73,7 +74,7 @@ class RunPlan:
     smoothing: Resolution | None = None  # SmoothQuant's mappings (None: no smoothing asked for)
     awq: Resolution | None = None  # AWQ's mappings (None: no AWQ asked for)
     unchecked: frozenset[str] = frozenset()  # default-domain ops onnx has no schema for (graph.io.unchecked_ops)
-    companions: tuple[Path, ...] = ()  # the input folder's files -o receives too (output.companions)
+    companions: Companions = Companions()  # the input folder's files -o receives too (output.companions)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -183,7 +184,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
-        unchecked=unchecked_ops(model), companions=find_companions(model_path),
+        unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
     )
 
 

@@ -54,6 +54,13 @@ def read_genai_config(folder: Path) -> dict | None:
     a regular file inside ``folder`` only (a symlink that leads out of it, a FIFO or a device is
     refused), at most 1 MB, nested at most 32 deep, no key twice in one object. Every refusal is
     one GraphcalError line."""
+    raw = read_genai_config_bytes(folder)
+    return None if raw is None else parse_genai_config(raw, folder / GENAI_CONFIG)
+
+
+def read_genai_config_bytes(folder: Path) -> bytes | None:
+    """The bytes of ``folder/genai_config.json`` (None when there is none), with :func:`read_genai_config`'s
+    file checks: inside ``folder``, a regular file, at most 1 MB."""
     path = folder / GENAI_CONFIG
     if not os.path.lexists(path):
         return None
@@ -61,7 +68,11 @@ def read_genai_config(folder: Path) -> dict | None:
     if os.path.commonpath([root, real]) != root or real == root:
         raise GraphcalError(f"{path} leads out of the model's folder (to {shown(real, 120)}); graphcal reads a "
                             f"{GENAI_CONFIG} only inside it: copy the file in")
-    raw = read_regular(real, GENAI_CONFIG, MAX_GENAI_BYTES)  # regular files only, size bounded before reading
+    return read_regular(real, GENAI_CONFIG, MAX_GENAI_BYTES)  # regular files only, size bounded before reading
+
+
+def parse_genai_config(raw: bytes, path: Path) -> dict:
+    """A genai_config.json's bytes as a dict, with :func:`read_genai_config`'s JSON checks (``path`` for messages)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -4,8 +4,9 @@ onnxruntime-genai loads a folder, not a model file: ``onnxruntime_genai.Model(fo
 ``genai_config.json``, the model file it names and the tokenizer files beside it. So ``-o`` receives
 the input folder's companions, by name from a fixed list (never unrelated or large files), each a
 regular file inside the input's folder of at most 64 MB. They are found before any pass
-(:func:`find_companions`: a bad one is refused then) and copied as the output is written
-(:func:`copy_companions`, read again with the same checks). genai_config.json changes only where
+(:func:`find_companions`: a bad one is refused then; genai_config.json is read and parsed then, with
+graphcal.data.fill's checks) and copied as the output is written (:func:`copy_companions`, read
+again with the same checks). genai_config.json changes only where
 graphcal's model requires it: the decoder's ``filename`` names graphcal's model file.
 """
 
@@ -14,29 +15,39 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
+from graphcal.data.fill import GENAI_CONFIG, parse_genai_config, read_genai_config_bytes
 from graphcal.errors import GraphcalError
-from graphcal.limits import file_kind, json_depth, read_regular
+from graphcal.limits import file_kind, read_regular
 
-GENAI_CONFIG = "genai_config.json"
 # onnxruntime-genai's config, the tokenizer files transformers and onnxruntime-genai read, chat
 # templates, and the processor configs of multimodal builds
 COMPANIONS = (GENAI_CONFIG, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
               "generation_config.json", "preprocessor_config.json", "processor_config.json")
 MAX_COMPANION_BYTES = 64 << 20  # a large vocabulary's tokenizer.json is tens of MB
-MAX_CONFIG_DEPTH = 32
 
 
-def find_companions(model_path: str | os.PathLike) -> tuple[Path, ...]:
-    """The companions beside ``model_path``, checked (regular, inside its folder, bounded); none is read."""
+@dataclass(frozen=True)
+class Companions:
+    """What -o receives beside graphcal's files, found and checked before any pass."""
+
+    files: tuple[Path, ...] = ()  # copied as they are when the output is written (read again, checked again)
+    genai_config: bytes | None = None  # genai_config.json as -o receives it, read and parsed already
+
+
+def find_companions(model_path: str | os.PathLike, model_file: str) -> Companions:
+    """The companions beside ``model_path``, checked (regular, inside its folder, bounded).
+    genai_config.json is read and parsed now (graphcal.data.fill's checks), so a bad one is refused
+    before any pass, and pointed at ``model_file``; the others are only looked at."""
     folder = Path(model_path).parent
     root = os.path.realpath(folder)
     found = []
     for name in COMPANIONS:
         path = folder / name
-        if not os.path.lexists(path):
+        if name == GENAI_CONFIG or not os.path.lexists(path):
             continue
         real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
@@ -51,33 +62,29 @@ def find_companions(model_path: str | os.PathLike) -> tuple[Path, ...]:
             raise GraphcalError(f"{path} is {size:,} bytes; graphcal copies companion files of at most "
                                 f"{MAX_COMPANION_BYTES:,} into -o")
         found.append(path)
-    return tuple(found)
+    raw = read_genai_config_bytes(folder)
+    config = None if raw is None else _genai_config(raw, folder / GENAI_CONFIG, model_file)
+    return Companions(tuple(found), config)
 
 
-def copy_companions(files: tuple[Path, ...], into: Path, model_file: str) -> list[Path]:
-    """Copy ``files`` (from :func:`find_companions`) into ``into``; genai_config.json names ``model_file``."""
+def copy_companions(companions: Companions, into: Path) -> list[Path]:
+    """Write ``companions`` (from :func:`find_companions`) into ``into``."""
     written = []
-    for path in files:
-        data = read_regular(path, "companion file", MAX_COMPANION_BYTES)
-        if path.name == GENAI_CONFIG:
-            data = _genai_config(data, path, model_file)
-        (into / path.name).write_bytes(data)
+    if companions.genai_config is not None:
+        (into / GENAI_CONFIG).write_bytes(companions.genai_config)
+        written.append(into / GENAI_CONFIG)
+    for path in companions.files:
+        (into / path.name).write_bytes(read_regular(path, "companion file", MAX_COMPANION_BYTES))
         written.append(into / path.name)
     return written
 
 
-def _genai_config(data: bytes, path: Path, model_file: str) -> bytes:
+def _genai_config(raw: bytes, path: Path, model_file: str) -> bytes:
     """The config as it was, or with the decoder's filename set to ``model_file`` where it named another."""
-    try:
-        text = data.decode("utf-8")
-        if json_depth(text, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
-            raise ValueError(f"it nests deeper than {MAX_CONFIG_DEPTH} levels")
-        config = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise GraphcalError(f"{path} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    model = config.get("model") if isinstance(config, dict) else None
+    config = parse_genai_config(raw, path)
+    model = config.get("model")
     decoder = model.get("decoder") if isinstance(model, dict) else None
     if not isinstance(decoder, dict) or decoder.get("filename", model_file) == model_file:
-        return data
+        return raw
     decoder["filename"] = model_file
     return (json.dumps(config, indent=4) + "\n").encode("utf-8")
