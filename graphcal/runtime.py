@@ -206,6 +206,8 @@ def open_model_runner(
     outputs: Sequence[str] | None = None,
     *,
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    external_folder: str | os.PathLike | None = None,
+    shared: bool = False,
 ) -> ModelRunner:
     """Open ``model`` (a ModelProto or an .onnx path) to fetch ``outputs`` (default: the graph's outputs).
 
@@ -214,7 +216,8 @@ def open_model_runner(
     applies no QDQ fusions, so Q/DQ numerics are the ONNX spec's. Models onnxruntime cannot run
     (``graph.io.runs_in_onnxruntime`` false: fp4 / e8m0 tensors) go to onnx.reference's
     ReferenceEvaluator instead, where ``optimization`` does not apply. A path's external data is
-    loaded with the model, into memory."""
+    loaded with the model, into memory; a ModelProto's weights left on disk are read by onnxruntime
+    from ``external_folder``. ``shared``: outputs over onnxruntime's memory (:meth:`Runtime.run_shared`)."""
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
     names = list(outputs) if outputs is not None else [o.name for o in model.graph.output]
@@ -223,8 +226,8 @@ def open_model_runner(
 
         evaluator = ReferenceEvaluator(model)
         return ModelRunner(names, REFERENCE, lambda feeds: dict(zip(names, evaluator.run(names, feeds))))
-    runtime = open_runtime(model, names, device="cpu", optimization=optimization)
-    return ModelRunner(names, ONNXRUNTIME, runtime.run_numpy)
+    runtime = open_runtime(model, names, device="cpu", optimization=optimization, external_folder=external_folder)
+    return ModelRunner(names, ONNXRUNTIME, runtime.run_shared if shared else runtime.run_numpy)
 
 
 def run_model(

@@ -152,13 +152,12 @@ def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, ca
         folder = common_root([(ref_model, reference), (cand_model, candidate)])
     else:  # onnx.reference runs it, with every weight in memory
         ref_model, cand_model = load_model(reference), load_model(candidate)
-    ref_nodes = {n.name: n for n in ref_model.graph.node}
     types = {name: t.elem_type for name, t in value_types(ref_model).items()}
-    model, switches = switchable_model(ref_model, cand_model, {t.name: t.node for t in plan.layers},
-                                       {ref_nodes[t.node].output[0]: types.get(ref_nodes[t.node].output[0], 1)
-                                        for t in plan.layers})
+    model, switches = switchable_model(ref_model, cand_model, {t.name: t.node for t in plan.layers}, types)
     del ref_model, cand_model
-    run = _runner(model, outputs, optimization, folder)
+    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
+
+    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
     del model
     total = plan.runs * calib.num_samples if calib.num_samples else None
     with Progress("sensitivity", total, "sample") as bar:
@@ -172,19 +171,6 @@ def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, ca
     for i, option in enumerate(options):
         option.outputs = measured[str(i)]
     return Sensitivity(plan.kinds, alone, options, list(ignored))
-
-
-def _runner(model: onnx.ModelProto, outputs, optimization, folder):
-    """run(feeds) -> {output: numpy array} for the switchable model: onnxruntime on the CPU (weights
-    read from ``folder`` where they stayed on disk), or onnx.reference for what onnxruntime cannot run."""
-    if runs_in_onnxruntime(model):
-        from graphcal.runtime import open_runtime  # lazy: it imports onnxruntime, loaded when a comparison runs
-
-        return open_runtime(model, list(outputs), device="cpu", optimization=optimization, external_folder=folder).run_shared
-    from onnx.reference import ReferenceEvaluator  # lazy: only models onnxruntime cannot run
-
-    evaluator = ReferenceEvaluator(model)
-    return lambda feeds: dict(zip(outputs, evaluator.run(list(outputs), feeds)))
 
 
 def _measure(run, switches: dict[str, str], variants: dict[str, list[str]], outputs, calib, bar) -> dict[str, list[Agreement]]:

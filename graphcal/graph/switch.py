@@ -29,7 +29,7 @@ QUANTIZED = "graphcal-quantized/"
 def switchable_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, layers: dict[str, str],
                      elem_types: dict[str, int]) -> tuple[onnx.ModelProto, dict[str, str]]:
     """(the model, {layer: its switch input}). ``layers`` maps each quantized layer's name to the
-    fp32 node computing it; ``elem_types`` gives each layer output's element type. The model holds
+    fp32 node computing it; ``elem_types`` gives values' element types (float where it has none). The model holds
     ``reference``'s initializers (copied as they are: stubs of lazy weights stay stubs) and those of
     ``candidate`` the branches read, renamed; ``reference`` is raised to the candidate's opset where
     below it (in place, weights untouched)."""
@@ -54,8 +54,9 @@ def switchable_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, lay
     taken: set[str] = set()
     switches: dict[str, str] = {}
     replaced: dict[str, onnx.NodeProto] = {}  # fp32 node name -> its If
+    fp32_nodes = {n.name: n for n in reference.graph.node}
     for layer, node_name in layers.items():
-        fp32 = next(n for n in reference.graph.node if n.name == node_name)
+        fp32 = fp32_nodes[node_name]
         out = fp32.output[0]
         inner = f"graphcal-q/{layer}/"
         nodes, reads = _layer_nodes(out, producer, cand_inits, fp32_values)
