@@ -44,7 +44,7 @@ def _check(graph: onnx.GraphProto, outer: frozenset[str], scope: str) -> None:
     visible = outer | defined | producer.keys()
     waits_on: list[set[int]] = []
     for index, node in enumerate(graph.node):
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             _check(sub, frozenset(visible), f"{scope} > {node.op_type} {_label(node, index)}")
         needs = set(node_reads(node))
         deps = set()
@@ -92,7 +92,8 @@ def _check_acyclic(graph: onnx.GraphProto, waits_on: list[set[int]], scope: str)
                         "an ONNX graph must be acyclic")
 
 
-def _subgraphs(node: onnx.NodeProto):
+def subgraphs(node: onnx.NodeProto):
+    """The graphs a node holds in its attributes (If's branches, Loop's and Scan's bodies)."""
     for attr in node.attribute:
         if attr.HasField("g"):
             yield attr.g
@@ -103,7 +104,7 @@ def node_reads(node: onnx.NodeProto) -> list[str]:
     """The names ``node`` reads, once each: its inputs in order, then (sorted) what each of its
     subgraphs (If/Loop/Scan bodies) reads from outside itself."""
     names = dict.fromkeys(n for n in node.input if n)
-    for body in _subgraphs(node):
+    for body in subgraphs(node):
         names.update(dict.fromkeys(sorted(_free_names(body))))
     return list(names)
 

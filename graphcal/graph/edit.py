@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphcal.graph.check import subgraphs
+
 
 class Names:
     """The names taken in a graph (which ones: the caller's choice), and new ones that are not:
@@ -58,9 +60,8 @@ def name_nodes(graph: onnx.GraphProto) -> int:
             node.name = names.unique(node.name or f"{node.op_type.lower()}_{index}")
             seen.add(node.name)
             renamed += 1
-        for attr in node.attribute:
-            for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                renamed += name_nodes(body)
+        for body in subgraphs(node):
+            renamed += name_nodes(body)
     return renamed
 
 

@@ -14,7 +14,7 @@ import onnx
 from google.protobuf.message import DecodeError, EncodeError
 
 from graphcal.errors import GraphcalError, first_line
-from graphcal.graph.check import check_graph
+from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
 from graphcal.graph.wire import strip_inline_weights
@@ -284,13 +284,11 @@ def unchecked_ops(model: onnx.ModelProto) -> frozenset[str]:
 
 
 def _graphs(graph: onnx.GraphProto):
+    """``graph`` and every graph nested in its nodes."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("g"):
-                yield from _graphs(attr.g)
-            for g in attr.graphs:
-                yield from _graphs(g)
+        for sub in subgraphs(node):
+            yield from _graphs(sub)
 
 
 def check_written(path: Path, unchecked: frozenset[str] = frozenset()) -> None:
