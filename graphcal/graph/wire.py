@@ -110,9 +110,9 @@ class _Walk:
     def tensor(self, start: int, end: int) -> bytes:
         fields = list(self.fields(start, end))
         raw = [f for f in fields if f[0] == _RAW_DATA]
-        whole = bytes(self.buf[start:end]) if len(raw) != 1 or raw[0][4] - raw[0][3] < self.min_bytes else None
-        if whole is not None or any(f[0] in (_EXTERNAL_DATA, _DATA_LOCATION) for f in fields):
-            return whole if whole is not None else bytes(self.buf[start:end])
+        if (len(raw) != 1 or raw[0][4] - raw[0][3] < self.min_bytes
+                or any(f[0] in (_EXTERNAL_DATA, _DATA_LOCATION) for f in fields)):
+            return bytes(self.buf[start:end])  # small, already external, or not one plain raw_data: as it is
         _, wire, _, value_at, stop = raw[0]
         if wire != _LEN:
             raise _Malformed
