@@ -32,13 +32,18 @@ class Target:
 
     name: str  # torch module name, e.g. "model.layers.0.self_attn.q_proj"
     node: str  # ONNX node name
-    op_type: str  # "MatMul" | "Gemm"
+    op_type: str  # "MatMul" | "Gemm", or "Gather" for an embedding lookup (graph.targets.find_lookups)
     activation: str  # tensor feeding input A
     weight: str  # initializer holding the weight
     weight_path: tuple[str, ...]  # nodes between the initializer and input B (Transpose/Cast/Reshape)
     layout: Layout
     out_features: int
     in_features: int
+
+    @property
+    def weight_input(self) -> int:
+        """The node input that reads the weight: B (1), or a lookup's data (0)."""
+        return 0 if self.op_type == "Gather" else 1
 
 
 @dataclass(frozen=True)

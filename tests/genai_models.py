@@ -12,16 +12,17 @@ from click.testing import CliRunner
 from graphcal.cli import cli
 
 
-def build_tiny_genai(root: Path) -> tuple[Path, Path]:
+def build_tiny_genai(root: Path, tied: bool = False) -> tuple[Path, Path]:
     """(the builder's fp32 folder ``root/fp32``, token-only calibration data ``root/calib.npz``:
-    16 x 24 token ids)."""
+    16 x 24 token ids). ``tied``: lm_head shares the embedding table (the builder then keeps one
+    initializer, read by lm_head's MatMul and, through a Transpose, by the embedding's Gather)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(root / "hf")
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 256)}}

@@ -134,6 +134,9 @@ class ObserverSet(Consumers):
                 self.consumers.append(Consumer(activation, Feed.INPUT, shared[key],
                                                _input_reduction(iargs, t, activation)))
             self.input_observers[t.name] = shared[key]
+        for t in plan.lookups:  # embedding tables: weight observers only (their input is token ids)
+            wargs = plan.schemes[t.name].weights.model_copy(deep=True)
+            self.weight_observers[t.name] = make_observer(observer_name(wargs, "weight"), "weight", wargs)
         for state in plan.kv_states:
             for base, tensor in (("k", state.key), ("v", state.value)):
                 args = self.kv_args.model_copy(deep=True)

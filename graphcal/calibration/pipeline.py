@@ -34,6 +34,7 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
+from graphcal.calibration.sizing import float_weight_bytes
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths
@@ -69,6 +70,8 @@ class CalibrationResult:
     smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.scaling.Mapping.describe)
     awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
     gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
+    float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
+    model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -139,10 +142,13 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
     weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
                                                 skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float
-    files = slot.write(_outputs(run, qdq_model, weights.items, ignored, kv_items))  # all or none; unlocks
+    files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
-    return _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
-                   slot.warnings)
+    result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
+                     slot.warnings)
+    result.float_bytes = float_weight_bytes(qdq_model)
+    result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
+    return result
 
 
 def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | None, rounding: Rounding | None,
@@ -186,7 +192,7 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
     awq = scales is not None and scales.method is ScaleMethod.AWQ
     ran = activations.provider is not None or rounding is not None or awq
     return CalibrationResult(
-        files=list(files), targets=weights.items, ignored=run.ignored + weights.left_in_float,
+        files=list(files), targets=weights.items + weights.lookups, ignored=run.ignored + weights.left_in_float,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
         warnings=warnings, forms=list(run.forms), rank=0,
         smoothed=scales.describe() if scales is not None and not awq else [],

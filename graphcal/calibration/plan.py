@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
@@ -20,14 +20,16 @@ from types import MappingProxyType
 import onnx
 
 from graphcal.calibration.sizing import size_parts
-from graphcal.config import DEFAULT_IGNORE, RunConfig
+from graphcal.config import DEFAULT_IGNORE, RunConfig, observer_name
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.io import default_opset, load_model_info, unchecked_ops, value_types
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
+from graphcal.graph.qdq.policy import WeightForm, choose_form
 from graphcal.graph.scaling import Resolution, candidates, resolve
-from graphcal.graph.targets import Skipped, find_targets, select
+from graphcal.graph.targets import Skipped, find_lookups, find_targets, select
+from graphcal.graph.ties import find_ties
 from graphcal.output import MODEL_FILE
 from graphcal.output.companions import Companions, find_companions
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
@@ -75,6 +77,9 @@ class RunPlan:
     awq: Resolution | None = None  # AWQ's mappings (None: no AWQ asked for)
     unchecked: frozenset[str] = frozenset()  # default-domain ops onnx has no schema for (graph.io.unchecked_ops)
     companions: Companions = Companions()  # the input folder's files -o receives too (output.companions)
+    lookups: tuple[Target, ...] = ()  # embedding lookups to quantize (graph.targets.find_lookups; weight-only)
+    found_lookups: tuple[Target, ...] = ()  # every embedding lookup, in graph order
+    ties: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # lookup -> the chosen lm_head whose stored weight it reads
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -121,6 +126,10 @@ class RunPlan:
         """The chosen targets with their schemes (no qparams yet)."""
         return [QuantizedTarget(t, self.schemes[t.name]) for t in self.chosen]
 
+    def lookup_items(self) -> list[QuantizedTarget]:
+        """The chosen embedding lookups with their schemes (no qparams yet)."""
+        return [QuantizedTarget(t, self.schemes[t.name]) for t in self.lookups]
+
 
 def plan(model_path: str | Path, config: RunConfig, target_runtime: str | TargetRuntime = TargetRuntime.ONNXRUNTIME,
          matmulnbits: int | None = None) -> RunPlan:
@@ -134,19 +143,26 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     found, skipped = find_targets(model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
-    chosen, unmatched = select(found, config.patterns, config.ignore)
+    found_lookups = find_lookups(model)
+    every = found + found_lookups
+    selected, unmatched = select(every, config.patterns, config.ignore)
+    chosen = [t for t in selected if t.op_type != "Gather"]
+    lookups = [t for t in selected if t.op_type == "Gather"]
     unmatched = [p for p in unmatched if p not in DEFAULT_IGNORE]  # a default that fits no model is no news
-    warnings = [f"target or ignore pattern {p!r} matches no MatMul/Gemm" for p in unmatched]
+    warnings = [f"target or ignore pattern {p!r} matches no MatMul/Gemm or embedding lookup" for p in unmatched]
     if not chosen:
-        raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore})")
-    log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float", len(found), len(chosen),
-             len(found) - len(chosen))
-    schemes = {t.name: config.scheme_for(t) for t in chosen}
-    _check_divisible(chosen, schemes, config)  # before any pass: a group that does not divide fails here
+        raise GraphcalError(f"{model_path}: no target left to quantize (targets {config.patterns}, ignore {config.ignore}); "
+                            "graphcal quantizes embedding lookups beside MatMul/Gemm layers, not alone")
+    log.info("%d weight MatMul/Gemm found, %d to quantize, %d left in float%s", len(found), len(chosen),
+             len(found) - len(chosen), f"; {len(lookups)} embedding lookup(s) to quantize" if lookups else "")
+    schemes = {t.name: config.scheme_for(t) for t in selected}
+    _check_divisible(selected, schemes, config)  # before any pass: a group that does not divide fails here
     items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
-    opset = items_opset(items, target_runtime=target_runtime)  # raises for a scheme with no ONNX form here
+    lookup_items = [QuantizedTarget(t, schemes[t.name]) for t in lookups]
+    opset = items_opset(items + lookup_items, target_runtime=target_runtime)  # raises where there is no ONNX form
+    _check_lookup_observers(lookup_items)
     warnings += runtime_notes(items, target_runtime)
-    forms = form_notes(items, target_runtime, matmulnbits)  # raises for a target with no form
+    forms = form_notes(items + lookup_items, target_runtime, matmulnbits)  # raises for a target with no form
     if any("u8 x s8" in f for f in forms):
 
         if int8_gemm_saturates():
@@ -177,15 +193,75 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     groups, fusion_warnings = find_fused_groups(chosen)
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
+    ties, tie_notes = _ties(model, found, chosen, lookups, schemes, target_runtime, matmulnbits, smoothing, awq,
+                            str(model_path.parent))
+    warnings += tie_notes
     return RunPlan(
         model_path=model_path, held=_Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
-        size=MappingProxyType(size_parts(model, model_path, items, data_files)),
+        size=MappingProxyType(size_parts(model, model_path, items, data_files, lookup_items, ties)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
         unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
+        lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties),
     )
+
+
+def _ties(model, found: list[Target], chosen: list[Target], lookups: list[Target], schemes, target_runtime,
+          matmulnbits, smoothing, awq, base_dir: str) -> tuple[dict[str, str], list[str]]:
+    """Which chosen lookups read the quantized weight of the lm_head they are tied to (graph.ties),
+    and a note for each tie that is stored twice, and why."""
+    if not lookups:
+        return {}, []
+    notes = []
+    unchosen = [t for t in found if t not in chosen]
+    for lookup, head in find_ties(model, lookups, unchosen, base_dir, compare_values=False).items():
+        notes.append(f"{lookup} is tied to {head}, which stays in float: the table is stored twice (float for {head}, "
+                     f"quantized for the lookup); --lm-head quantizes {head} and stores one table for both")
+    scaled = set()
+    for resolution in (smoothing, awq):
+        for m in resolution.mappings if resolution is not None else ():
+            scaled.update(m.balance)
+            if m.candidate.linear:
+                scaled.add(m.candidate.linear)
+    ties = {}
+    by_name = {t.name: t for t in chosen}
+    for lookup, head in find_ties(model, lookups, chosen, base_dir).items():
+        problem = _share_problem(schemes[lookup], schemes[head], by_name[head], target_runtime, matmulnbits, scaled)
+        if problem:
+            notes.append(f"{lookup} is tied to {head}, but {problem}: both tables are stored")
+        else:
+            ties[lookup] = head
+            log.info("%s reads %s's quantized weight (tied: one table stored)", lookup, head)
+    return ties, notes
+
+
+def _share_problem(lookup_scheme, head_scheme, head: Target, target_runtime, matmulnbits, scaled: set[str]) -> str:
+    """Why a lookup cannot read its tied lm_head's stored weight ("" when it can)."""
+    if head.name in scaled:
+        return f"{head.name}'s weight is rescaled by SmoothQuant/AWQ first, so it no longer equals the table"
+    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "scale_dtype", "zp_dtype")
+    a, b = (s.weights.model_dump(include=set(fields)) for s in (lookup_scheme, head_scheme))
+    if a != b:
+        return "their schemes give them different formats"
+    form = choose_form(QuantizedTarget(head, head_scheme), target_runtime, matmulnbits).weight
+    if TargetRuntime(target_runtime) is TargetRuntime.ONNXRUNTIME and form is not WeightForm.MATMULNBITS:
+        return (f"{head.name} is written as {form.value}, and onnxruntime's GatherBlockQuantized shares only a "
+                "MatMulNBits weight: add --matmulnbits")
+    if form is not WeightForm.DQ and TargetRuntime(target_runtime) is not TargetRuntime.ONNXRUNTIME:
+        return f"{head.name} is written as {form.value}"
+    return ""
+
+
+def _check_lookup_observers(items: list[QuantizedTarget]) -> None:
+    """A lookup's table is observed alone: an observer that weighs a weight by its layer's inputs has none."""
+    for item in items:
+        name = observer_name(item.scheme.weights, "weight")
+        if name and name.startswith("imatrix"):
+            raise GraphcalError(f"{item.target.name}: observer {name} weighs a weight by its layer's input "
+                                "activations, and an embedding lookup has none (its input is token ids); give the "
+                                "lookups a scheme with another observer (--scheme-for Embedding=...)")
 
 
 def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):

@@ -53,6 +53,8 @@ class Inspection:
     smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
     awq: object | None = None  # graph.smooth.Resolution of AWQ's mappings (None: no AWQ asked for)
     blocks: list[str] = field(default_factory=list)  # GPTQ's sequential order: the layer blocks, in order
+    lookups: list[TargetRow] = field(default_factory=list)  # every embedding lookup (Gather over a weight)
+    ties: dict[str, str] = field(default_factory=dict)  # lookup -> the lm_head whose quantized weight it reads
 
     @property
     def quantized(self) -> list[str]:
@@ -83,6 +85,8 @@ def from_plan(run: RunPlan) -> Inspection:
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
         target_runtime=str(run.target_runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
         blocks=_blocks(run),
+        lookups=[_row(t, t in run.lookups, run.config, "Embedding=W8A16") for t in run.found_lookups],
+        ties=dict(run.ties),
     )
 
 
@@ -96,7 +100,7 @@ def _blocks(run: RunPlan) -> list[str]:
     return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in found]
 
 
-def _row(t: Target, chosen: bool, config: RunConfig) -> TargetRow:
+def _row(t: Target, chosen: bool, config: RunConfig, advice: str = "") -> TargetRow:
     if chosen:
         scheme = config.scheme_for(t)
         group = next(name for name, s in config.groups.items() if s is scheme)
@@ -104,7 +108,8 @@ def _row(t: Target, chosen: bool, config: RunConfig) -> TargetRow:
     hit = _first_match(t, config.ignore)
     if hit is not None:
         return TargetRow(t, False, None, f"matches ignore {hit!r}")
-    return TargetRow(t, False, None, "matches no target pattern")
+    return TargetRow(t, False, None, "matches no target pattern" + (
+        f" (quantize it with --scheme-for {advice.replace('Embedding', t.name)} or --scheme-for {advice})" if advice else ""))
 
 
 def _first_match(t: Target, patterns: list[str]) -> str | None:
@@ -131,6 +136,13 @@ def to_dict(report: Inspection) -> dict:
         ],
         "quantized": report.quantized,
         "ignored": report.ignored,
+        "lookups": [
+            {"module": r.target.name, "node": r.target.node, "weight": r.target.weight,
+             "weight_shape": [r.target.out_features, r.target.in_features],
+             "status": "quantized" if r.quantized else "float", "group": r.group, "reason": r.reason,
+             "tied_to": report.ties.get(r.target.name)}
+            for r in report.lookups
+        ],
         "not_targets": [{"node": s.node, "reason": s.reason} for s in report.not_targets],
         "fused_groups": [{"parent": g.parent, "members": list(g.members)} for g in report.fused_groups],
         "fusion_warnings": report.fusion_warnings,
@@ -183,6 +195,11 @@ def format_text(report: Inspection) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.append("")
+    for r in report.lookups:
+        tie = f"; reads {report.ties[r.target.name]}'s quantized weight (tied)" if r.target.name in report.ties else ""
+        lines.append(f"lookup   {r.target.name} (node {r.target.node}, table [{r.target.out_features}, "
+                     f"{r.target.in_features}]): " + (f"quantized, {r.group}{tie}" if r.quantized else
+                                                     f"float: {r.reason}"))
     if report.fused_groups:
         lines.append("fused groups (one global scale each under tensor_group schemes):")
         lines += [f"  {g.parent}: {', '.join(m.rpartition('.')[2] for m in g.members)}" for g in report.fused_groups]

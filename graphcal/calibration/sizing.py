@@ -49,20 +49,24 @@ def expected_model_size(model: onnx.ModelProto, model_path: str | os.PathLike, i
 
 
 def size_parts(model: onnx.ModelProto, model_path: str | os.PathLike, items: list[QuantizedTarget],
-               data_files: tuple[str, ...] = ()) -> dict[str, int]:
+               data_files: tuple[str, ...] = (), lookups: list[QuantizedTarget] = (),
+               ties: dict[str, str] | None = None) -> dict[str, int]:
     """The terms of :func:`expected_model_size`, in bytes (the removed weights are negative).
 
     ``model`` is the model as loaded from ``model_path`` (dims and types only are used) and
-    ``data_files`` the external data files it reads (``graph.io.load_model_info``), checked there."""
+    ``data_files`` the external data files it reads (``graph.io.load_model_info``), checked there.
+    ``lookups`` (embedding tables) count as weights do, except those in ``ties``, which read their
+    lm_head's stored weight and add nothing."""
+    ties = ties or {}
     model_path = Path(model_path)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     parts = {"input": sum(model_files(model_path, data_files).values()), "float_weights": 0, "quantized_weights": 0,
              "scales": 0, "zero_points": 0}
-    for name in _removed_by_writer(graph, [item.target for item in items]):
+    for name in _removed_by_writer(graph, [item.target for item in [*items, *lookups]]):
         init = inits[name]
         parts["float_weights"] -= math.prod(init.dims) * _element_size(init.data_type)
-    for item in items:
+    for item in [*items, *(i for i in lookups if i.target.name not in ties)]:
         t, w = item.target, item.scheme.weights
         n_scales = _scale_count(t, w)
         parts["quantized_weights"] += _packed(w.num_bits, t.out_features * t.in_features)
@@ -104,10 +108,20 @@ def _scale_size(w) -> int:
 def _removed_by_writer(graph: onnx.GraphProto, targets: list[Target]) -> list[str]:
     """Initializers nothing reads once every target reads its dequantized weight (tied weights stay)."""
 
-    by_node = {t.node for t in targets}
-    detached = {n.input[1] for n in graph.node if n.name in by_node} | {t.weight for t in targets}
+    slot = {t.node: t.weight_input for t in targets}  # the input that reads the weight: B, or a Gather's data
+    detached = {n.input[slot[n.name]] for n in graph.node if n.name in slot} | {t.weight for t in targets}
 
-    def rewired(node):  # as the writer leaves it: a target's B input reads the dequantized weight instead
-        return [i for k, i in enumerate(node.input) if not (k == 1 and node.name in by_node)]
+    def rewired(node):  # as the writer leaves it: a target's weight input reads the dequantized weight instead
+        return [i for k, i in enumerate(node.input) if not (node.name in slot and k == slot[node.name])]
 
     return sorted(dead_weight_paths(graph, detached, rewired)[1])
+
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+
+
+def float_weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the float initializers of ``model``'s main graph (from dims and types: nothing is read),
+    the part of a written model that is still float: weights left unquantized (lm_head, embeddings,
+    layers ignored), norms, biases and scales."""
+    return sum(math.prod(t.dims) * _element_size(t.data_type) for t in model.graph.initializer if t.data_type in _FLOATS)

@@ -33,6 +33,7 @@ class WeightResult:
 
     items: list[QuantizedTarget]
     left_in_float: list[str] = field(default_factory=list)
+    lookups: list[QuantizedTarget] = field(default_factory=list)  # the embedding lookups quantized
     warnings: list[str] = field(default_factory=list)
 
 
@@ -75,7 +76,38 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                 by_name[name] = m.item
                 bar.update(1)
     result.items = [by_name[t.name] for t in plan.chosen if t.name in by_name]
+    result.lookups = quantize_lookups(plan, observers, writer, by_name, device, result, skip_nonfinite)
     return result
+
+
+def quantize_lookups(plan: RunPlan, observers: ObserverSet, writer, written: dict[str, QuantizedTarget],
+                     device: torch.device, result: WeightResult, skip_nonfinite: bool) -> list[QuantizedTarget]:
+    """Quantize the chosen embedding lookups into ``writer``, after the targets (``written``): a
+    lookup tied to a written lm_head (plan.ties) reads lm_head's stored weight and takes its
+    qparams; any other has its table read once, observed and stored."""
+    done = []
+    for t in plan.lookups:
+        scheme, head = plan.schemes[t.name], plan.ties.get(t.name)
+        if head in written:
+            item = QuantizedTarget(t, scheme, written[head].qparams)
+            writer.share_lookup(item, written[head])
+            done.append(item)
+            continue
+        w = weight_tensor(writer.model, t, plan.base_dir)  # [vocab, hidden] as the Gather reads it
+        bad = nonfinite_count(w)
+        if bad:
+            if not skip_nonfinite:
+                raise GraphcalError(f"{t.name}: embedding table {t.weight!r} holds {bad} NaN or Inf value(s); fix "
+                                    "the model, or pass --skip-nonfinite-weights to leave such layers in float")
+            result.warnings.append(f"{t.name}: embedding table {t.weight!r} holds {bad} NaN or Inf value(s); "
+                                   "left in float")
+            result.left_in_float.append(t.name)
+            continue
+        observers.weight_observers[t.name](w.to(device))
+        item = observers.qparams(t, scheme)
+        writer.quantize_lookup(item, w)
+        done.append(item)
+    return done
 
 
 def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weights: dict[str, torch.Tensor],

@@ -44,6 +44,15 @@ CONFIG_OPTIONS = (
     click.option("--ignore", multiple=True,
                  help="Modules to leave in float: names or 're:' regexes (default: lm_head). Repeatable; giving it "
                       "replaces the default."),
+    click.option("--scheme-for", "scheme_for", multiple=True, metavar="TARGET=SCHEME",
+                 help="Another scheme for some modules, as a recipe's config_groups give one: TARGET is a module "
+                      "name, a 're:' regex, Linear or Embedding (every embedding lookup, which takes weight-only "
+                      "schemes), SCHEME a preset or JSON. The most specific target wins (name, then regex, then "
+                      "class). Repeatable; e.g. --scheme W4A16 --scheme-for 're:.*down_proj$=W8A16' "
+                      "--scheme-for Embedding=W4A16."),
+    click.option("--lm-head", "lm_head", is_flag=True, default=None,
+                 help="Quantize lm_head too (llm-compressor leaves it in float: it is dropped from --ignore). A "
+                      "lookup tied to it (--scheme-for Embedding=...) then reads its quantized weight: one table."),
     click.option("--observer", default=None,
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
                       "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "

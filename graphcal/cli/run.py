@@ -53,14 +53,21 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
             "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
             "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq,
+            "model_bytes": result.model_bytes, "float_bytes": result.float_bytes,
         }, sort_keys=True))
         return
     if quiet:
         return
-    n = len(result.targets)
+    lookups = sum(1 for i in result.targets if i.target.op_type == "Gather")
+    n = len(result.targets) - lookups
     label = f"recipe {recipe.name}" if recipe is not None and scheme is None else scheme_label(scheme or "W8A8")
-    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''} with {label}"
-               + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
+    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''}"
+               + (f" and {lookups} embedding lookup{'s' if lookups != 1 else ''}" if lookups else "")
+               + f" with {label}" + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
+    if result.model_bytes:
+        click.echo(f"written model: {result.model_bytes / 1e6:.1f} MB, of which {result.float_bytes / 1e6:.1f} MB "
+                   f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
+                   "norms, biases, scales)")
     if result.smoothed:
         click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.awq:

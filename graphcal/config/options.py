@@ -25,7 +25,7 @@ from graphcal.config.records import (
     check_scope,
     check_strength,
 )
-from graphcal.config.schemes import build_config, with_actorder, with_group_size
+from graphcal.config.schemes import build_config, scheme_group, with_actorder, with_group_size
 from graphcal.errors import UsageError, shown
 
 
@@ -55,6 +55,8 @@ class Options:
     duo_scaling: str | None = None  # AWQ: "true", "false" or "both"
     n_grid: int | None = None  # AWQ
     group_size: int | None = None  # every group/tensor_group weight scheme's group size
+    scheme_for: tuple[str, ...] | None = None  # "TARGET=SCHEME": one more config group each
+    lm_head: bool | None = None  # quantize lm_head: "lm_head" leaves the ignore list
 
 
 def resolve(options: Options) -> RunConfig:
@@ -69,6 +71,8 @@ def resolve(options: Options) -> RunConfig:
     else:
         config = build_config(options.scheme or DEFAULT_SCHEME, targets or list(DEFAULT_TARGETS),
                               list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
+    if options.lm_head:
+        config.ignore = [p for p in config.ignore if p != "lm_head"]
     if options.smoothquant is not None or options.smoothing_strength is not None:
         smoothing = config.smoothing or Smoothing()
         if options.smoothquant is not None:
@@ -82,6 +86,13 @@ def resolve(options: Options) -> RunConfig:
         config.smoothing = smoothing
     if options.group_size is not None:
         config.groups = {name: with_group_size(scheme, options.group_size) for name, scheme in config.groups.items()}
+    for entry in options.scheme_for or ():  # a grouped preset takes --group-size too; JSON keeps what it says
+        scheme, preset = scheme_group(entry, options.observer)
+        grouped = scheme.weights is not None and str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy)) \
+            in ("group", "tensor_group")
+        if preset and grouped and options.group_size is not None:
+            scheme = with_group_size(scheme, options.group_size)
+        config.groups[f"group_{len(config.groups)}"] = scheme
     _algorithms(config, options)
     return config
 

@@ -126,7 +126,7 @@ class RunConfig:
 
 
 def _specificity(pattern: str) -> int:
-    if pattern in ("Linear", "MatMul", "Gemm"):
+    if pattern in ("Linear", "MatMul", "Gemm", "Embedding", "Gather"):
         return 2
     return 1 if pattern.startswith("re:") else 0
 

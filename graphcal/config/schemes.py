@@ -18,6 +18,7 @@ import json
 from graphcal.config.records import ACTORDER_DEFAULT, DEFAULT_IGNORE, DEFAULT_TARGETS, RunConfig
 from graphcal.config.untrusted import load_json, pydantic_message
 from graphcal.errors import UsageError, first_line, shown
+from graphcal.graph.names import check_pattern
 from graphcal.types import enum_value
 
 # graphcal's own presets: name -> QuantizationScheme fields (without targets).
@@ -65,6 +66,22 @@ def build_config(
     if kv is not None and observer is not None:
         kv = kv.model_copy(update={"observer": observer})
     return RunConfig(groups={"group_0": parsed}, ignore=list(ignore), scheme_name=name, kv_cache=kv)
+
+
+def scheme_group(entry: str, observer: str | None = None):
+    """One config group from ``--scheme-for TARGET=SCHEME`` (a preset or JSON for the modules TARGET
+    matches: a name, a 're:' regex, Linear or Embedding), with the run's observer override, and
+    whether SCHEME is a preset name (not JSON)."""
+    at = entry.find("={")  # a JSON scheme starts at its brace; a preset name after the last "="
+    target, sep, scheme = (entry[:at], "=", entry[at + 1:]) if at >= 0 else entry.rpartition("=")
+    target, scheme = target.strip(), scheme.strip()
+    if not sep or not target or not scheme:
+        raise UsageError(f"--scheme-for takes TARGET=SCHEME (e.g. 're:.*down_proj$=W8A16'), got {shown(entry)!r}")
+    check_pattern(target, "--scheme-for")
+    parsed = resolve_scheme(scheme, [target])
+    if observer is not None:
+        parsed = with_observers(parsed, weight=observer, input=observer, output=observer)
+    return parsed, not scheme.startswith("{")
 
 
 def resolve_scheme(scheme: str, targets: list[str]):

@@ -28,12 +28,16 @@ from graphcal.graph.names import NameMatcher, check_pattern
 from graphcal.graph.weight_path import consumed_shape, trace_weight, weight_as_consumed
 from graphcal.types import Target
 
-__all__ = ["NAME_SCOPES_KEY", "Skipped", "find_targets", "matches", "module_from_scopes", "module_name", "scoped_module",
+__all__ = ["EMBEDDING", "NAME_SCOPES_KEY", "Skipped", "find_lookups", "find_targets", "matches", "module_from_scopes", "module_name", "scoped_module",
            "select", "torch_weight", "weight_as_consumed", "weight_tensor"]
 
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # Node names from the legacy exporter end in the op, e.g. ".../q_proj/MatMul_1".
 _LEGACY_OP_SUFFIX = re.compile(r"^(MatMul|Gemm)(_\d+)?$")
+_LEGACY_GATHER_SUFFIX = re.compile(r"^(Gather)(_\d+)?$")
+#: llm-compressor's class target for embedding tables (torch.nn.Embedding): every lookup
+EMBEDDING = "Embedding"
+_FLOAT_TABLES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,40 @@ def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
         )
     _check_unique_names(targets)
     return targets, skipped
+
+
+def find_lookups(model: onnx.ModelProto) -> list[Target]:
+    """Every embedding lookup of ``model``'s main graph, in graph order: a Gather on axis 0 whose
+    data is a float weight of rank 2 (directly, or through Transpose/Cast/Reshape, as onnxruntime-genai's
+    builder reads a tied table: Transpose of lm_head's weight). Each is a :class:`Target` of
+    op_type "Gather" laid out as torch's Embedding weight: ``[num_embeddings, embedding_dim]``, read
+    as ``[out, in]`` (``out_features`` = the vocabulary, ``in_features`` = the hidden size), so
+    compressed-tensors' channel strategy gives one scale per row and its groups run along the hidden
+    dimension, as llm-compressor quantizes an Embedding. ``activation`` is the indices input."""
+    graph = model.graph
+    values = GraphIndex(graph, keep_unnamed=True)
+    inits = values.initializers
+    found: list[Target] = []
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        if any(a.name == "axis" and onnx.helper.get_attribute_value(a) != 0 for a in node.attribute):
+            continue
+        source = trace_weight(values, node.input[0])
+        if source is None:
+            continue
+        init_name, path_nodes = source
+        if inits[init_name].data_type not in _FLOAT_TABLES or not node.name:
+            continue
+        shape = consumed_shape(inits[init_name], path_nodes, inits)
+        if len(shape) != 2 or node.input[1] in inits:  # a constant index: a slice of a weight, not a lookup
+            continue
+        name = scoped_module(node, _LEGACY_GATHER_SUFFIX) or node.name
+        found.append(Target(name=name, node=node.name, op_type="Gather", activation=node.input[1], weight=init_name,
+                            weight_path=tuple(n.name for n in path_nodes), layout="out_in",
+                            out_features=int(shape[0]), in_features=int(shape[1])))
+    _check_unique_names(found)
+    return found
 
 
 def torch_weight(model: onnx.ModelProto, target: Target, base_dir: str | None = None) -> np.ndarray:
@@ -153,7 +191,8 @@ def select(targets: list[Target], patterns: list[str], ignore: list[str]) -> tup
 
     Patterns are exact module names or ``re:`` regexes (matched from the start, as
     compressed-tensors does, through graph.names' bounded matcher: a regex that nests repeats or
-    backtracks past its time budget is a UsageError); "Linear" matches every target,
+    backtracks past its time budget is a UsageError); "Linear" matches every MatMul/Gemm target,
+    "Embedding" every lookup,
     "MatMul"/"Gemm" by op type. Returns the selection and the patterns that matched no target
     (worth a warning).
     """
@@ -174,9 +213,12 @@ def matches(target: Target, pattern: str, match: NameMatcher | None = None) -> b
     """compressed-tensors' target matching (exact name, or ``re:`` regex matched from the start, as
     its ``match_name`` does, bounded by ``match`` or a matcher of its own: graph.names); the class
     name ``Linear`` matches every target, since every weight MatMul/Gemm is a torch Linear, and
-    ``MatMul``/``Gemm`` match by op type."""
+    ``MatMul``/``Gemm`` match by op type; ``Embedding`` (llm-compressor's class target) matches
+    every lookup (:func:`find_lookups`) and ``Linear`` none."""
     if pattern == "Linear":
-        return True
+        return target.op_type != "Gather"
+    if pattern == EMBEDDING:
+        return target.op_type == "Gather"
     if pattern in ("MatMul", "Gemm"):
         return target.op_type == pattern
     return (match or NameMatcher())(target.name, pattern)
@@ -210,8 +252,9 @@ def _check_unique_names(targets: list[Target]) -> None:
     seen: dict[str, str] = {}
     for t in targets:
         if t.name in seen:
+            what = "embedding lookups" if t.op_type == "Gather" else "weight MatMul/Gemm nodes"
             raise GraphcalError(
-                f"two weight MatMul/Gemm nodes map to module {t.name!r} ({seen[t.name]!r} and {t.node!r}); "
+                f"two {what} map to module {t.name!r} ({seen[t.name]!r} and {t.node!r}); "
                 "rename the nodes or export with module names"
             )
         seen[t.name] = t.node

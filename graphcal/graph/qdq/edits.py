@@ -38,6 +38,11 @@ class Edits:
     def add(self, anchor: str, node: onnx.NodeProto) -> None:
         self.nodes_before.setdefault(anchor, []).append(node)
 
+    def move(self, anchor: str, to: str) -> None:
+        """The nodes added in front of ``anchor`` go in front of ``to`` instead (ahead of its own)."""
+        moved = self.nodes_before.pop(anchor, [])
+        self.nodes_before[to] = moved + self.nodes_before.get(to, [])
+
     def add_after(self, anchor: str, node: onnx.NodeProto) -> None:
         self.nodes_after.setdefault(anchor, []).append(node)
 

@@ -106,6 +106,8 @@ def required_opset(item: QuantizedTarget, target_runtime: TargetRuntime | str = 
     target_runtime = TargetRuntime(target_runtime)
     scheme = item.scheme
     where = item.target.name
+    if item.target.op_type == "Gather":
+        return _lookup_opset(item, target_runtime)
     if scheme.output_activations is not None:
         raise GraphcalError(f"{where}: output_activations are not written to ONNX (quantize the next layer's input instead)")
     if scheme.weights is None:
@@ -118,6 +120,38 @@ def required_opset(item: QuantizedTarget, target_runtime: TargetRuntime | str = 
         if problem:
             raise GraphcalError(f"{where}: --target tensorrt: {problem}")
     return max(opsets)
+
+
+def _lookup_opset(item: QuantizedTarget, target_runtime: TargetRuntime) -> int:
+    """An embedding lookup's opset; raises for a scheme it has no form for (lookups take weight-only
+    integer schemes on onnxruntime: GatherBlockQuantized; DequantizeLinear -> Gather elsewhere)."""
+    scheme, where = item.scheme, item.target.name
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        raise GraphcalError(f"{where}: an embedding lookup's input is token ids, so its scheme must be weight-only: "
+                            "give the lookups one of their own, e.g. --scheme-for Embedding=W8A16")
+    if scheme.weights is None:
+        raise GraphcalError(f"{where}: the scheme has no weights entry")
+    w = scheme.weights
+    strategy = _name(w.strategy)
+    if target_runtime is TargetRuntime.ONNXRUNTIME:
+        if (_name(w.type), w.num_bits) not in (("int", 4), ("int", 8)):
+            raise GraphcalError(f"{where}: onnxruntime's GatherBlockQuantized takes int4/int8 tables, not "
+                                f"{_name(w.type)}{w.num_bits}; use --target qdq for DequantizeLinear -> Gather")
+        if strategy not in ("tensor", "channel", "group"):
+            raise GraphcalError(f"{where}: an embedding table is quantized per tensor, per channel (row) or in groups "
+                                f"along the hidden dimension, not per {strategy}")
+        if strategy == "group" and not (w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0):
+            raise GraphcalError(f"{where}: GatherBlockQuantized takes blocks of 16 or more, a power of two; "
+                                f"group size {w.group_size}")
+        return 13
+    if strategy not in ("tensor", "channel", "group"):
+        raise GraphcalError(f"{where}: an embedding table is quantized per tensor, per channel (row) or in groups "
+                            f"along the hidden dimension, not per {strategy}")
+    if target_runtime is TargetRuntime.TENSORRT:
+        problem = tensorrt_problem(scheme)
+        if problem:
+            raise GraphcalError(f"{where}: --target tensorrt: {problem}")
+    return _weight_opset(w, where)
 
 
 def required_kv_opset(args, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME) -> int:
@@ -149,6 +183,7 @@ class WeightForm(enum.StrEnum):
     DQ = "dq"  # DequantizeLinear of the stored weight
     CAST_MUL = "cast_mul"  # fp8 initializer -> Cast(float) -> Mul(scale): onnxruntime folds it at load
     MATMULNBITS = "matmulnbits"  # the node becomes com.microsoft.MatMulNBits with packed weights
+    GATHER_BLOCK = "gather_block"  # an embedding lookup becomes com.microsoft.GatherBlockQuantized
 
 
 class InputForm(enum.StrEnum):
@@ -182,6 +217,10 @@ def choose_form(item: QuantizedTarget, target_runtime: TargetRuntime | str, matm
     w, a = item.scheme.weights, item.scheme.input_activations
     where = item.target.name
     wkind = (_name(w.type), w.num_bits)
+    if item.target.op_type == "Gather":  # an embedding lookup (weight-only: _lookup_opset)
+        if target_runtime is TargetRuntime.ONNXRUNTIME:
+            return Form(WeightForm.GATHER_BLOCK, InputForm.NONE, f"GatherBlockQuantized {w.num_bits}-bit (embedding)")
+        return Form(WeightForm.DQ, InputForm.NONE, "as the runtime builds it")
     if target_runtime is not TargetRuntime.ONNXRUNTIME:
         if matmulnbits is not None:
             raise GraphcalError("--matmulnbits writes onnxruntime's com.microsoft.MatMulNBits: use it with --target "
@@ -341,7 +380,7 @@ def form_notes(items: list[QuantizedTarget], target_runtime: TargetRuntime | str
     if TargetRuntime(target_runtime) is not TargetRuntime.ONNXRUNTIME:
         return []
     notes = [f"{n} layer{'s' if n != 1 else ''}: {kernel}" for kernel, n in counts.items()]
-    if any(not kernel.startswith("MatMulNBits") for kernel in counts):
+    if any(not kernel.startswith(("MatMulNBits", "GatherBlockQuantized")) for kernel in counts):
         notes.append("on onnxruntime's CUDA provider only MatMulNBits runs quantized: int8/fp8 activation Q/DQ "
                      "run in float there, slower than fp32 (docs/speed.md); for GPUs use --target tensorrt")
     return notes

@@ -22,6 +22,8 @@ packed two per byte; zero points are written only for asymmetric schemes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -114,6 +116,52 @@ def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tens
     node's bias. Per-channel / per-tensor scales repeat over blocks of ``bs`` (exact); groups
     and blocks keep their size. ``level`` is the kernel's ``accuracy_level`` (4: it quantizes
     the input to int8 per block of ``bs``; 0: float input)."""
+    packed = nbits_arrays(t, args, qp, w)
+    inputs = [node.input[0], edits.const(f"{t.name}.weight_packed", packed.data),
+              edits.const(f"{t.name}.weight_scale", packed.scale)]
+    if packed.zero_point is not None:
+        inputs.append(edits.const(f"{t.name}.weight_zero_point", packed.zero_point.reshape(-1)))
+    bias = None
+    if node.op_type == "Gemm":
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2]
+                                                                           and attrs.get("beta", 1.0) != 1.0):
+            raise GraphcalError(f"{t.name}: --matmulnbits takes Gemm with transA=0, alpha=1 and beta=1 only")
+        if len(node.input) > 2 and node.input[2]:
+            bias = node.input[2]
+    if bias is not None:
+        inputs += [""] * (5 - len(inputs)) + [bias]
+    del node.input[:]
+    node.input.extend(inputs)
+    del node.attribute[:]
+    node.attribute.extend([helper.make_attribute("K", t.in_features), helper.make_attribute("N", t.out_features),
+                           helper.make_attribute("bits", args.num_bits), helper.make_attribute("block_size", packed.block),
+                           helper.make_attribute("accuracy_level", level)])
+    node.op_type, node.domain = "MatMulNBits", MS_DOMAIN
+    edits.domains.add(MS_DOMAIN)
+
+
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight in onnxruntime's n-bit block layout (MatMulNBits' B, GatherBlockQuantized's data):
+    ``data`` uint8 ``[out, blocks, block * bits / 8]``, ``scale`` ``[out, blocks]`` in the weight's
+    float type, ``zero_point`` uint8 ``[out, ceil(blocks * bits / 8)]`` (asymmetric only; None: the
+    kernels' default 2^(bits-1))."""
+
+    data: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    block: int
+
+
+def nbits_arrays(t: Target, args, qp: QParams, w: torch.Tensor) -> Packed:
+    """compressed-tensors' quantized weight (torch ``[out, in]``) packed as onnxruntime's n-bit
+    kernels read it: values + 2^(bits-1) along ``in``, low nibble first; ``in`` zero-padded to whole
+    blocks; per-channel / per-tensor scales repeated over blocks of ``bs`` (exact: the largest power
+    of two up to 128 that fits), groups and blocks at their own width."""
     qtype = qtype_of(args, t.name, "weights")
     bits = args.num_bits
     strategy = _name(args.strategy)
@@ -132,35 +180,14 @@ def weight_matmulnbits(edits: Edits, t: Target, args, qp: QParams, w: torch.Tens
     scale = _per_block(layout, _effective_scale(qp).numpy(), blocks).astype(_np_dtype(w.dtype))
     padded = np.zeros((n, blocks * block), np.uint8)
     padded[:, :k] = q
-    inputs = [node.input[0], edits.const(f"{t.name}.weight_packed", _pack(padded, bits).reshape(n, blocks, -1)),
-              edits.const(f"{t.name}.weight_scale", scale.reshape(n, blocks))]
+    zero_point = None
     if not args.symmetric:
         zp = _per_block(layout, qp.zero_point.detach().to(torch.float32).numpy(), blocks)
         zp = (np.rint(zp).astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
         if bits == 4 and blocks % 2:
             zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)
-        inputs.append(edits.const(f"{t.name}.weight_zero_point", _pack(zp, bits).reshape(-1)))
-    bias = None
-    if node.op_type == "Gemm":
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or (len(node.input) > 2 and node.input[2]
-                                                                           and attrs.get("beta", 1.0) != 1.0):
-            raise GraphcalError(f"{t.name}: --matmulnbits takes Gemm with transA=0, alpha=1 and beta=1 only")
-        if len(node.input) > 2 and node.input[2]:
-            bias = node.input[2]
-    if bias is not None:
-        inputs += [""] * (5 - len(inputs)) + [bias]
-    del node.input[:]
-    node.input.extend(inputs)
-    del node.attribute[:]
-    node.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
-                           helper.make_attribute("bits", bits), helper.make_attribute("block_size", block),
-                           helper.make_attribute("accuracy_level", level)])
-    node.op_type, node.domain = "MatMulNBits", MS_DOMAIN
-    edits.domains.add(MS_DOMAIN)
-
-
-MS_DOMAIN = "com.microsoft"
+        zero_point = _pack(zp, bits)
+    return Packed(_pack(padded, bits).reshape(n, blocks, -1), scale.reshape(n, blocks), zero_point, block)
 
 
 def _per_block(layout: _WeightLayout, param: np.ndarray, blocks: int) -> np.ndarray:
