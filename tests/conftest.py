@@ -52,6 +52,16 @@ def builder_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tied_builder_model(tmp_path_factory):
+    """Like ``builder_model``, with lm_head tied to the embedding table (the builder keeps one
+    initializer, read by the Gather through a Transpose)."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
+    from tests.genai_models import build_tiny_genai
+
+    return build_tiny_genai(tmp_path_factory.mktemp("genai_tied"), tied=True)
+
+
+@pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """Export forms made at test time: ``exported("dynamo")`` / ``exported("nofold")`` -> model path."""
     cache: dict[str, Path] = {}

@@ -80,6 +80,31 @@ def test_graphcal_output_is_a_genai_folder_that_generates_as_fp32_does(builder_m
         assert "activation(s) first" in result.output
 
 
+@pytest.mark.parametrize("table", ["W4A16", "W8A16"])
+def test_a_tied_builder_model_quantized_whole_generates_from_one_table(tied_builder_model, tmp_path, table):
+    """The builder's tied model with lm_head and the embedding quantized (issue 33): int4 in the
+    builder's own form (GatherBlockQuantized over lm_head's MatMulNBits bytes, one table), or an
+    int8 table beside int4 layers; onnxruntime-genai generates from it as from fp32."""
+    folder, calib = tied_builder_model
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out),
+                                      "--scheme", "W4A16", "--group-size", "32", "--lm-head", "--matmulnbits",
+                                      "--scheme-for", f"lm_head={table}", "--scheme-for", f"Embedding={table}"])
+    assert result.exit_code == 0, result.output
+    assert "quantized 11 MatMul/Gemm targets and 1 embedding lookup" in result.output
+    model = onnx.load(out / "model.onnx")
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul")
+    reshape = next(n for n in model.graph.node if n.output[0] == gather.input[0])
+    assert head.op_type == "MatMulNBits" and reshape.input[0] == head.input[1] and gather.input[2] == head.input[2]
+    assert not [i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+                and np.prod(i.dims) == 256 * 64]  # no float table left
+    ref_tokens, ref_logits = _generate(folder)
+    tokens, logits = _generate(out)
+    assert tokens[0] == ref_tokens[0] and len(tokens) == STEPS
+    assert _sqnr(ref_logits, logits) > 12  # measured 16.0 dB (int4 table) and 21.9 dB (int8 table)
+
+
 def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_model, tmp_path):
     import shutil
 
