@@ -1,6 +1,7 @@
 """Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
 
-    python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq] [--json OUT]
+    python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq]
+                                [--scheme W4A16] [--whole] [--json OUT]
 
 On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
 4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
@@ -8,9 +9,12 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
 - fp32: the builder's fp32 model (``genai_fp32/``);
 - the builder's int4 (``-p int4``, block 32, its default method) and ``k_quant_mixed`` (int8 lm_head
   and llama.cpp's "mixed layers"), built here offline into ``genai_int4/`` and ``genai_kq_mixed/``;
-- graphcal W4A16 with round-to-nearest, ``--algorithm gptq`` and ``--algorithm awq``, run on
+- graphcal ``--scheme`` (W4A16) with round-to-nearest, ``--algorithm gptq`` and ``--algorithm awq``, run on
   ``genai_fp32/model.onnx`` with calib.npz's token ids only (graphcal fills the KV cache), written as
-  drop-in genai folders into ``graphcal_<method>/``.
+  drop-in genai folders into ``graphcal_<method>_g<group>/``; with ``--whole`` the whole model as the
+  builder's int4 quantizes it: lm_head too (``--lm-head``) and the tied embedding sharing its table
+  (``--scheme-for Embedding=SCHEME``), written as MatMulNBits and GatherBlockQuantized
+  (``--matmulnbits``), into ``graphcal_<scheme>_<method>_g<group>_whole/``.
 
 Each is scored by tools/lib/perplexity.py over eval.npz (onnxruntime on the CPU, default settings);
 size is the folder's model files. Every step is skipped when its folder exists.
@@ -40,8 +44,9 @@ def _builder(work: Path, out: str, extra: list[str]) -> Path:
     return folder
 
 
-def _graphcal(work: Path, method: str, group: int) -> tuple[Path, float | None]:
-    folder = work / f"graphcal_{method}_g{group}"
+def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
+              whole: bool = False) -> tuple[Path, float | None]:
+    folder = work / (f"graphcal_{scheme.lower()}_{method}_g{group}_whole" if whole else f"graphcal_{method}_g{group}")
     seconds = None
     if not (folder / "model.onnx").exists():
         import numpy as np
@@ -50,7 +55,9 @@ def _graphcal(work: Path, method: str, group: int) -> tuple[Path, float | None]:
         if not ids.exists():
             np.savez(ids, input_ids=np.load(work / "calib.npz")["input_ids"])  # token ids alone
         command = [sys.executable, "-m", "graphcal", "run", str(work / "genai_fp32" / "model.onnx"), "--data", str(ids),
-                   "--scheme", "W4A16", "--group-size", str(group), "-o", str(folder), "-q"]
+                   "--scheme", scheme, "--group-size", str(group), "-o", str(folder), "-q"]
+        if whole:
+            command += ["--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits"]
         if method != "rtn":
             command += ["--algorithm", method]
         start = time.perf_counter()
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "work" / "smollm")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"])
+    parser.add_argument("--scheme", default="W4A16")
+    parser.add_argument("--whole", action="store_true", help="lm_head and the tied embedding quantized too")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work
@@ -76,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             ("builder int4 k_quant_mixed", _builder(work, "genai_kq_mixed",
                                                      ["--extra_options", "algo_config=k_quant_mixed"]), None)]
     for method in args.methods:
-        folder, seconds = _graphcal(work, method, args.group_size)
-        rows.append((f"graphcal W4A16 g{args.group_size} {method}", folder, seconds))
+        folder, seconds = _graphcal(work, method, args.group_size, args.scheme, args.whole)
+        rows.append((f"graphcal {args.scheme} g{args.group_size} {method}{' whole model' if args.whole else ''}",
+                     folder, seconds))
     results = []
     print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
     print("|---|---|---|---|")
