@@ -240,3 +240,24 @@ def test_shipped_models_keep_their_outputs_with_int8_embeddings(tmp_path, model,
     assert both > 0.9995 and linear - both < 1e-4
     assert "embedding lookup" in _invoke(f"{src}/model.onnx", "--data", f"{src}/calib.npz", "-o", tmp_path / "again",
                                          "--scheme", scheme, "--scheme-for", "Embedding=W8A16").output
+
+
+def test_a_recipe_config_group_targets_embedding_as_llm_compressor_writes_it(tmp_path):
+    _model(tmp_path / "m.onnx", tied="same")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("""quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: []
+      config_groups:
+        body:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+        table:
+          targets: [Embedding]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+""")
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "m.onnx"), "--recipe", str(recipe), "--matmulnbits"])
+    assert result.exit_code == 0, result.output
+    assert "lookup   model.embed_tokens (node /model/embed_tokens/Gather, table [300, 96]): quantized, table; reads " \
+           "lm_head's quantized weight (tied)" in result.output
