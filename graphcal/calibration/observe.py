@@ -118,9 +118,7 @@ class ObserverSet(Consumers):
                 self.hessians[t.name] = by_tensor[activation]
         for t in plan.chosen:
             scheme = plan.schemes[t.name]
-            wargs = scheme.weights.model_copy(deep=True)
-            wobs = make_observer(observer_name(wargs, "weight"), "weight", wargs)
-            self.weight_observers[t.name] = wobs
+            wobs = self.weight_observers[t.name] = _weight_observer(scheme)
             activation = taps.get(t.name, t.activation)
             if getattr(wobs, "needs_activations", False):
                 self.consumers.append(Consumer(activation, Feed.IMPORTANCE, wobs, None))
@@ -135,8 +133,7 @@ class ObserverSet(Consumers):
                                                _input_reduction(iargs, t, activation)))
             self.input_observers[t.name] = shared[key]
         for t in plan.lookups:  # embedding tables: weight observers only (their input is token ids)
-            wargs = plan.schemes[t.name].weights.model_copy(deep=True)
-            self.weight_observers[t.name] = make_observer(observer_name(wargs, "weight"), "weight", wargs)
+            self.weight_observers[t.name] = _weight_observer(plan.schemes[t.name])
         for state in plan.kv_states:
             for base, tensor in (("k", state.key), ("v", state.value)):
                 args = self.kv_args.model_copy(deep=True)
@@ -171,6 +168,12 @@ class ObserverSet(Consumers):
                 raise GraphcalError(f"{state.name}: no {base} states reached the kv-cache observer")
             out.setdefault(state, QuantizedKV(state, self.kv_args)).qparams[base] = to_qparams(obs.get_qparams())
         return list(out.values())
+
+
+def _weight_observer(scheme):
+    """A weight observer for ``scheme`` (its own copy of the weight args)."""
+    wargs = scheme.weights.model_copy(deep=True)
+    return make_observer(observer_name(wargs, "weight"), "weight", wargs)
 
 
 def _input_reduction(args, t: Target, activation: str) -> TapRequest | None:

@@ -30,6 +30,7 @@ from graphcal.graph.qdq.policy import WeightForm, choose_form
 from graphcal.graph.scaling import Resolution, candidates, resolve
 from graphcal.graph.targets import Skipped, find_lookups, find_targets, select
 from graphcal.graph.ties import find_ties
+from graphcal.observers import make_observer
 from graphcal.output import MODEL_FILE
 from graphcal.output.companions import Companions, find_companions
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
@@ -125,10 +126,6 @@ class RunPlan:
     def items(self) -> list[QuantizedTarget]:
         """The chosen targets with their schemes (no qparams yet)."""
         return [QuantizedTarget(t, self.schemes[t.name]) for t in self.chosen]
-
-    def lookup_items(self) -> list[QuantizedTarget]:
-        """The chosen embedding lookups with their schemes (no qparams yet)."""
-        return [QuantizedTarget(t, self.schemes[t.name]) for t in self.lookups]
 
 
 def plan(model_path: str | Path, config: RunConfig, target_runtime: str | TargetRuntime = TargetRuntime.ONNXRUNTIME,
@@ -257,8 +254,9 @@ def _share_problem(lookup_scheme, head_scheme, head: Target, target_runtime, mat
 def _check_lookup_observers(items: list[QuantizedTarget]) -> None:
     """A lookup's table is observed alone: an observer that weighs a weight by its layer's inputs has none."""
     for item in items:
-        name = observer_name(item.scheme.weights, "weight")
-        if name and name.startswith("imatrix"):
+        args = item.scheme.weights.model_copy(deep=True)
+        name = observer_name(args, "weight")
+        if make_observer(name, "weight", args).needs_activations:
             raise GraphcalError(f"{item.target.name}: observer {name} weighs a weight by its layer's input "
                                 "activations, and an embedding lookup has none (its input is token ids); give the "
                                 "lookups a scheme with another observer (--scheme-for Embedding=...)")

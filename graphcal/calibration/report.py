@@ -85,7 +85,7 @@ def from_plan(run: RunPlan) -> Inspection:
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
         target_runtime=str(run.target_runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
         blocks=_blocks(run),
-        lookups=[_row(t, t in run.lookups, run.config, "Embedding=W8A16") for t in run.found_lookups],
+        lookups=[_row(t, t in run.lookups, run.config) for t in run.found_lookups],
         ties=dict(run.ties),
     )
 
@@ -100,7 +100,7 @@ def _blocks(run: RunPlan) -> list[str]:
     return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in found]
 
 
-def _row(t: Target, chosen: bool, config: RunConfig, advice: str = "") -> TargetRow:
+def _row(t: Target, chosen: bool, config: RunConfig) -> TargetRow:
     if chosen:
         scheme = config.scheme_for(t)
         group = next(name for name, s in config.groups.items() if s is scheme)
@@ -108,8 +108,10 @@ def _row(t: Target, chosen: bool, config: RunConfig, advice: str = "") -> Target
     hit = _first_match(t, config.ignore)
     if hit is not None:
         return TargetRow(t, False, None, f"matches ignore {hit!r}")
-    return TargetRow(t, False, None, "matches no target pattern" + (
-        f" (quantize it with --scheme-for {advice.replace('Embedding', t.name)} or --scheme-for {advice})" if advice else ""))
+    if t.op_type == "Gather":  # lookups are quantized only when targeted: say how
+        return TargetRow(t, False, None, f"matches no target pattern (quantize it with --scheme-for {t.name}=W8A16 or "
+                                         "--scheme-for Embedding=W8A16)")
+    return TargetRow(t, False, None, "matches no target pattern")
 
 
 def _first_match(t: Target, patterns: list[str]) -> str | None:

@@ -54,14 +54,7 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
             weights = {}
             for t in unit:
                 w = weight_tensor(writer.model, t, plan.base_dir)  # [out, in], a view of [in, out] for MatMul
-                bad = nonfinite_count(w)
-                if bad:
-                    if not skip_nonfinite:
-                        raise GraphcalError(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); fix the "
-                                            "model, or pass --skip-nonfinite-weights to leave such layers in float")
-                    result.warnings.append(f"{t.name}: weight {t.weight!r} holds {bad} NaN or Inf value(s); "
-                                           "left in float")
-                    result.left_in_float.append(t.name)
+                if left_in_float(t, w, "weight", skip_nonfinite, result):
                     if smoothed is not None:
                         smoothed.write_float(writer.model, t, plan.base_dir)
                     bar.update(1)
@@ -94,20 +87,27 @@ def quantize_lookups(plan: RunPlan, observers: ObserverSet, writer, written: dic
             done.append(item)
             continue
         w = weight_tensor(writer.model, t, plan.base_dir)  # [vocab, hidden] as the Gather reads it
-        bad = nonfinite_count(w)
-        if bad:
-            if not skip_nonfinite:
-                raise GraphcalError(f"{t.name}: embedding table {t.weight!r} holds {bad} NaN or Inf value(s); fix "
-                                    "the model, or pass --skip-nonfinite-weights to leave such layers in float")
-            result.warnings.append(f"{t.name}: embedding table {t.weight!r} holds {bad} NaN or Inf value(s); "
-                                   "left in float")
-            result.left_in_float.append(t.name)
+        if left_in_float(t, w, "embedding table", skip_nonfinite, result):
             continue
         observers.weight_observers[t.name](w.to(device))
         item = observers.qparams(t, scheme)
         writer.quantize_lookup(item, w)
         done.append(item)
     return done
+
+
+def left_in_float(t: Target, w: torch.Tensor, what: str, skip_nonfinite: bool, result: WeightResult) -> bool:
+    """Whether ``t``'s weight ``w`` holds NaN or Inf: an error naming it, or with ``skip_nonfinite``
+    a warning in ``result`` and the layer among those left in float (then True)."""
+    bad = nonfinite_count(w)
+    if not bad:
+        return False
+    if not skip_nonfinite:
+        raise GraphcalError(f"{t.name}: {what} {t.weight!r} holds {bad} NaN or Inf value(s); fix the model, or pass "
+                            "--skip-nonfinite-weights to leave such layers in float")
+    result.warnings.append(f"{t.name}: {what} {t.weight!r} holds {bad} NaN or Inf value(s); left in float")
+    result.left_in_float.append(t.name)
+    return True
 
 
 def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weights: dict[str, torch.Tensor],

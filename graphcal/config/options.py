@@ -27,6 +27,7 @@ from graphcal.config.records import (
 )
 from graphcal.config.schemes import build_config, scheme_group, with_actorder, with_group_size
 from graphcal.errors import UsageError, shown
+from graphcal.types import enum_value
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,7 @@ def resolve(options: Options) -> RunConfig:
         config.groups = {name: with_group_size(scheme, options.group_size) for name, scheme in config.groups.items()}
     for entry in options.scheme_for or ():  # a grouped preset takes --group-size too; JSON keeps what it says
         scheme, preset = scheme_group(entry, options.observer)
-        grouped = scheme.weights is not None and str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy)) \
-            in ("group", "tensor_group")
+        grouped = scheme.weights is not None and enum_value(scheme.weights.strategy) in ("group", "tensor_group")
         if preset and grouped and options.group_size is not None:
             scheme = with_group_size(scheme, options.group_size)
         config.groups[f"group_{len(config.groups)}"] = scheme

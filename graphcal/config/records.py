@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from graphcal.errors import UsageError, shown
 from graphcal.graph.names import check_pattern
 from graphcal.graph.scaling import SCOPES
-from graphcal.graph.targets import matches
+from graphcal.graph.targets import EMBEDDING, matches
 from graphcal.types import NamedMapping, Target
 
 DEFAULT_SCHEME = "W8A8"
@@ -126,7 +126,7 @@ class RunConfig:
 
 
 def _specificity(pattern: str) -> int:
-    if pattern in ("Linear", "MatMul", "Gemm", "Embedding", "Gather"):
+    if pattern in ("Linear", "MatMul", "Gemm", EMBEDDING):
         return 2
     return 1 if pattern.startswith("re:") else 0
 

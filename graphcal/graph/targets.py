@@ -104,7 +104,7 @@ def find_lookups(model: onnx.ModelProto) -> list[Target]:
     values = GraphIndex(graph, keep_unnamed=True)
     inits = values.initializers
     found: list[Target] = []
-    for index, node in enumerate(graph.node):
+    for node in graph.node:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         if any(a.name == "axis" and onnx.helper.get_attribute_value(a) != 0 for a in node.attribute):

@@ -28,8 +28,7 @@ import torch
 from onnx import helper
 
 from graphcal.graph.qdq.edits import Edits
-from graphcal.graph.qdq.policy import TargetRuntime
-from graphcal.graph.qdq.weights import MS_DOMAIN, nbits_arrays, weight_dq
+from graphcal.graph.qdq.weights import MS_DOMAIN, nbits_arrays
 from graphcal.types import QParams, Target
 
 
@@ -39,26 +38,23 @@ def lookup_gather_block(edits: Edits, t: Target, args, qp: QParams, w: torch.Ten
     data = edits.const(f"{t.name}.weight_packed", packed.data.reshape(t.out_features, -1))
     scale = edits.const(f"{t.name}.weight_scale", packed.scale)
     zp = None if packed.zero_point is None else edits.const(f"{t.name}.weight_zero_point", packed.zero_point)
-    _gather_block(edits, t, node, data, scale, zp, packed.block, args.num_bits, packed.scale.shape[1])
+    _gather_block(edits, t, node, data, scale, zp, packed.block, args.num_bits)
 
 
 def share_gather_block(edits: Edits, t: Target, node: onnx.NodeProto, nbits: onnx.NodeProto) -> None:
     """Turn the lookup's Gather into GatherBlockQuantized over the tied lm_head's MatMulNBits weight
     (``nbits``, written already): its packed bytes, scales and zero points, reshaped, not copied."""
     attrs = {a.name: helper.get_attribute_value(a) for a in nbits.attribute}
-    block, bits = attrs["block_size"], attrs["bits"]
-    n = t.out_features
-    blocks = -(-t.in_features // block)
-    shape = edits.const(f"{t.name}.weight_shape", np.array([n, -1], np.int64))
+    shape = edits.const(f"{t.name}.weight_shape", np.array([t.out_features, -1], np.int64))
     data = edits.op(t.node, "Reshape", [nbits.input[1], shape], f"{t.name}/weight/Reshape")
     zp = None
     if len(nbits.input) > 3 and nbits.input[3]:
         zp = edits.op(t.node, "Reshape", [nbits.input[3], shape], f"{t.name}/weight_zero_point/Reshape")
-    _gather_block(edits, t, node, data, nbits.input[2], zp, block, bits, blocks)
+    _gather_block(edits, t, node, data, nbits.input[2], zp, attrs["block_size"], attrs["bits"])
 
 
 def _gather_block(edits: Edits, t: Target, node: onnx.NodeProto, data: str, scale: str, zp: str | None, block: int,
-                  bits: int, blocks: int) -> None:
+                  bits: int) -> None:
     """``node`` (the Gather) made GatherBlockQuantized in place; a Slice after it where the rows are padded."""
     ids, out = node.input[1], node.output[0]
     del node.input[:]
@@ -68,19 +64,13 @@ def _gather_block(edits: Edits, t: Target, node: onnx.NodeProto, data: str, scal
                            helper.make_attribute("block_size", block), helper.make_attribute("bits", bits)])
     node.op_type, node.domain = "GatherBlockQuantized", MS_DOMAIN
     edits.domains.add(MS_DOMAIN)
-    if blocks * block != t.in_features:  # the last block's padding trimmed off the gathered rows
+    if t.in_features % block:  # the last block's padding trimmed off the gathered rows
         node.output[0] = edits.unique(f"{out}_padded")
         starts = edits.const(f"{t.name}.slice_starts", np.array([0], np.int64))
         ends = edits.const(f"{t.name}.slice_ends", np.array([t.in_features], np.int64))
         axes = edits.const(f"{t.name}.slice_axes", np.array([-1], np.int64))
         edits.add_after(t.node, helper.make_node("Slice", [node.output[0], starts, ends, axes], [out],
                                                  name=edits.unique(f"{t.name}/Slice")))
-
-
-def lookup_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, target_runtime: TargetRuntime,
-              node: onnx.NodeProto) -> None:
-    """The lookup's Gather reads its table quantized behind DequantizeLinear."""
-    node.input[0] = weight_dq(edits, t, args, qp, w, target_runtime)
 
 
 def share_dq(edits: Edits, t: Target, node: onnx.NodeProto, dequantized: str, stored: str) -> None:

@@ -133,20 +133,17 @@ def _lookup_opset(item: QuantizedTarget, target_runtime: TargetRuntime) -> int:
         raise GraphcalError(f"{where}: the scheme has no weights entry")
     w = scheme.weights
     strategy = _name(w.strategy)
+    if strategy not in ("tensor", "channel", "group"):
+        raise GraphcalError(f"{where}: an embedding table is quantized per tensor, per channel (row) or in groups "
+                            f"along the hidden dimension, not per {strategy}")
     if target_runtime is TargetRuntime.ONNXRUNTIME:
         if (_name(w.type), w.num_bits) not in (("int", 4), ("int", 8)):
             raise GraphcalError(f"{where}: onnxruntime's GatherBlockQuantized takes int4/int8 tables, not "
                                 f"{_name(w.type)}{w.num_bits}; use --target qdq for DequantizeLinear -> Gather")
-        if strategy not in ("tensor", "channel", "group"):
-            raise GraphcalError(f"{where}: an embedding table is quantized per tensor, per channel (row) or in groups "
-                                f"along the hidden dimension, not per {strategy}")
         if strategy == "group" and not (w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0):
             raise GraphcalError(f"{where}: GatherBlockQuantized takes blocks of 16 or more, a power of two; "
                                 f"group size {w.group_size}")
         return 13
-    if strategy not in ("tensor", "channel", "group"):
-        raise GraphcalError(f"{where}: an embedding table is quantized per tensor, per channel (row) or in groups "
-                            f"along the hidden dimension, not per {strategy}")
     if target_runtime is TargetRuntime.TENSORRT:
         problem = tensorrt_problem(scheme)
         if problem:

@@ -12,7 +12,7 @@ from graphcal.graph.io import default_opset, value_types
 from graphcal.graph.qdq.activations import input_dq, input_key
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.kv import state_dq
-from graphcal.graph.qdq.lookups import lookup_dq, lookup_gather_block, share_dq, share_gather_block
+from graphcal.graph.qdq.lookups import lookup_gather_block, share_dq, share_gather_block
 from graphcal.graph.qdq.opset import upgrade_opset
 from graphcal.graph.qdq.policy import Form, InputForm, TargetRuntime, WeightForm, choose_form
 from graphcal.graph.qdq.weights import weight_cast_mul, weight_dq, weight_matmulnbits
@@ -40,8 +40,6 @@ class QDQWriter:
         self.shared: dict[tuple, tuple[str, str | None]] = {}  # (form, *input_key) -> (input, output scale)
         self.detached: set[str] = set()  # weight-path node outputs / initializers that may be dead now
         self.node_by_name = {n.name: n for n in self.graph.node}
-        self.order = {n.name: i for i, n in enumerate(self.graph.node)}
-        self.dequantized: dict[str, tuple[str, str]] = {}  # target -> (its DequantizeLinear weight, stored layout)
 
     def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
@@ -63,7 +61,6 @@ class QDQWriter:
             _set_attr(node, "transB", 0)
         gemm_kernel = t.op_type == "Gemm" and form.input in (InputForm.UINT8, InputForm.ROWNORM)
         node.input[1] = weight_dq(self.edits, t, args, qp, weight, self.target_runtime, stored, zero_point=gemm_kernel)
-        self.dequantized[t.name] = (node.input[1], stored or t.layout)
 
     def quantize_lookup(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store an embedding lookup's table quantized (``weight``: the table ``[vocab, hidden]``,
@@ -73,8 +70,8 @@ class QDQWriter:
         self.detached.update((node.input[0], t.weight))
         if self.target_runtime is TargetRuntime.ONNXRUNTIME:
             lookup_gather_block(self.edits, t, args, qp, weight, node)
-        else:
-            lookup_dq(self.edits, t, args, qp, weight, self.target_runtime, node)
+        else:  # the table, an [out, in] weight, behind DequantizeLinear
+            node.input[0] = weight_dq(self.edits, t, args, qp, weight, self.target_runtime)
 
     def share_lookup(self, item: QuantizedTarget, partner: QuantizedTarget) -> None:
         """An embedding lookup reads the quantized weight of the lm_head it is tied to (graph.ties;
@@ -86,10 +83,13 @@ class QDQWriter:
         if head.op_type == "MatMulNBits":
             share_gather_block(self.edits, t, node, head)
             return
-        dequantized, stored = self.dequantized[partner.target.name]
-        if self.order[t.node] < self.order[head.name]:  # lm_head's DequantizeLinear must come before both readers
+        # lm_head reads its dequantized weight as B in its own layout (shared only off onnxruntime, where
+        # the writer keeps it); its DequantizeLinear, the only node added before lm_head so far (inputs
+        # are quantized after the lookups), must come before both readers
+        order = [n.name for n in self.graph.node]  # as loaded: the edits are placed only by finish()
+        if order.index(t.node) < order.index(head.name):
             self.edits.move(head.name, t.node)
-        share_dq(self.edits, t, node, dequantized, stored)
+        share_dq(self.edits, t, node, head.input[1], partner.target.layout)
 
     def form(self, item: QuantizedTarget) -> Form:
         return choose_form(item, self.target_runtime, self.matmulnbits)
