@@ -13,7 +13,7 @@ import re
 import stat
 from typing import BinaryIO
 
-from graphcal.errors import GraphcalError
+from graphcal.errors import GraphcalError, shown
 
 
 def file_kind(mode: int) -> str:
@@ -50,6 +50,19 @@ def open_regular(path: str | os.PathLike, what: str = "file", error: type[Graphc
     except BaseException:
         os.close(fd)
         raise
+
+
+def inside_folder(folder: str | os.PathLike, name: str, why: str) -> str | None:
+    """The real path of ``folder/name`` (None when there is none), refused in one line where a link
+    leads it out of ``folder`` (or onto the folder itself): "...: copy the file in; graphcal ``why``"."""
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        return None
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise GraphcalError(f"{path} leads out of the model's folder (to {shown(real, 120)}): copy the file in; "
+                            f"graphcal {why}")
+    return real
 
 
 def read_regular(path: str | os.PathLike, what: str, max_bytes: int,

@@ -25,7 +25,6 @@ in one line (:attr:`Fill.describe`), which the verbs show among their warnings.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from graphcal.data.inputs import InputSpec, format_shape, validate
 from graphcal.data.padding import MASK_INPUT
 from graphcal.data.source import Source
 from graphcal.errors import GraphcalError, first_line, shown
-from graphcal.limits import read_regular
+from graphcal.limits import inside_folder, read_regular
 
 PAST = re.compile(r"past_key_values\.\d+\.(key|value)")  # the builder's and Optimum's names
 TOKEN_INPUTS = ("input_ids", "inputs_embeds")  # the input whose axes 0 and 1 give the batch and the sequence
@@ -61,14 +60,8 @@ def read_genai_config(folder: Path) -> dict | None:
 def read_genai_config_bytes(folder: Path) -> bytes | None:
     """The bytes of ``folder/genai_config.json`` (None when there is none), with :func:`read_genai_config`'s
     file checks: inside ``folder``, a regular file, at most 1 MB."""
-    path = folder / GENAI_CONFIG
-    if not os.path.lexists(path):
-        return None
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root or real == root:
-        raise GraphcalError(f"{path} leads out of the model's folder (to {shown(real, 120)}); graphcal reads a "
-                            f"{GENAI_CONFIG} only inside it: copy the file in")
-    return read_regular(real, GENAI_CONFIG, MAX_GENAI_BYTES)  # regular files only, size bounded before reading
+    real = inside_folder(folder, GENAI_CONFIG, f"reads a {GENAI_CONFIG} only inside it")
+    return None if real is None else read_regular(real, GENAI_CONFIG, MAX_GENAI_BYTES)  # regular, bounded first
 
 
 def parse_genai_config(raw: bytes, path: Path) -> dict:

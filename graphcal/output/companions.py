@@ -20,7 +20,7 @@ from pathlib import Path
 
 from graphcal.data.fill import GENAI_CONFIG, parse_genai_config, read_genai_config_bytes
 from graphcal.errors import GraphcalError
-from graphcal.limits import file_kind, read_regular
+from graphcal.limits import file_kind, inside_folder, read_regular
 
 # onnxruntime-genai's config, the tokenizer files transformers and onnxruntime-genai read, chat
 # templates, and the processor configs of multimodal builds
@@ -43,16 +43,12 @@ def find_companions(model_path: str | os.PathLike, model_file: str) -> Companion
     genai_config.json is read and parsed now (graphcal.data.fill's checks), so a bad one is refused
     before any pass, and pointed at ``model_file``; the others are only looked at."""
     folder = Path(model_path).parent
-    root = os.path.realpath(folder)
     found = []
     for name in COMPANIONS:
         path = folder / name
-        if name == GENAI_CONFIG or not os.path.lexists(path):
+        if name == GENAI_CONFIG or inside_folder(folder, name, "copies only files inside the model's folder into "
+                                                               "-o") is None:
             continue
-        real = os.path.realpath(path)
-        if os.path.commonpath([root, real]) != root:
-            raise GraphcalError(f"{path} leads out of the model's folder (a link to {real}): copy the file in; "
-                                "graphcal copies only files inside the model's folder into -o")
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):
             raise GraphcalError(f"{path} is {file_kind(mode)}, not a regular file; graphcal copies only regular "
