@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphcal.data.fill import GENAI_CONFIG, read_genai_config
+from graphcal.data.fill import GENAI_CONFIG, genai_context, genai_section, read_genai_config
 from graphcal.errors import GraphcalError, UsageError, first_line
-from graphcal.export_text import check_seq, genai_context, pack_windows, tokenize_lines  # noqa: F401 -- pack_windows: its old home
+from graphcal.export_text import check_seq, pack_windows, tokenize_lines  # noqa: F401 -- pack_windows: its old home
 from graphcal.graph import io as graph_io
 from graphcal.limits import read_regular
 from graphcal.output import check_output_dir, releases_outputs, reserve_output
@@ -316,9 +316,7 @@ def tokenize_genai(model_dir: Path, out_dir: Path, text: str | os.PathLike | Non
     check_output_dir(out_dir, [model_dir, text])  # reads only: -o refused before the config is read
     config = read_genai_config(model_dir) or {}
     check_seq(seq, None, context=genai_context(config))  # before -o is locked or the tokenizer is loaded
-    decoder = config.get("model", {}).get("decoder", {}) if isinstance(config.get("model"), dict) else {}
-    inputs = decoder.get("inputs") if isinstance(decoder, dict) else None
-    inputs = inputs if isinstance(inputs, dict) else {}
+    inputs = genai_section(config, "model", "decoder", "inputs")
     names = {key: inputs.get(key, key) for key in ("input_ids", "attention_mask")
              if key == "input_ids" or key in inputs or not inputs}
     if not all(isinstance(v, str) for v in names.values()):

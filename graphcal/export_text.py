@@ -44,16 +44,6 @@ def context_length(config) -> tuple[str, int] | None:
     return None
 
 
-def genai_context(config: dict) -> tuple[str, int] | None:
-    """(the field, the longest sequence) of an onnxruntime-genai ``genai_config.json`` (a dict): its
-    ``model.context_length``, if it gives one."""
-    model = config.get("model") if isinstance(config, dict) else None
-    value = model.get("context_length") if isinstance(model, dict) else None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return "model.context_length", value
-    return None
-
-
 def check_seq(seq: int, config, *, context: tuple[str, int] | None = None) -> None:
     """Refuse a ``--seq`` past the model's context (its config's max_position_embeddings, or
     ``context`` when given, or :data:`MAX_SEQ` when the config names none): before the model or

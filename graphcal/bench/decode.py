@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from graphcal.data import MASK_INPUT, InputSpec
-from graphcal.data.fill import PAST, TOKEN_INPUTS, Filler, read_genai_config
+from graphcal.data.fill import PAST, TOKEN_INPUTS, Filler, genai_section, read_genai_config
 from graphcal.data.inputs import check_arrays
 from graphcal.data.source import Source
 from graphcal.errors import GraphcalError, UsageError, first_line, shown
@@ -95,8 +95,7 @@ def cache_names(past_names: list[str], model_dir: Path | None) -> dict[str, str]
     key/value (genai_config.json's patterns where the folder has them, else the defaults). A
     GraphcalError names a past input no pattern matches."""
     config = read_genai_config(model_dir) if model_dir is not None else None
-    decoder = (config or {}).get("model")
-    decoder = decoder.get("decoder") if isinstance(decoder, dict) else None
+    decoder = genai_section(config, "model", "decoder")
     found = {}
     for kind, (past_key, present_key) in _CONFIG_KEYS.items():
         found[kind] = (_pattern(decoder, "inputs", past_key, PAST_NAMES[kind]),
@@ -116,8 +115,7 @@ def cache_names(past_names: list[str], model_dir: Path | None) -> dict[str, str]
 
 def _pattern(decoder, section: str, key: str, default: str) -> str:
     """A ``%d`` name pattern from genai_config's ``model.decoder.<section>.<key>`` (the default when absent)."""
-    names = decoder.get(section) if isinstance(decoder, dict) else None
-    value = names.get(key) if isinstance(names, dict) else None
+    value = genai_section(decoder, section).get(key)
     if value is None:
         return default
     if not isinstance(value, str) or value.count("%d") != 1 or "%" in value.replace("%d", "") or len(value) > 256:

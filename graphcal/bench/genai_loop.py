@@ -28,7 +28,7 @@ import numpy as np
 from graphcal.bench.report import MODELS, GenaiLoop, LoopTiming
 from graphcal.bench.session import CUDA
 from graphcal.bench.timing import round_order
-from graphcal.data.fill import GENAI_CONFIG, read_genai_config
+from graphcal.data.fill import GENAI_CONFIG, genai_context, genai_section, read_genai_config
 from graphcal.errors import GraphcalError, first_line, shown
 
 
@@ -90,13 +90,11 @@ def _check_folder(path: Path) -> int | float:
         raise _Skip(str(e)) from None
     if config is None:
         raise _Skip(f"{folder} holds no {GENAI_CONFIG} (not an onnxruntime-genai folder)")
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
-    decoder = model.get("decoder") if isinstance(model.get("decoder"), dict) else {}
-    filename = decoder.get("filename")
+    filename = genai_section(config, "model", "decoder").get("filename")
     if filename != path.name:
         raise _Skip(f"{folder / GENAI_CONFIG} runs {shown(repr(filename))}, not {path.name}")
-    context = model.get("context_length")
-    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else float("inf")
+    context = genai_context(config)
+    return float("inf") if context is None else context[1]
 
 
 def _load(og, path: Path, provider: str):

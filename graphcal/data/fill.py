@@ -79,6 +79,23 @@ def parse_genai_config(raw: bytes, path: Path) -> dict:
     return config
 
 
+def genai_section(config, *keys: str) -> dict:
+    """``config[keys[0]][keys[1]]...`` of a parsed genai_config.json, each a JSON object; ``{}`` where
+    one is missing or is not an object (e.g. ``genai_section(config, "model", "decoder")``)."""
+    for key in keys:
+        config = config.get(key) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def genai_context(config) -> tuple[str, int] | None:
+    """(the field, the longest sequence) of a parsed genai_config.json: its ``model.context_length``,
+    if it gives one."""
+    value = genai_section(config, "model").get("context_length")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return "model.context_length", value
+    return None
+
+
 @dataclass(frozen=True)
 class Past:
     """A past tensor to fill: [batch, heads, 0, size]."""
@@ -261,9 +278,7 @@ class Filler:
         path = self.model_dir / GENAI_CONFIG
         if self._genai is None:
             return None, f"there is no {GENAI_CONFIG} in {self.model_dir} to give it (model.decoder.{key})"
-        decoder = self._genai.get("model")
-        decoder = decoder.get("decoder") if isinstance(decoder, dict) else None
-        value = decoder.get(key) if isinstance(decoder, dict) else None
+        value = genai_section(self._genai, "model", "decoder").get(key)
         if value is None:
             return None, f"{path} gives no model.decoder.{key}"
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_DIM:

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphcal.data.fill import GENAI_CONFIG, parse_genai_config, read_genai_config_bytes
+from graphcal.data.fill import GENAI_CONFIG, genai_section, parse_genai_config, read_genai_config_bytes
 from graphcal.errors import GraphcalError
 from graphcal.limits import file_kind, inside_folder, read_regular
 
@@ -78,9 +78,8 @@ def copy_companions(companions: Companions, into: Path) -> list[Path]:
 def _genai_config(raw: bytes, path: Path, model_file: str) -> bytes:
     """The config as it was, or with the decoder's filename set to ``model_file`` where it named another."""
     config = parse_genai_config(raw, path)
-    model = config.get("model")
-    decoder = model.get("decoder") if isinstance(model, dict) else None
-    if not isinstance(decoder, dict) or decoder.get("filename", model_file) == model_file:
+    decoder = genai_section(config, "model", "decoder")  # the parsed config's own dict: set in place below
+    if decoder.get("filename", model_file) == model_file:
         return raw
     decoder["filename"] = model_file
     return (json.dumps(config, indent=4) + "\n").encode("utf-8")
