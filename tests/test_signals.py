@@ -48,9 +48,12 @@ def slow(tmp_path_factory):
 def _stopped(args, marker, tmp_path, sig=signal.SIGTERM, env=None):
     """Start ``graphcal -v ARGS`` in ``tmp_path``, wait for the log line ``marker`` (the long pass has
     begun), send ``sig`` and return (exit code, seconds from the signal to the exit, stderr)."""
+    # SIGINT's default action restored in the child: a shell starting pytest in the background
+    # (``cmd &``) ignores SIGINT for it, the children inherit that, and graphcal rightly honours it
     proc = subprocess.Popen([sys.executable, "-m", "graphcal", "-v", *map(str, args)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     deadline = time.monotonic() + 120
     for line in proc.stderr:
