@@ -115,7 +115,8 @@ def test_the_switchable_model_is_fp32_with_every_switch_off_and_the_quantized_mo
     ref, cand = load_model(llama_dir / "model.onnx"), load_model(out / "model.onnx")
     layers = quantized_layers(cand, ref, find_targets(ref)[0])
     types = {k: v.elem_type for k, v in value_types(ref).items()}
-    model, switches = switchable_model(ref, cand, {t.name: t.node for t in layers}, types)
+    model, per_model = switchable_model(ref, [cand], {t.name: t.node for t in layers}, types)
+    switches = {layer: names[0] for layer, names in per_model.items()}
     assert len(switches) == len(layers) == 14 and sum(n.op_type == "If" for n in model.graph.node) == 14
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
     for on, reference in ((False, llama_dir / "model.onnx"), (True, out / "model.onnx")):

@@ -1,7 +1,7 @@
 """Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
 
     python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq]
-                                [--scheme W4A16] [--whole] [--json OUT]
+                                [--scheme W4A16] [--whole [--mix MB]] [--json OUT]
 
 On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
 4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
@@ -14,7 +14,12 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
   drop-in genai folders into ``graphcal_<method>_g<group>/``; with ``--whole`` the whole model as the
   builder's int4 quantizes it: lm_head too (``--lm-head``) and the tied embedding sharing its table
   (``--scheme-for Embedding=SCHEME``), written as MatMulNBits and GatherBlockQuantized
-  (``--matmulnbits``), into ``graphcal_<scheme>_<method>_g<group>_whole/``.
+  (``--matmulnbits``), into ``graphcal_<scheme>_<method>_g<group>_whole/``;
+- with ``--mix MB`` (and ``--whole``), mixed precision chosen by measurement for each method: the
+  whole model in W8A16 (same group size, round to nearest) is the fallback, ``graphcal eval
+  --fallback ... --size-budget MB --per-layer`` chooses which layers take it on calibration data
+  (``--mix-samples`` of calib_ids.npz), and ``graphcal run`` writes that choice with the method into
+  ``graphcal_<scheme>_<method>_g<group>_mix<MB>/`` (the eval report beside it as ``mix.json``).
 
 Each is scored by tools/lib/perplexity.py over eval.npz (onnxruntime on the CPU, default settings);
 size is the folder's model files. Every step is skipped when its folder exists.
@@ -66,6 +71,29 @@ def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
     return folder, seconds
 
 
+def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samples: int) -> tuple[Path, float]:
+    """The whole model with the layers eval chooses (within ``budget`` MB) in int8, written with ``method``."""
+    folder = work / f"graphcal_{scheme.lower()}_{method}_g{group}_mix{budget:g}"
+    low, _ = _graphcal(work, method, group, scheme, whole=True)
+    high, _ = _graphcal(work, "rtn", group, "W8A16", whole=True)
+    start = time.perf_counter()
+    if not (folder / "model.onnx").exists():
+        report = subprocess.run([sys.executable, "-m", "graphcal", "eval", str(work / "genai_fp32" / "model.onnx"),
+                                 str(low / "model.onnx"), "--data", str(work / "calib_ids.npz"), "--num-samples",
+                                 str(samples), "--batch-size", "4", "--fallback", str(high / "model.onnx"),
+                                 "--size-budget", str(budget), "--per-layer", "--time-limit", "0", "--json"],
+                                check=True, cwd=REPO, capture_output=True, text=True).stdout
+        flags = json.loads(report)["mix"]["flags"]
+        command = [sys.executable, "-m", "graphcal", "run", str(work / "genai_fp32" / "model.onnx"), "--data",
+                   str(work / "calib_ids.npz"), "--scheme", scheme, "--group-size", str(group), "-o", str(folder),
+                   "-q", "--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits", *flags]
+        if method != "rtn":
+            command += ["--algorithm", method]
+        subprocess.run(command, check=True, cwd=REPO)
+        (folder / "mix.json").write_text(report)
+    return folder, time.perf_counter() - start
+
+
 def _size(folder: Path) -> int:
     return sum((folder / n).stat().st_size for n in ("model.onnx", "model.onnx.data") if (folder / n).exists())
 
@@ -77,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"])
     parser.add_argument("--scheme", default="W4A16")
     parser.add_argument("--whole", action="store_true", help="lm_head and the tied embedding quantized too")
+    parser.add_argument("--mix", type=float, default=None, metavar="MB",
+                        help="with --whole: also mixed precision within this size, chosen by graphcal eval")
+    parser.add_argument("--mix-samples", type=int, default=8, help="calibration samples the mix is chosen on")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work
@@ -88,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         folder, seconds = _graphcal(work, method, args.group_size, args.scheme, args.whole)
         rows.append((f"graphcal {args.scheme} g{args.group_size} {method}{' whole model' if args.whole else ''}",
                      folder, seconds))
+        if args.mix is not None:
+            if not args.whole:
+                parser.error("--mix takes --whole")
+            folder, seconds = _mixed(work, method, args.group_size, args.scheme, args.mix, args.mix_samples)
+            rows.append((f"graphcal {args.scheme} g{args.group_size} {method} whole model, int8 where eval chose "
+                         f"within {args.mix:g} MB", folder, seconds))
     results = []
     print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
     print("|---|---|---|---|")

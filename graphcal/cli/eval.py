@@ -29,30 +29,47 @@ from graphcal.cli.options import DEBUG_OPTION
                    "blocks, ...; the rest back in float), rank kinds by the output error each causes alone, and "
                    "measure the advice (the worst kinds back in float) the same way: one run of the model over the "
                    "data per kind and per option, and two in fp32, all in one session.")
-@click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one run per layer).")
+@click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one run per layer). With "
+              "--size-budget/--target-db: mix layer by layer instead of kind by kind (one run per layer).")
+@click.option("--size-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MB",
+              help="Mixed precision by measurement: the largest written model (MB, as run's summary counts it). "
+                   "Each kind of layer QUANTIZED quantized is put in --fallback's form (or float) in turn, the "
+                   "output error it removes measured in place, and kinds are taken by error removed per byte "
+                   "while the size stays within the budget; the mix is measured and printed with the flags "
+                   "that write it.")
+@click.option("--target-db", type=float, default=None, metavar="DB",
+              help="Mixed precision by measurement: the smallest mix whose first output reaches this SQNR "
+                   "against fp32 (as --size-budget, measured; up to three mixes are run).")
+@click.option("--fallback", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --size-budget/--target-db: the same fp32 model quantized at a higher precision by "
+                   "graphcal (int8, say), whose form promoted layers take (default: float).")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=60, show_default=True, metavar="MINUTES",
-              help="Refuse --sensitivity when its runs, estimated from the comparison's first batches, would take "
+              help="Refuse --sensitivity or mixing when their runs, estimated from the comparison's first batches, would take "
                    "longer than this (0: no limit). The number of runs is printed before any pass.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write an HTML page with the tables and a per-layer SQNR chart.")
 @DEBUG_OPTION
 def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer,
-                 time_limit, as_json, html_path, debug):
+                 size_budget, target_db, fallback, time_limit, as_json, html_path, debug):
     """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
     output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
-    that would keep them in float.
+    that would keep them in float. With --size-budget or --target-db, it also chooses which kinds of
+    layer take --fallback's higher precision, by measurement, and prints the flags that write that mix.
 
     \b
     Example:
       graphcal eval models/tiny-llama/model.onnx out/model.onnx --data models/tiny-llama/heldout.npz
+      graphcal eval fp32.onnx int4/model.onnx --data heldout.npz --fallback int8/model.onnx --size-budget 86
     """
     from graphcal.evaluation import evaluate, format_html, format_text  # lazy: loads torch, onnx and onnxruntime
     from graphcal.output.file import replace_file  # lazy: with the evaluation above
 
     def call():
         report = evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples, level=level,
-                          isolated=isolated, sensitivity=sensitivity, per_layer=per_layer,
+                          isolated=isolated, sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
+                          size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,
+                          target_db=target_db,
                           time_limit_s=time_limit * 60 if time_limit else None,
                           writes=[("--html", html_path)] if html_path is not None else [])  # refused before any pass
         if html_path is not None:  # replaced whole (a temporary file renamed over it), never an input

@@ -9,7 +9,8 @@ from pathlib import Path
 import onnx
 
 from graphcal.algorithms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
-from graphcal.errors import GraphcalError
+from graphcal.config.records import RunConfig
+from graphcal.errors import GraphcalError, UsageError, first_line
 from graphcal.graph.scaling import SCOPE_OF_KIND, candidates
 from graphcal.limits import read_regular
 from graphcal.output.metadata import CONFIG_FILE
@@ -25,6 +26,23 @@ def written_ignore(candidate: Path) -> list[str] | None:
     except (GraphcalError, ValueError, AttributeError):
         return None
     return [str(x) for x in ignore] if isinstance(ignore, list) else None
+
+
+def written_config(candidate: Path):
+    """The config groups and ignore list graphcal wrote beside ``candidate`` (quantization_config.json)
+    as a :class:`RunConfig`, or None when there is no such file; a file that is not one is refused."""
+    path = candidate.parent / CONFIG_FILE
+    if not path.is_file():
+        return None
+    from compressed_tensors.quantization import QuantizationScheme  # lazy: compressed-tensors, only for a fallback
+    from pydantic import ValidationError
+
+    try:
+        record = json.loads(read_regular(path, "quantization config", 1 << 20))
+        groups = {str(k): QuantizationScheme.model_validate(v) for k, v in record["config_groups"].items()}
+        return RunConfig(groups=groups, ignore=[str(x) for x in record.get("ignore") or []])
+    except (ValueError, KeyError, TypeError, AttributeError, ValidationError) as e:
+        raise UsageError(f"{path} is not a quantization config graphcal can read: {first_line(e)}") from e
 
 
 def smoothquant_record(model: onnx.ModelProto) -> dict:

@@ -21,6 +21,7 @@ from graphcal.data import batch_samples, graph_inputs, load_data
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.candidate import smoothable_layers, smoothquant_record, written_ignore
+from graphcal.evaluation.mixing import measure_mix, plan_mix
 from graphcal.evaluation.report import EvalReport
 from graphcal.evaluation.sensitivity import SensitivityPlan, measure_sensitivity, quantized_layers
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
@@ -41,8 +42,9 @@ DEFAULT_TIME_LIMIT_S = 3600.0  # eval --time-limit's default: a sensitivity esti
 def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: int | None = None,
              num_samples: int | None = None, level: str = "basic", isolated: bool = False,
              sensitivity: bool = False, per_layer: bool = False, in_graph: bool = True,
-             writes: Sequence[tuple[str, str | Path]] = (), time_limit_s: float | None = DEFAULT_TIME_LIMIT_S
-             ) -> EvalReport:
+             writes: Sequence[tuple[str, str | Path]] = (), time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+             fallback: str | Path | None = None, size_budget_bytes: int | None = None,
+             target_db: float | None = None) -> EvalReport:
     """Run both models over ``data`` and compare every output and every weight MatMul/Gemm output.
 
     ``level`` is onnxruntime's optimization level for both: "basic" (ORT_ENABLE_BASIC: the Q/DQ
@@ -66,6 +68,12 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     graph that reduces each compared pair to six float64 sums (graph.compare), so no activation
     leaves onnxruntime; otherwise every compared tensor of both models is fetched and compared here.
 
+    With ``size_budget_bytes`` or ``target_db``, the layers ``candidate`` quantized are mixed with
+    their form in ``fallback`` (the same fp32 model quantized at a higher precision; None: float),
+    kind by kind (``per_layer``: layer by layer), by measurement (graphcal.evaluation.mixing): the
+    mix that removes the most output error within the written size, or the smallest that reaches
+    the output SQNR, with the flags that write it. Its runs are counted and timed as sensitivity's.
+
     ``writes``: (option, path) of each file the caller will write with the report (the CLI's
     ``--html``); one that is an input (a model, its external data, the data) is refused before
     any pass."""
@@ -81,11 +89,16 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     for option, path in writes:  # the models' external data files are inputs too
         check_output_file(path, [Path(m).parent / f for m, files in ((reference, ref_files), (candidate, cand_files))
                                  for f in files], option)
+    mixing = size_budget_bytes is not None or target_db is not None
+    if fallback is not None and not mixing:
+        raise UsageError("--fallback is the higher form for --size-budget or --target-db; give one of them")
     smoothed = smoothquant_record(cand_model)
-    if (isolated or sensitivity) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
+    if fallback is not None and not any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
+        smoothed = smoothquant_record(load_model_info(fallback, lazy=True)[0])
+    if (isolated or sensitivity or mixing) and any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
         # a folded smoothing: the balance layers read x/s, which the fp32 model never computes
         why = ("--isolated cannot feed them fp32 inputs; compare without --isolated" if isolated else
-               "its layers cannot be put back in float one by one; measure sensitivity")
+               "its layers cannot be put back in float one by one; measure sensitivity or mixes")
         raise UsageError(f"{candidate} was smoothed by SmoothQuant (folded into its norms and layers: its balance "
                          f"layers read x/s, which the fp32 model does not compute), so {why}, or a model made "
                          "without --smoothquant")
@@ -113,6 +126,13 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     if plan is not None:
         log.warning("eval --sensitivity: %s after the comparison; progress and time left are shown as they run",
                     plan.describe())
+    ignored = written_ignore(Path(candidate))
+    mix_plan = None
+    if mixing:
+        mix_plan = plan_mix(Path(reference), Path(candidate), None if fallback is None else Path(fallback),
+                            quantized_layers, per_layer=per_layer, budget_bytes=size_budget_bytes,
+                            target_db=target_db, ignored=ignored if ignored is not None else list(DEFAULT_IGNORE))
+        log.warning("eval %s: %s after the comparison", _MIX_FLAG[size_budget_bytes is None], mix_plan.describe())
     smoothable = smoothable_layers(ref_model, targets, smoothed, Path(reference).parent)
     import onnxruntime as ort  # lazy: onnxruntime loads when a comparison runs, not with this package
 
@@ -178,42 +198,52 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
                     agreement.add(ref_values[tensor], forced_values[tensor])
         batches += 1
         bar.update(batch_samples(batch))
-        if plan is not None and batches == min(2, calib.num_batches or 1):
-            _check_time(plan, time.monotonic() - clock, batches, calib.num_batches, time_limit_s)
+        if batches == min(2, calib.num_batches or 1):
+            _check_time([p for p in (plan, mix_plan) if p is not None], time.monotonic() - clock, batches,
+                        calib.num_batches, time_limit_s, per_layer)
     bar.close()
     if paired is not None:  # a layer whose output is a model output (lm_head's logits) agrees as that output does
         by_output = dict(zip(outputs, out_agree))
         for agreement, (_, tensor) in zip(layer_agree, layers):
             if tensor in by_output:
                 agreement.add_sums(*(getattr(by_output[tensor], key) for key in SUMS))
-    if sensitivity:  # the comparison's sessions go before sensitivity opens its own
+    if sensitivity or mixing:  # the comparison's sessions go before sensitivity opens its own
         paired = ref_run = cand_run = forced_run = runtime = None  # noqa: F841
         trim_heap()
-    ignored = written_ignore(Path(candidate))
-    sens = None
+    sens = mix = None
     if sensitivity:
         sens = measure_sensitivity(plan, reference, candidate, outputs, calib, optimization,
                                    ignored if ignored is not None else list(DEFAULT_IGNORE))
+        trim_heap()
+    if mix_plan is not None:
+        mix = measure_mix(mix_plan, reference, candidate, fallback, outputs, calib, optimization)
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
                       runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
-                      smoothable=smoothable, sensitivity=sens, warnings=list(calib.notes))
+                      smoothable=smoothable, sensitivity=sens, mix=mix, warnings=list(calib.notes))
 
 
-def _check_time(plan: SensitivityPlan, seconds: float, batches: int, num_batches: int | None,
-                limit_s: float | None) -> None:
-    """Log what --sensitivity's runs will take at the pace of this comparison's first ``batches``
-    (which ran two models each); refuse them when that is longer than ``limit_s`` (None: no limit)."""
-    if not num_batches:
+_MIX_FLAG = {False: "--size-budget", True: "--target-db"}
+
+
+def _check_time(plans: list, seconds: float, batches: int, num_batches: int | None,
+                limit_s: float | None, per_layer: bool) -> None:
+    """Log what the sensitivity and mixing runs (``plans``) will take at the pace of this
+    comparison's first ``batches`` (which ran two models each); refuse them when that is longer
+    than ``limit_s`` (None: no limit)."""
+    if not num_batches or not plans:
         return
     per_run = seconds / batches * num_batches / 2
-    estimate = per_run * plan.runs
+    runs = sum(p.runs for p in plans)
+    estimate = per_run * runs
+    what = " and ".join("--sensitivity" if isinstance(p, SensitivityPlan) else _MIX_FLAG[p.budget_bytes is None]
+                        for p in plans)
     if limit_s is None or estimate <= limit_s:
-        log.warning("eval --sensitivity: about %s after this comparison (%d runs of about %s)", duration(estimate),
-                    plan.runs, duration(per_run))
+        log.warning("eval %s: about %s after this comparison (%d runs of about %s)", what, duration(estimate),
+                    runs, duration(per_run))
         return
-    raise UsageError(f"--sensitivity would take about {duration(estimate)} ({plan.describe()}, about "
-                     f"{duration(per_run)} each), past the time limit of {duration(limit_s)}; use fewer "
-                     f"--num-samples{', drop --per-layer' if plan.per_layer else ''} or raise --time-limit (0: none)")
+    raise UsageError(f"{what} would take about {duration(estimate)} ({'; '.join(p.describe() for p in plans)}, "
+                     f"about {duration(per_run)} each), past the time limit of {duration(limit_s)}; use fewer "
+                     f"--num-samples{', drop --per-layer' if per_layer else ''} or raise --time-limit (0: none)")
 
 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations

@@ -45,6 +45,8 @@ def format_text(report: EvalReport) -> str:
             lines.append("no layer is more than 6 dB under the median layer")
     if report.sensitivity is not None:
         lines += _sensitivity_text(report)
+    if report.mix is not None:
+        lines += _mix_text(report)
     if report.skipped_layers:
         lines.append(f"not compared (node missing or renamed in the quantized model): {', '.join(report.skipped_layers)}")
     return "\n".join(lines)
@@ -71,6 +73,34 @@ def _sensitivity_text(report: EvalReport) -> list[str]:
         lines.append(f"advice: keep {' + '.join(advice.kinds)} in float ({len(advice.layers)} layers; expected "
                      f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}): run with "
                      + " ".join(shlex.quote(f) for f in sens.flags(advice)))
+    return lines
+
+
+def _mix_text(report: EvalReport) -> list[str]:
+    mix = report.mix
+    plan = mix.plan
+    goal = (f"within {plan.budget_bytes / 1e6:.1f} MB" if plan.budget_bytes is not None
+            else f"to {plan.target_db:.1f} dB")
+    high = "float" if plan.high == "float" else f"{plan.high}'s form"
+    width = max([len(u.name) for u in plan.units] + [24])
+    lines = ["", f"mixed precision {goal}: units of layers promoted to {high}, one at a time, every other layer "
+             f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.1f} MB)",
+             f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)  chosen"]
+    low = mix.low[0].err_sq / mix.low[0].ref_sq if mix.low[0].ref_sq > 0 else math.inf
+    for u in sorted(plan.units, key=lambda u: -u.value):
+        promoted = 10 * math.log10(1 / (low - u.gain)) if 0 < low - u.gain else math.inf
+        lines.append(f"{u.name:<{width}}  {len(u.layers):>5}  {u.cost / 1e6:>8.2f}  {_fmt_db(promoted):>20}  "
+                     f"{'yes' if u.name in mix.chosen else ''}")
+    a = mix.outputs[0] if mix.outputs else mix.low[0]
+    state = "" if mix.reached else f" (short of {plan.target_db:.1f} dB: every unit promoted)"
+    lines.append(f"chosen: {len(mix.chosen)} of {len(plan.units)} units, {mix.bytes / 1e6:.1f} MB, measured "
+                 f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}{state}")
+    flags = mix.flags()
+    if flags:
+        lines.append("to write it, add to the command that wrote the quantized model: "
+                     + " ".join(shlex.quote(f) for f in flags))
+    else:
+        lines.append("nothing to add: the quantized model as it is")
     return lines
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from graphcal.config import DEFAULT_IGNORE
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
+from graphcal.evaluation.mixing import Mix
 from graphcal.evaluation.sensitivity import Sensitivity
 from graphcal.graph.scaling import SCOPES
 
@@ -27,6 +28,7 @@ class EvalReport:
     isolated: list[Agreement] | None = None  # each layer's own error, on the reference's inputs (eval --isolated)
     smoothable: dict[str, str] = field(default_factory=dict)  # layer -> SmoothQuant scope that reaches its input, if unsmoothed
     sensitivity: Sensitivity | None = None  # eval --sensitivity
+    mix: Mix | None = None  # eval --size-budget / --target-db
     warnings: list[str] = field(default_factory=list)  # what the CLI shows on stderr (inputs filled for the data)
 
     @property
@@ -86,7 +88,8 @@ class EvalReport:
                 # pasted as --ignore values, would drop the default lm_head ignore
                 "worst_layers": [a.name for a in self.worst()], "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
                 "skipped_layers": self.skipped_layers, "warnings": self.warnings,
-                **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {})}
+                **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {}),
+                **({"mix": self.mix.as_dict()} if self.mix is not None else {})}
 
     def _sensitivity_dict(self) -> dict:
         sens = self.sensitivity

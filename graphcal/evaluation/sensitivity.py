@@ -153,7 +153,8 @@ def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, ca
     else:  # onnx.reference runs it, with every weight in memory
         ref_model, cand_model = load_model(reference), load_model(candidate)
     types = {name: t.elem_type for name, t in value_types(ref_model).items()}
-    model, switches = switchable_model(ref_model, cand_model, {t.name: t.node for t in plan.layers}, types)
+    model, per_model = switchable_model(ref_model, [cand_model], {t.name: t.node for t in plan.layers}, types)
+    switches = {layer: names[0] for layer, names in per_model.items()}
     del ref_model, cand_model
     from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
 

@@ -1,4 +1,4 @@
-"""The fp32 model with each quantized layer behind a switch: eval --sensitivity's one model.
+"""The fp32 model with each quantized layer behind switches: eval's one model for --sensitivity and --size-budget.
 
 For every quantized layer, the fp32 node computing its output becomes an ``If`` on a boolean graph
 input of its own (``SWITCH + layer``): its ``then`` branch holds the quantized model's nodes for
@@ -8,10 +8,15 @@ branch the fp32 node itself. With every switch off the model is the fp32 model; 
 it is the quantized model with only those layers quantized. One model, one onnxruntime session,
 any choice of layers per run: sensitivity never builds or loads a model per kind.
 
+Given several quantized models of the same fp32 model (int4 and int8, say), each layer gets one
+switch per model that quantized it, nested in the order given: the first switch on picks its
+model's form of the layer, all off the fp32 node. Any mix of the models' forms, layer by layer, is
+then one run of one session (``--size-budget`` measures mixes this way).
+
 A value both layers read through one shared node in the quantized model (q/k/v's input Q/DQ) is
 computed in each branch; a quantized model's nodes outside every layer (a kv-cache Q/DQ) are not
-part of any layer and stay out. The branches read the two models' weights from the outer graph:
-the quantized model's under ``QUANTIZED + name``.
+part of any layer and stay out. The branches read the models' weights from the outer graph: the
+first quantized model's under ``QUANTIZED + name``, the k-th's (k >= 1) under ``QUANTIZED + "k/" + name``.
 """
 
 from __future__ import annotations
@@ -26,80 +31,139 @@ SWITCH = "graphcal-quantize/"
 QUANTIZED = "graphcal-quantized/"
 
 
-def switchable_model(reference: onnx.ModelProto, candidate: onnx.ModelProto, layers: dict[str, str],
-                     elem_types: dict[str, int]) -> tuple[onnx.ModelProto, dict[str, str]]:
-    """(the model, {layer: its switch input}). ``layers`` maps each quantized layer's name to the
-    fp32 node computing it; ``elem_types`` gives values' element types (float where it has none). The model holds
+def _prefix(k: int) -> str:
+    return QUANTIZED if k == 0 else f"{QUANTIZED}{k}/"
+
+
+def switchable_model(reference: onnx.ModelProto, candidates: list[onnx.ModelProto], layers: dict[str, str],
+                     elem_types: dict[str, int]) -> tuple[onnx.ModelProto, dict[str, list[str | None]]]:
+    """(the model, {layer: its switch input per candidate, None where that candidate computes the
+    layer as fp32 does}). ``layers`` maps each quantized layer's name to the fp32 node computing it;
+    ``elem_types`` gives values' element types (float where it has none). The model holds
     ``reference``'s initializers (copied as they are: stubs of lazy weights stay stubs) and those of
-    ``candidate`` the branches read, renamed; ``reference`` is raised to the candidate's opset where
+    the candidates the branches read, renamed; ``reference`` is raised to the candidates' opset where
     below it (in place, weights untouched)."""
-    opset = max(default_opset(reference), default_opset(candidate))
+    opset = max(default_opset(m) for m in [reference, *candidates])
     if default_opset(reference) < opset:
         from graphcal.graph.qdq.opset import upgrade_opset  # lazy: the graph.qdq package loads torch
 
         reference = upgrade_opset(reference, opset)
     model = hollow_copy(reference)
     domains = {o.domain: o.version for o in reference.opset_import}
-    for o in candidate.opset_import:
+    for o in (o for c in candidates for o in c.opset_import):
         domains[o.domain] = max(domains.get(o.domain, 0), o.version)
     del model.opset_import[:]
     model.opset_import.extend(helper.make_opsetid(d, v) for d, v in domains.items())
-    model.ir_version = max(reference.ir_version, candidate.ir_version)
+    model.ir_version = max(m.ir_version for m in [reference, *candidates])
     model.graph.initializer.extend(reference.graph.initializer)
 
-    fp32_values = {i.name for i in reference.graph.input} | {t.name for t in reference.graph.initializer}
-    fp32_values |= {o for n in reference.graph.node for o in n.output}
-    producer = {o: n for n in candidate.graph.node for o in n.output}
-    cand_inits = {t.name: t for t in candidate.graph.initializer}
-    taken: set[str] = set()
-    switches: dict[str, str] = {}
+    fp32_values = fp32_computed(reference)
+    forms = [_Form(c, _prefix(k), fp32_values) for k, c in enumerate(candidates)]
+    switches: dict[str, list[str | None]] = {}
     replaced: dict[str, onnx.NodeProto] = {}  # fp32 node name -> its If
     fp32_nodes = {n.name: n for n in reference.graph.node}
     for layer, node_name in layers.items():
         fp32 = fp32_nodes[node_name]
         out = fp32.output[0]
-        inner = f"graphcal-q/{layer}/"
-        nodes, reads = _layer_nodes(out, producer, cand_inits, fp32_values)
-        for name in reads:
-            if name not in taken:
-                taken.add(name)
-                init = model.graph.initializer.add()
-                init.CopyFrom(cand_inits[name])
-                init.name = QUANTIZED + name
-        local = {o for n in nodes for o in n.output}
+        elem = elem_types.get(out, TensorProto.FLOAT)
+        float_node = onnx.NodeProto()
+        float_node.CopyFrom(fp32)
+        float_node.name = f"graphcal-f/{layer}/{fp32.name}"
+        float_node.output[:] = [f"graphcal-f/{layer}/{out}"]
+        inner, inner_out = [float_node], float_node.output[0]
+        names: list[str | None] = []
+        for k in reversed(range(len(forms))):  # the first candidate's If outermost
+            nodes = forms[k].branch(model, layer, out, fp32, k)
+            if nodes is None:
+                names.append(None)
+                continue
+            switch = SWITCH + layer if k == 0 else f"{SWITCH}{k}/{layer}"
+            names.append(switch)
+            model.graph.input.append(helper.make_tensor_value_info(switch, TensorProto.BOOL, []))
+            then_branch = helper.make_graph(nodes, f"graphcal-q/{k}/{layer}/quantized", [],
+                                            [helper.make_tensor_value_info(nodes[-1].output[0], elem, None)])
+            else_branch = helper.make_graph(inner, f"graphcal-f/{k}/{layer}/else", [],
+                                            [helper.make_tensor_value_info(inner_out, elem, None)])
+            inner_out = f"graphcal-s/{k}/{layer}/{out}"
+            inner = [helper.make_node("If", [switch], [inner_out], name=f"graphcal-switch/{k}/{layer}",
+                                      then_branch=then_branch, else_branch=else_branch)]
+        switches[layer] = names[::-1]
+        if inner[0] is float_node:
+            continue  # no candidate quantized it: the fp32 node stays
+        inner[0].output[:] = [out]
+        inner[0].name = f"graphcal-switch/{layer}"
+        replaced[fp32.name] = inner[0]
+    del model.graph.node[:]
+    model.graph.node.extend(replaced.get(n.name, n) for n in reference.graph.node)
+    return model, switches
 
-        def rename(name: str, local=local, inner=inner) -> str:
+
+def fp32_computed(reference: onnx.ModelProto) -> set[str]:
+    """The values the fp32 model has: its inputs, initializers and node outputs."""
+    values = {i.name for i in reference.graph.input} | {t.name for t in reference.graph.initializer}
+    return values | {o for n in reference.graph.node for o in n.output}
+
+
+def layer_reads(candidate: onnx.ModelProto, fp32: onnx.NodeProto, fp32_values: set[str]) -> list[str] | None:
+    """The candidate initializers read in computing ``fp32``'s output (what that layer's form
+    stores), or None where the candidate computes it with the fp32 node itself."""
+    form = _Form(candidate, "", fp32_values)
+    if form.same_as(fp32):
+        return None
+    return form.nodes(fp32.output[0])[1]
+
+
+class _Form:
+    """One candidate's way of computing layers, read from values the fp32 model also computes."""
+
+    def __init__(self, candidate: onnx.ModelProto, prefix: str, fp32_values: set[str]):
+        self.producer = {o: n for n in candidate.graph.node for o in n.output}
+        self.inits = {t.name: t for t in candidate.graph.initializer}
+        self.prefix, self.fp32_values = prefix, fp32_values
+        self.taken: set[str] = set()
+
+    def same_as(self, fp32: onnx.NodeProto) -> bool:
+        node = self.producer.get(fp32.output[0])
+        if node is None:
+            raise GraphcalError(f"a quantized model does not compute {fp32.output[0]!r}, which the fp32 model's "
+                                f"{fp32.name!r} does; compare forms of the same model")
+        return node.op_type == fp32.op_type and list(node.input) == list(fp32.input) and node.name == fp32.name
+
+    def nodes(self, out: str) -> tuple[list[onnx.NodeProto], list[str]]:
+        return _layer_nodes(out, self.producer, self.inits, self.fp32_values)
+
+    def branch(self, model: onnx.ModelProto, layer: str, out: str, fp32: onnx.NodeProto,
+               k: int) -> list[onnx.NodeProto] | None:
+        """The candidate's nodes for ``layer``, renamed into a branch (their initializers added to
+        ``model`` once), or None where it computes the layer as fp32 does."""
+        if self.same_as(fp32):
+            return None
+        nodes, reads = self.nodes(out)
+        for name in reads:
+            if name not in self.taken:
+                self.taken.add(name)
+                init = model.graph.initializer.add()
+                init.CopyFrom(self.inits[name])
+                init.name = self.prefix + name
+        local = {o for n in nodes for o in n.output}
+        inner = f"graphcal-q/{k}/{layer}/"
+
+        def rename(name: str) -> str:
             if not name:
                 return name
             if name in local:
                 return inner + name
-            return QUANTIZED + name if name in cand_inits else name
+            return self.prefix + name if name in self.inits else name
 
-        then_nodes = []
+        copies = []
         for n in nodes:
             copy = onnx.NodeProto()
             copy.CopyFrom(n)
             copy.name = inner + n.name
             copy.input[:] = [rename(i) for i in n.input]
             copy.output[:] = [rename(o) for o in n.output]
-            then_nodes.append(copy)
-        elem = elem_types.get(out, TensorProto.FLOAT)
-        then_branch = helper.make_graph(then_nodes, f"{inner}quantized", [],
-                                        [helper.make_tensor_value_info(inner + out, elem, None)])
-        float_node = onnx.NodeProto()
-        float_node.CopyFrom(fp32)
-        float_node.name = f"graphcal-f/{layer}/{fp32.name}"
-        float_node.output[:] = [f"graphcal-f/{layer}/{out}"]
-        else_branch = helper.make_graph([float_node], f"graphcal-f/{layer}/float", [],
-                                        [helper.make_tensor_value_info(float_node.output[0], elem, None)])
-        switch = SWITCH + layer
-        switches[layer] = switch
-        model.graph.input.append(helper.make_tensor_value_info(switch, TensorProto.BOOL, []))
-        replaced[fp32.name] = helper.make_node("If", [switch], [out], name=f"graphcal-switch/{layer}",
-                                               then_branch=then_branch, else_branch=else_branch)
-    del model.graph.node[:]
-    model.graph.node.extend(replaced.get(n.name, n) for n in reference.graph.node)
-    return model, switches
+            copies.append(copy)
+        return copies
 
 
 def _layer_nodes(out: str, producer: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto],

@@ -1,0 +1,374 @@
+"""Mixed precision chosen by measurement: which layers of a low-precision model take a higher form.
+
+``graphcal eval FP32 LOW --size-budget MB`` (or ``--target-db DB``), optionally ``--fallback HIGH``:
+LOW is the model quantized at the low precision (int4, say), HIGH the same fp32 model quantized
+at a higher one (int8; without it, float). The layers LOW quantized are grouped into units: each
+kind of layer across the blocks (``mlp.down_proj``), or with ``per_layer`` each layer; a lookup
+and the lm_head it is tied to are one unit, since they are stored once.
+
+Measured, not guessed (graph.switch: one session over the fp32 model with each layer behind a
+switch per quantized form):
+
+1. every unit in LOW's form: the output error LOW has (its noise power relative to the output's);
+2. for each unit, that model with only this unit in HIGH's form: the noise it removes in place,
+   with every other layer still low (so interactions with the rest count);
+3. units are taken by noise removed per byte added, the most first: under a budget, while the
+   written size stays within it; for a target, until the predicted output SQNR reaches it;
+4. the chosen mix is run and its output SQNR reported (with a target, more units are added and
+   measured again, up to :data:`MAX_TRIES` mixes, while it falls short).
+
+The size of a mix is LOW's size on disk, less the initializers only a promoted unit's layers read
+in LOW, plus those its layers read in HIGH (or the fp32 weights, for float) and :data:`LAYER_OVERHEAD` per
+layer for the protobuf around them: initializers several units share stay counted, so the written
+model is no larger than predicted. The choice is given as
+flags for the command that wrote LOW: ``--scheme-for`` for each promoted kind (or ``re:`` alternation
+of its layers) with HIGH's scheme, read from the quantization_config.json graphcal writes beside
+it, or ``--ignore`` for float.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from graphcal.config.records import RunConfig
+from graphcal.data import batch_samples
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.evaluation.agreement import Agreement, finite
+from graphcal.evaluation.candidate import written_config
+from graphcal.evaluation.kinds import layer_kind
+from graphcal.graph.external import common_root, expected_bytes
+from graphcal.graph.io import load_model_info, runs_in_onnxruntime, value_types
+from graphcal.graph.switch import fp32_computed, layer_reads, switchable_model
+from graphcal.graph.targets import find_lookups, find_targets, matches
+from graphcal.graph.ties import find_ties
+from graphcal.progress import Progress
+from graphcal.types import enum_value
+
+LAYER_OVERHEAD = 256  # bytes per promoted layer for its changed nodes and initializer headers in the protobuf
+MAX_TRIES = 3  # mixes measured for a target: the predicted one, then more units while it falls short
+FLOAT = "float"
+
+
+@dataclass
+class Unit:
+    """Layers promoted together: a kind, a layer, or a lookup with its tied lm_head."""
+
+    name: str
+    layers: list[str]
+    saved: int  # bytes of initializers only these layers read in the low model
+    added: int  # bytes their higher form stores
+    gain: float = math.nan  # measured: output noise power (relative) removed by promoting it in place
+
+    @property
+    def cost(self) -> int:
+        return self.added - self.saved
+
+    @property
+    def value(self) -> float:
+        """Noise removed per byte added (free promotions first)."""
+        if self.cost <= 0:
+            return math.inf
+        return max(self.gain, 0.0) / self.cost
+
+
+@dataclass
+class MixPlan:
+    """What --size-budget / --target-db will run, known from the models before any pass."""
+
+    units: list[Unit]
+    base_bytes: int  # the low model on disk
+    budget_bytes: int | None
+    target_db: float | None
+    high: str  # the fallback model's path, or "float"
+    high_schemes: dict[str, str]  # layer -> the --scheme-for value of its higher form (none for float)
+    ignored: list[str]  # the low model's ignore list
+    fp32_layers: dict[str, str]  # layer -> the fp32 node computing it
+
+    @property
+    def mixes(self) -> int:
+        return 1 if self.budget_bytes is not None else MAX_TRIES
+
+    @property
+    def runs(self) -> int:
+        """Model runs over the data: fp32, the low model and each unit promoted in place, then fp32
+        and the mix for each mix measured (one under a budget, up to MAX_TRIES for a target)."""
+        return 2 + len(self.units) + 2 * self.mixes
+
+    def describe(self) -> str:
+        return (f"{self.runs} runs of the model over the data ({len(self.units)} units promoted one at a time, "
+                f"up to {self.mixes} mixes, the low model, and fp32 with each)")
+
+
+@dataclass
+class Mix:
+    """The measured units and the chosen mix."""
+
+    plan: MixPlan
+    low: list[Agreement]  # every unit low: the low model's outputs against fp32
+    chosen: list[str]  # unit names, in the order taken
+    outputs: list[Agreement] = field(default_factory=list)  # the chosen mix's outputs against fp32
+    reached: bool = True  # the target met (always, under a budget)
+
+    @property
+    def bytes(self) -> int:
+        units = {u.name: u for u in self.plan.units}
+        return self.plan.base_bytes + sum(units[n].cost for n in self.chosen)
+
+    @property
+    def sqnr_db(self) -> float:
+        return self.outputs[0].sqnr_db if self.outputs else self.low[0].sqnr_db
+
+    def flags(self) -> list[str]:
+        """Flags to add to the command that wrote the low model: one --scheme-for per promoted kind
+        (or alternation of its layers) and scheme; with float, the --ignore list."""
+        units = {u.name: u for u in self.plan.units}
+        layers = [name for n in self.chosen for name in units[n].layers]
+        if self.plan.high == FLOAT:
+            flags = []
+            for value in [*self.plan.ignored, *_patterns(layers, self.plan.fp32_layers)]:
+                flags += ["--ignore", value]
+            return flags
+        by_scheme: dict[str, list[str]] = {}
+        for name in layers:
+            by_scheme.setdefault(self.plan.high_schemes[name], []).append(name)
+        flags = []
+        for scheme, names in by_scheme.items():
+            for pattern in _patterns(names, self.plan.fp32_layers):
+                flags += ["--scheme-for", f"{pattern}={scheme}"]
+        return flags
+
+    def as_dict(self) -> dict:
+        return {"high": self.plan.high, "budget_bytes": self.plan.budget_bytes, "target_db": self.plan.target_db,
+                "low_bytes": self.plan.base_bytes, "low_sqnr_db": finite(self.low[0].sqnr_db),
+                "units": [{"name": u.name, "layers": u.layers, "bytes_added": u.cost,
+                           "noise_removed": u.gain, "chosen": u.name in self.chosen} for u in self.plan.units],
+                "chosen": self.chosen, "bytes": self.bytes, "reached": self.reached,
+                "expected_outputs": [a.as_dict() for a in self.outputs], "flags": self.flags()}
+
+
+def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
+    """Target patterns naming exactly ``layers``: one ``re:`` alternation for the layers in blocks (a
+    kind whole, or the block indices of some of its layers) and the names of the others (lm_head)."""
+    kinds: dict[str, list[str]] = {}
+    for name in every:
+        kinds.setdefault(layer_kind(name), []).append(name)
+    alternatives, names = [], []
+    chosen = set(layers)
+    for kind, members in kinds.items():
+        picked = [m for m in members if m in chosen]
+        if not picked:
+            continue
+        if len(members) == 1 and members[0] == kind:
+            names.append(kind)
+        elif len(picked) == len(members):
+            alternatives.append(re.escape(kind))
+        else:
+            indices = [re.search(r"\.(\d+)\." + re.escape(kind) + "$", m).group(1) for m in picked]
+            alternatives.append("(" + "|".join(indices) + ")" + re.escape("." + kind))
+    regex = ["re:.*\\.(" + "|".join(alternatives) + ")$"] if alternatives else []
+    return regex + names
+
+
+def plan_mix(reference: Path, low: Path, high: Path | None, quantized_layers, *, per_layer: bool,
+             budget_bytes: int | None, target_db: float | None, ignored: list[str]) -> MixPlan:
+    """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk).
+    ``quantized_layers(candidate, reference, targets)`` picks the layers a model quantized."""
+    if (budget_bytes is None) == (target_db is None):
+        raise UsageError("give one of --size-budget and --target-db")
+    (ref, _), (low_model, low_files) = load_model_info(reference, lazy=True), load_model_info(low, lazy=True)
+    base_bytes = sum((Path(low).parent / f).stat().st_size for f in [Path(low).name, *low_files])
+    targets, lookups = find_targets(ref)[0], find_lookups(ref)
+    layers = quantized_layers(low_model, ref, [*targets, *lookups])
+    if not layers:
+        raise UsageError(f"{low} quantizes no layer of {reference}: there is nothing to mix")
+    fp32_nodes = {n.name: n for n in ref.graph.node}
+    values = fp32_computed(ref)
+    ref_inits = {t.name: t for t in ref.graph.initializer}
+    high_model = high_config = None
+    if high is not None:
+        high_model = load_model_info(high, lazy=True)[0]
+        high_config = written_config(Path(high))
+        if high_config is None:
+            raise UsageError(f"--fallback {high} has no quantization_config.json beside it (graphcal writes one): "
+                             "its schemes cannot be given to run")
+    low_reads = {t.name: layer_reads(low_model, fp32_nodes[t.node], values) or [] for t in layers}
+    high_schemes: dict[str, str] = {}
+    high_reads: dict[str, list[str]] = {}
+    high_inits = {t.name: t for t in high_model.graph.initializer} if high_model is not None else {}
+    for t in layers:
+        reads = layer_reads(high_model, fp32_nodes[t.node], values) if high_model is not None else None
+        if reads is None:  # float in the fallback: its fp32 weight
+            if high_model is not None:
+                raise UsageError(f"--fallback {high} leaves {t.name} in float, which {low} quantizes; give a "
+                                 "fallback that quantizes every layer it does, or none (float)")
+            high_reads[t.name] = [t.weight]
+        else:
+            high_reads[t.name] = reads
+            high_schemes[t.name] = _scheme_value(high_config, t)
+    groups = _units(layers, lookups, targets, ref, Path(reference).parent, per_layer)
+    units = []
+    for name, members in groups.items():
+        inside = set(members)
+        elsewhere = {r for t in layers if t.name not in inside for r in low_reads[t.name]}
+        low_inits = {t.name: t for t in low_model.graph.initializer}
+        saved = sum(expected_bytes(low_inits[r]) for r in {r for m in members for r in low_reads[m]} - elsewhere)
+        source = high_inits if high_model is not None else ref_inits
+        added = sum(expected_bytes(source[r]) for r in {r for m in members for r in high_reads[m]})
+        added += LAYER_OVERHEAD * len(members)
+        units.append(Unit(name, members, saved, added))
+    if budget_bytes is not None and budget_bytes < base_bytes:
+        raise UsageError(f"{low} is already {base_bytes / 1e6:.1f} MB, over the --size-budget of "
+                         f"{budget_bytes / 1e6:.1f} MB; quantize it further first")
+    return MixPlan(units, base_bytes, budget_bytes, target_db, str(high) if high is not None else FLOAT,
+                   high_schemes, ignored, {t.name: t.node for t in layers})
+
+
+def _units(layers, lookups, targets, ref: onnx.ModelProto, base_dir: Path, per_layer: bool) -> dict[str, list[str]]:
+    """Unit name -> its layers: each kind (or layer), a lookup's joined with its tied lm_head's."""
+    names = {t.name for t in layers}
+    units: dict[str, list[str]] = {}
+    for t in layers:
+        units.setdefault(t.name if per_layer else layer_kind(t.name), []).append(t.name)
+    ties = find_ties(ref, [x for x in lookups if x.name in names], [t for t in targets if t.name in names],
+                     str(base_dir))
+    for lookup, head in ties.items():
+        a = next(u for u, m in units.items() if lookup in m)
+        b = next(u for u, m in units.items() if head in m)
+        if a != b:
+            units[f"{b}+{a}"] = units.pop(b) + units.pop(a)
+    return units
+
+
+def _scheme_value(config: RunConfig, target) -> str:
+    """The --scheme-for value giving ``target`` the fallback's scheme: a preset name where one equals
+    it and takes no group size (a grouped preset would take the run's --group-size), else its JSON."""
+    from graphcal.config.schemes import resolve_scheme, scheme_names  # lazy: loads compressed-tensors
+
+    scheme = config.scheme_for(target) if not any(matches(target, p) for p in config.ignore) else None
+    if scheme is None:
+        raise UsageError(f"the fallback leaves {target.name} in float, though it quantizes the layer")
+    fields = _fields(scheme)
+    grouped = scheme.weights is not None and enum_value(scheme.weights.strategy) in ("group", "tensor_group")
+    if not grouped:
+        for name in scheme_names():
+            try:
+                preset = resolve_scheme(name, ["Linear"])
+            except UsageError:
+                continue
+            if _fields(preset) == fields:
+                return name
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True)
+
+
+def _fields(scheme) -> dict:
+    """A scheme's quantization fields: no targets, format, nulls, or GPTQ's activation order (the run's
+    --algorithm sets that)."""
+    out = {}
+    for key in ("weights", "input_activations", "output_activations"):
+        args = getattr(scheme, key)
+        if args is None:
+            continue
+        dumped = json.loads(args.model_dump_json(exclude_none=True))
+        dumped.pop("actorder", None)
+        out[key] = dumped
+    return out
+
+
+def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimization) -> Mix:
+    """The low model, each unit promoted in place, then the chosen mix(es), each against fp32."""
+    models = [(load_model_info(p, lazy=True)[0], p) for p in [reference, low, *([high] if high else [])]]
+    if not all(runs_in_onnxruntime(m) for m, _ in models):
+        raise GraphcalError("--size-budget and --target-db run in onnxruntime; these models need onnx.reference")
+    folder = common_root(models)
+    ref_model = models[0][0]
+    types = {name: t.elem_type for name, t in value_types(ref_model).items()}
+    model, switches = switchable_model(ref_model, [m for m, _ in models[1:]], plan.fp32_layers, types)
+    del models, ref_model
+    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
+
+    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
+    del model
+    every = [s for names in switches.values() for s in names if s is not None]
+    units = {u.name: u for u in plan.units}
+
+    def feeds(promoted: set[str]) -> dict[str, np.ndarray]:
+        """Every layer in the low form, the promoted units' layers in the high one (or float)."""
+        up = {name for n in promoted for name in units[n].layers}
+        on = {}
+        for layer, names in switches.items():
+            low_switch = names[0]
+            high_switch = names[1] if len(names) > 1 else None
+            if layer in up:
+                if high_switch is not None:
+                    on[high_switch] = True
+            elif low_switch is not None:
+                on[low_switch] = True
+        return {s: np.array(on.get(s, False)) for s in every}
+
+    total = plan.runs * calib.num_samples if calib.num_samples else None
+    with Progress("mixing", total, "sample") as bar:
+        variants = {"": feeds(set()), **{u.name: feeds({u.name}) for u in plan.units}}
+        measured = _measure(run, every, variants, outputs, calib, bar)
+        low_agree = measured.pop("")
+        base = _noise(low_agree[0])
+        for u in plan.units:
+            u.gain = base - _noise(measured[u.name][0])
+        order = sorted(plan.units, key=lambda u: (-u.value, u.name))
+        if plan.budget_bytes is not None:
+            chosen, room = [], plan.budget_bytes - plan.base_bytes
+            for u in order:
+                if (u.cost <= room) and (u.gain > 0 or u.cost <= 0):
+                    chosen.append(u.name)
+                    room -= u.cost
+            mix = Mix(plan, low_agree, chosen)
+            mix.outputs = _measure(run, every, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
+            return mix
+        want = 10 ** (-plan.target_db / 10)
+        gains = [max(u.gain, 0.0) for u in order]
+        count = 0 if base <= want else _enough(gains, 0, base - want)
+        for _ in range(MAX_TRIES):
+            mix = Mix(plan, low_agree, [u.name for u in order[:count]])
+            mix.outputs = _measure(run, every, {"mix": feeds(set(mix.chosen))}, outputs, calib, bar)["mix"]
+            mix.reached = mix.sqnr_db >= plan.target_db
+            if mix.reached or count >= len(order):
+                break
+            count += max(_enough(gains, count, _noise(mix.outputs[0]) - want), 1)  # the shortfall, at measured rates
+        return mix
+
+
+def _enough(gains: list[float], start: int, needed: float) -> int:
+    """How many units from ``start`` remove ``needed`` noise by their measured gains (all that are left, if none do)."""
+    total = 0.0
+    for i, g in enumerate(gains[start:]):
+        total += g
+        if total >= needed:
+            return i + 1
+    return len(gains) - start
+
+
+def _noise(agreement: Agreement) -> float:
+    """Error power relative to the output's (10^(-SQNR/10))."""
+    return agreement.err_sq / agreement.ref_sq if agreement.ref_sq > 0 else math.inf
+
+
+def _measure(run, switches: list[str], variants: dict[str, dict], outputs, calib, bar) -> dict[str, list[Agreement]]:
+    """Each variant's switches against fp32 (every switch off), batch by batch."""
+    agree = {v: [Agreement(o) for o in outputs] for v in variants}
+    off = {s: np.array(False) for s in switches}
+    for batch in calib.batches():
+        n = batch_samples(batch)
+        ref = run({**batch, **off})
+        bar.update(n)
+        for v, feeds in variants.items():
+            values = run({**batch, **feeds})
+            for a, name in zip(agree[v], outputs):
+                a.add(ref[name], values[name])
+            bar.update(n)
+    return agree
