@@ -1,7 +1,7 @@
 """Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
 
     python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq]
-                                [--scheme W4A16] [--whole [--mix MB]] [--json OUT]
+                                [--scheme W4A16] [--whole [--mix MB [--mix-fallback W8A16:64:rtn]]] [--json OUT]
 
 On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
 4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
@@ -16,10 +16,10 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
   (``--scheme-for Embedding=SCHEME``), written as MatMulNBits and GatherBlockQuantized
   (``--matmulnbits``), into ``graphcal_<scheme>_<method>_g<group>_whole/``;
 - with ``--mix MB`` (and ``--whole``), mixed precision chosen by measurement for each method: the
-  whole model in W8A16 (same group size, round to nearest) is the fallback, ``graphcal eval
+  whole model in ``--mix-fallback`` (default W8A16, groups of 64, round to nearest) is the fallback, ``graphcal eval
   --fallback ... --size-budget MB --per-layer`` chooses which layers take it on calibration data
   (``--mix-samples`` of calib_ids.npz), and ``graphcal run`` writes that choice with the method into
-  ``graphcal_<scheme>_<method>_g<group>_mix<MB>/`` (the eval report beside it as ``mix.json``).
+  ``graphcal_<scheme>_<method>_g<group>_mix<MB>_<fallback>/`` (the eval report beside it as ``mix.json``).
 
 Each is scored by tools/lib/perplexity.py over eval.npz (onnxruntime on the CPU, default settings);
 size is the folder's model files. Every step is skipped when its folder exists.
@@ -71,11 +71,15 @@ def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
     return folder, seconds
 
 
-def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samples: int) -> tuple[Path, float]:
-    """The whole model with the layers eval chooses (within ``budget`` MB) in int8, written with ``method``."""
-    folder = work / f"graphcal_{scheme.lower()}_{method}_g{group}_mix{budget:g}"
+def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samples: int,
+           fallback: str) -> tuple[Path, float]:
+    """The whole model with the layers eval chooses (within ``budget`` MB) in the ``fallback``
+    (SCHEME:GROUP:METHOD) form, written with ``method``."""
+    high_scheme, high_group, high_method = fallback.split(":")
+    folder = work / (f"graphcal_{scheme.lower()}_{method}_g{group}_mix{budget:g}_"
+                     f"{high_scheme.lower()}_g{high_group}_{high_method}")
     low, _ = _graphcal(work, method, group, scheme, whole=True)
-    high, _ = _graphcal(work, "rtn", group, "W8A16", whole=True)
+    high, _ = _graphcal(work, high_method, int(high_group), high_scheme, whole=True)
     start = time.perf_counter()
     if not (folder / "model.onnx").exists():
         report = subprocess.run([sys.executable, "-m", "graphcal", "eval", str(work / "genai_fp32" / "model.onnx"),
@@ -108,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", type=float, default=None, metavar="MB",
                         help="with --whole: also mixed precision within this size, chosen by graphcal eval")
     parser.add_argument("--mix-samples", type=int, default=8, help="calibration samples the mix is chosen on")
+    parser.add_argument("--mix-fallback", default="W8A16:64:rtn", metavar="SCHEME:GROUP:METHOD",
+                        help="the whole model's higher form the mix takes layers from")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work
@@ -122,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.mix is not None:
             if not args.whole:
                 parser.error("--mix takes --whole")
-            folder, seconds = _mixed(work, method, args.group_size, args.scheme, args.mix, args.mix_samples)
-            rows.append((f"graphcal {args.scheme} g{args.group_size} {method} whole model, int8 where eval chose "
-                         f"within {args.mix:g} MB", folder, seconds))
+            folder, seconds = _mixed(work, method, args.group_size, args.scheme, args.mix, args.mix_samples,
+                                     args.mix_fallback)
+            rows.append((f"graphcal {args.scheme} g{args.group_size} {method} whole model, {args.mix_fallback} where "
+                         f"eval chose within {args.mix:g} MB", folder, seconds))
     results = []
     print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
     print("|---|---|---|---|")

@@ -79,12 +79,12 @@ def _sensitivity_text(report: EvalReport) -> list[str]:
 def _mix_text(report: EvalReport) -> list[str]:
     mix = report.mix
     plan = mix.plan
-    goal = (f"within {plan.budget_bytes / 1e6:.1f} MB" if plan.budget_bytes is not None
+    goal = (f"within {plan.budget_bytes / 1e6:.3g} MB" if plan.budget_bytes is not None
             else f"to {plan.target_db:.1f} dB")
     high = "float" if plan.high == "float" else f"{plan.high}'s form"
     width = max([len(u.name) for u in plan.units] + [24])
     lines = ["", f"mixed precision {goal}: units of layers promoted to {high}, one at a time, every other layer "
-             f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.1f} MB)",
+             f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.3g} MB)",
              f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)  chosen"]
     low = mix.low[0].err_sq / mix.low[0].ref_sq if mix.low[0].ref_sq > 0 else math.inf
     for u in sorted(plan.units, key=lambda u: -u.value):
@@ -93,7 +93,7 @@ def _mix_text(report: EvalReport) -> list[str]:
                      f"{'yes' if u.name in mix.chosen else ''}")
     a = mix.outputs[0] if mix.outputs else mix.low[0]
     state = "" if mix.reached else f" (short of {plan.target_db:.1f} dB: every unit promoted)"
-    lines.append(f"chosen: {len(mix.chosen)} of {len(plan.units)} units, {mix.bytes / 1e6:.1f} MB, measured "
+    lines.append(f"chosen: {len(mix.chosen)} of {len(plan.units)} units, {mix.bytes / 1e6:.3g} MB, measured "
                  f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}{state}")
     flags = mix.flags()
     if flags:

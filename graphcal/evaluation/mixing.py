@@ -12,8 +12,9 @@ switch per quantized form):
 1. every unit in LOW's form: the output error LOW has (its noise power relative to the output's);
 2. for each unit, that model with only this unit in HIGH's form: the noise it removes in place,
    with every other layer still low (so interactions with the rest count);
-3. units are taken by noise removed per byte added, the most first: under a budget, while the
-   written size stays within it; for a target, until the predicted output SQNR reaches it;
+3. units are taken by noise removed per byte added, the most first (none that removes under
+   :data:`MIN_GAIN` of the low model's noise): under a budget, while the written size stays
+   within it; for a target, until the predicted output SQNR reaches it;
 4. the chosen mix is run and its output SQNR reported (with a target, more units are added and
    measured again, up to :data:`MAX_TRIES` mixes, while it falls short).
 
@@ -52,6 +53,7 @@ from graphcal.progress import Progress
 from graphcal.types import enum_value
 
 LAYER_OVERHEAD = 256  # bytes per promoted layer for its changed nodes and initializer headers in the protobuf
+MIN_GAIN = 0.005  # a unit removing less than this share of the low model's output noise is not worth its bytes
 MAX_TRIES = 3  # mixes measured for a target: the predicted one, then more units while it falls short
 FLOAT = "float"
 
@@ -324,13 +326,14 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
         if plan.budget_bytes is not None:
             chosen, room = [], plan.budget_bytes - plan.base_bytes
             for u in order:
-                if (u.cost <= room) and (u.gain > 0 or u.cost <= 0):
+                if u.cost <= room and (u.gain > MIN_GAIN * base or u.cost <= 0):
                     chosen.append(u.name)
                     room -= u.cost
             mix = Mix(plan, low_agree, chosen)
             mix.outputs = _measure(run, every, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
             return mix
         want = 10 ** (-plan.target_db / 10)
+        order = [u for u in order if u.gain > MIN_GAIN * base or u.cost <= 0]
         gains = [max(u.gain, 0.0) for u in order]
         count = 0 if base <= want else _enough(gains, 0, base - want)
         for _ in range(MAX_TRIES):
