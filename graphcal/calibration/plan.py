@@ -10,6 +10,7 @@ for the target runtime) fails here.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from types import MappingProxyType
 
 import onnx
 
+from graphcal.algorithms.rotation.fold import METADATA_KEY as ROTATION_METADATA_KEY
+from graphcal.algorithms.rotation.fold import Rotation
+from graphcal.algorithms.rotation.fold import rotate as rotate_stream
 from graphcal.calibration.sizing import size_parts
 from graphcal.config import DEFAULT_IGNORE, RunConfig, observer_name
 from graphcal.errors import GraphcalError
@@ -81,6 +85,7 @@ class RunPlan:
     lookups: tuple[Target, ...] = ()  # embedding lookups to quantize (graph.targets.find_lookups; weight-only)
     found_lookups: tuple[Target, ...] = ()  # every embedding lookup, in graph order
     ties: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # lookup -> the chosen lm_head whose stored weight it reads
+    rotation: Rotation | None = None  # --rotate: what the rotation folded (the model is the rotated one)
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -137,6 +142,12 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     model, data_files = load_model_info(model_path, lazy=True)
     log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(model),
              len(model.graph.node), len(model.graph.initializer))
+    rotation = None
+    if config.rotate:  # before anything is found: every later stage sees the rotated model
+        rotation = rotate_stream(model, str(model_path.parent))
+        model.metadata_props.add(key=ROTATION_METADATA_KEY, value=json.dumps(rotation.as_dict(), sort_keys=True))
+        log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
+                 len(rotation.rotated), rotation.norms)
     found, skipped = find_targets(model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
@@ -193,6 +204,10 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     ties, tie_notes = _ties(model, found, chosen, lookups, schemes, target_runtime, matmulnbits, smoothing, awq,
                             str(model_path.parent))
     warnings += tie_notes
+    if rotation is not None and rotation.untied:
+        warnings.append(f"--rotate: {', '.join(rotation.untied)} had several readers that take different rotations, "
+                        f"so each has its own copy now (+{(rotation.bytes_after - rotation.bytes_before) / 1e6:.1f} MB "
+                        "in float before quantization): a tied table is stored twice")
     return RunPlan(
         model_path=model_path, held=_Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
@@ -201,7 +216,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         size=MappingProxyType(size_parts(model, model_path, items, data_files, lookup_items, ties)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
         unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
-        lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties),
+        lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), rotation=rotation,
     )
 
 

@@ -53,6 +53,12 @@ CONFIG_OPTIONS = (
     click.option("--lm-head", "lm_head", is_flag=True, default=None,
                  help="Quantize lm_head too (llm-compressor leaves it in float: it is dropped from --ignore). A "
                       "lookup tied to it (--scheme-for Embedding=...) then reads its quantized weight: one table."),
+    click.option("--rotate", is_flag=True, default=None,
+                 help="Rotate the residual stream first (QuaRot's and SpinQuant's R1): an orthogonal matrix (Hadamard "
+                      "where the hidden size allows) folded into the embedding, the weights reading and writing the "
+                      "stream and lm_head, and each RMS norm's scale into the weights after it. The fp32 model's "
+                      "outputs do not change; outlier channels are spread, which helps int4 and int8. A table tied "
+                      "to lm_head is untied (the summary says what that costs). Pre-norm decoders only."),
     click.option("--observer", default=None,
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
                       "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "

@@ -58,6 +58,7 @@ class Options:
     group_size: int | None = None  # every group/tensor_group weight scheme's group size
     scheme_for: tuple[str, ...] | None = None  # "TARGET=SCHEME": one more config group each
     lm_head: bool | None = None  # quantize lm_head: "lm_head" leaves the ignore list
+    rotate: bool | None = None  # rotate the residual stream before calibrating
 
 
 def resolve(options: Options) -> RunConfig:
@@ -74,6 +75,8 @@ def resolve(options: Options) -> RunConfig:
                               list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
     if options.lm_head:
         config.ignore = [p for p in config.ignore if p != "lm_head"]
+    if options.rotate:
+        config.rotate = True
     if options.smoothquant is not None or options.smoothing_strength is not None:
         smoothing = config.smoothing or Smoothing()
         if options.smoothquant is not None:

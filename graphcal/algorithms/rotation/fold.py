@@ -1,0 +1,120 @@
+"""A rotation of the residual stream folded into the weights (QuaRot's, SpinQuant's R1): the fp32
+model computes the same outputs, and every weight reading or writing the stream is rotated.
+
+With Q orthogonal (``orthogonal(hidden)``: a normalized Hadamard matrix where one is built), and
+the stream found by :func:`graphcal.graph.residual.residual_stream`:
+
+- each embedding table E becomes ``E Q`` (the stream starts rotated);
+- each weight writing into the stream (o_proj, down_proj) takes Q on its output side, as does
+  a constant bias added into it;
+- each RMS norm's scale g is folded into the weights reading its output and set to ones: the norm
+  then commutes with Q (``rms(x Q) = rms(x)``);
+- each weight reading the stream (q/k/v, gate/up, lm_head) takes ``Q^T diag(g)`` on its input side.
+
+Rotated, a weight's outlier input channels are spread over all channels, which is what makes
+int4 and int8 grids fit it better. A table tied to lm_head cannot stay one table (the two take
+different transforms: ``E Q`` and ``E diag(g) Q``), so both are stored, and the report says what
+that costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from graphcal.algorithms.rotation.hadamard import orthogonal
+from graphcal.graph.edit import Names, add_initializer, drop_dead_paths
+from graphcal.graph.external import expected_bytes
+from graphcal.graph.residual import residual_stream
+from graphcal.graph.weight_path import weight_as_consumed
+
+METADATA_KEY = "graphcal.rotation"
+
+
+@dataclass
+class Rotation:
+    """What :func:`rotate` did."""
+
+    hidden: int
+    matrix: str  # how Q was made ("Hadamard 576", "random orthogonal 100 (seed 0)")
+    rotated: list[str] = field(default_factory=list)  # module names of the weights rotated
+    norms: int = 0  # norm scales folded into the weights after them
+    untied: list[str] = field(default_factory=list)  # initializers that had several readers, now one copy each
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def as_dict(self) -> dict:
+        """The model's ``graphcal.rotation`` metadata."""
+        return {"hidden": self.hidden, "matrix": self.matrix, "weights": len(self.rotated), "norms": self.norms,
+                "untied": self.untied}
+
+
+def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0) -> Rotation:
+    """Rotate ``model``'s residual stream in place (its weights read under ``base_dir``); a model
+    whose stream cannot be rotated exactly is refused (:func:`residual_stream`) before any edit."""
+    stream = residual_stream(model, base_dir)
+    q, how = orthogonal(stream.hidden, seed)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    nodes = {n.name: n for n in graph.node}
+    names = Names(set(inits) | {o for n in graph.node for o in n.output})
+    report = Rotation(stream.hidden, how, bytes_before=_bytes(graph))
+    readers_of: dict[str, int] = {}
+    for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]:
+        readers_of[t.weight] = readers_of.get(t.weight, 0) + 1
+    report.untied = sorted(w for w, n in readers_of.items() if n > 1)
+    new: list[tuple[onnx.NodeProto, int, str, np.ndarray]] = []  # (node, input, base name, value)
+
+    def weight(t) -> np.ndarray:
+        path = [nodes[n] for n in t.weight_path]
+        return weight_as_consumed(inits[t.weight], path, inits, base_dir)
+
+    def const(node: onnx.NodeProto, k: int) -> np.ndarray:
+        name = node.input[k]
+        while name not in inits:  # through Identity (residual_stream checked the chain)
+            name = next(n for n in graph.node if name in n.output).input[0]
+        return weight_as_consumed(inits[name], [], inits, base_dir)
+
+    for t in stream.lookups:  # [vocab, hidden] -> E Q
+        e = weight(t)
+        new.append((nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e)))
+    for t in stream.writers:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
+        w = weight(t)
+        w64 = w.astype(np.float64)
+        rotated = w64 @ q if t.layout == "in_out" else q.T @ w64
+        new.append((nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w)))
+    for node_name, k in stream.biases:
+        node = nodes[node_name]
+        b = const(node, k)
+        new.append((node, k, f"{node_name}.rotated_bias", _cast(b.astype(np.float64) @ q, b)))
+    for r in stream.readers:
+        t = r.target
+        w = weight(t)
+        g = np.ones(stream.hidden) if r.scale is None else const(nodes[r.scale[0]], r.scale[1]).astype(
+            np.float64).reshape(-1)
+        w64 = w.astype(np.float64)
+        rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
+        new.append((nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w)))
+    for node_name, k in stream.scales:
+        node = nodes[node_name]
+        g = const(node, k)
+        new.append((node, k, f"{node_name}.unit_scale", np.ones_like(g)))
+    old = set()
+    for node, k, base, value in new:
+        old.add(node.input[k])
+        node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
+    drop_dead_paths(graph, old)
+    report.rotated = [t.name for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]]
+    report.norms = len(stream.scales)
+    report.bytes_after = _bytes(graph)
+    return report
+
+
+def _cast(value: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return value.astype(like.dtype)
+
+
+def _bytes(graph: onnx.GraphProto) -> int:
+    return sum(expected_bytes(t) for t in graph.initializer)
