@@ -142,6 +142,11 @@ def open_runtime(
     # The memory pattern planner keeps a tapped graph's activations apart (extra consumers):
     # measured on the bench decoder, off is both faster and 0.9 GB smaller (docs/benchmarks.md).
     opts.enable_mem_pattern = False
+    if _fp16_group_query_attention(model):
+        # onnxruntime's CPU planner may hand an fp16 GroupQueryAttention's present output the past
+        # input's buffer (in place), which fails for an empty past ({B, H, 0, D} != {B, H, S, D}) in a
+        # tapped graph: onnxruntime-genai's CUDA fp16 builds, run on the CPU. No buffer reuse there.
+        opts.enable_mem_reuse = False
     if priority_order:
         opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     opts.log_severity_level = 4 if device == "auto" else 3  # keep CUDA probing quiet in auto mode
@@ -278,6 +283,14 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
         stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
     return graph, names, values
 
+
+
+def _fp16_group_query_attention(model) -> bool:
+    """``model`` (a ModelProto) has a GroupQueryAttention whose past key is an fp16 graph input."""
+    if not isinstance(model, onnx.ModelProto):
+        return False
+    fp16 = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    return any(n.op_type == "GroupQueryAttention" and len(n.input) > 3 and n.input[3] in fp16 for n in model.graph.node)
 
 
 def check_loads(path: str | os.PathLike) -> None:

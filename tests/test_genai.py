@@ -215,3 +215,30 @@ def test_a_bad_genai_config_is_refused_before_any_pass(llama_dir, tmp_path, text
     result = CliRunner().invoke(cli, ["run", *args, "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and fragment in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args", [["--scheme", "FP8"], ["--scheme", "W8A8_STATIC", "--smoothquant"],
+                                  ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq"]],
+                         ids=["fp8", "w8a8-static-sq", "gptq"])
+def test_a_cuda_fp16_build_calibrates_on_the_cpu(builder_model, tmp_path, args):
+    """The builder's CUDA fp16 model (GroupQueryAttention over fp16 past tensors, built offline on this
+    machine) calibrates on the CPU, where onnxruntime's planner once gave the present output the empty
+    past's buffer in the tapped graph, and the output is held by eval (onnxruntime) against that model."""
+    folder, calib = builder_model
+    build = tmp_path / "cuda16"
+    result = CliRunner().invoke(cli, ["export", str(folder.parent / "hf"), "--genai", "fp16", "--genai-provider",
+                                      "cuda", "-o", str(build)])
+    assert result.exit_code == 0, result.output
+    model = onnx.load(build / "model.onnx", load_external_data=False)
+    past = next(i for i in model.graph.input if i.name == "past_key_values.0.key")
+    assert past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(build / "model.onnx"), "--data", str(calib), "-o", str(out), "-q",
+                                      *args])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["eval", str(build / "model.onnx"), str(out / "model.onnx"), "--data", str(calib),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    logits = next(o for o in json.loads(result.output.strip().splitlines()[-1])["outputs"] if o["name"] == "logits")
+    assert logits["sqnr_db"] > 10
