@@ -139,8 +139,8 @@ def drop_dead_paths(graph: onnx.GraphProto, detached: set[str]) -> None:
     dead_nodes, dead_inits = dead_paths(graph, detached)
     for n in dead_nodes:
         graph.node.remove(n)
-    if dead_inits:
+    if dead_inits:  # deleted where they stand: re-adding the others would copy every weight held in memory
         drop = set(dead_inits)
-        keep = [t for t in graph.initializer if t.name not in drop]
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
+        for i in reversed(range(len(graph.initializer))):
+            if graph.initializer[i].name in drop:
+                del graph.initializer[i]
