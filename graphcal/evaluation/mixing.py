@@ -215,13 +215,13 @@ def plan_mix(reference: Path, low: Path, high: Path | None, quantized_layers, *,
             high_reads[t.name] = reads
             high_schemes[t.name] = _scheme_value(high_config, t)
     groups = _units(layers, lookups, targets, ref, Path(reference).parent, per_layer)
+    low_inits = {t.name: t for t in low_model.graph.initializer}
+    source = high_inits if high_model is not None else ref_inits
     units = []
     for name, members in groups.items():
         inside = set(members)
         elsewhere = {r for t in layers if t.name not in inside for r in low_reads[t.name]}
-        low_inits = {t.name: t for t in low_model.graph.initializer}
         saved = sum(expected_bytes(low_inits[r]) for r in {r for m in members for r in low_reads[m]} - elsewhere)
-        source = high_inits if high_model is not None else ref_inits
         added = sum(expected_bytes(source[r]) for r in {r for m in members for r in high_reads[m]})
         added += LAYER_OVERHEAD * len(members)
         units.append(Unit(name, members, saved, added))
