@@ -27,7 +27,7 @@ import onnx
 from graphcal.algorithms.rotation.hadamard import orthogonal
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths
 from graphcal.graph.external import expected_bytes
-from graphcal.graph.residual import residual_stream
+from graphcal.graph.residual import head_pairs, residual_stream
 from graphcal.graph.weight_path import weight_as_consumed
 
 METADATA_KEY = "graphcal.rotation"
@@ -44,11 +44,13 @@ class Rotation:
     untied: list[str] = field(default_factory=list)  # initializers that had several readers, now one copy each
     bytes_before: int = 0
     bytes_after: int = 0
+    heads: int = 0  # attention blocks whose value and output heads were turned too (R2)
+    head_matrix: str = ""  # how R2's matrix was made
 
     def as_dict(self) -> dict:
         """The model's ``graphcal.rotation`` metadata."""
         return {"hidden": self.hidden, "matrix": self.matrix, "weights": len(self.rotated), "norms": self.norms,
-                "untied": self.untied}
+                "untied": self.untied, "heads": self.heads, "head_matrix": self.head_matrix}
 
 
 def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0) -> Rotation:
@@ -101,8 +103,27 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0) -
         node = nodes[node_name]
         g = const(node, k)
         new.append((node, k, f"{node_name}.unit_scale", np.ones_like(g)))
+    edits = {(node.name, k): [node, k, base, value] for node, k, base, value in new}
+    for pair in head_pairs(model):  # R2: each value head's columns and o_proj's rows for it, by one H
+        h, how_heads = orthogonal(pair.head_dim, seed)
+        qkv, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
+                    for t in (pair.qkv, pair.out))
+        w = qkv[3].astype(np.float64)
+        first = (pair.num_heads + pair.kv_heads) * pair.head_dim
+        for j in range(pair.kv_heads):
+            cols = slice(first + j * pair.head_dim, first + (j + 1) * pair.head_dim)
+            w[:, cols] = w[:, cols] @ h
+        qkv[3] = _cast(w, qkv[3])
+        w = out[3].astype(np.float64)
+        for i in range(pair.num_heads):
+            rows = slice(i * pair.head_dim, (i + 1) * pair.head_dim)
+            w[rows, :] = h.T @ w[rows, :]
+        out[3] = _cast(w, out[3])
+        edits[(pair.qkv.node, 1)], edits[(pair.out.node, 1)] = qkv, out
+        report.heads += 1
+        report.head_matrix = how_heads
     old = set()
-    for node, k, base, value in new:
+    for node, k, base, value in edits.values():
         old.add(node.input[k])
         node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
     drop_dead_paths(graph, old)
