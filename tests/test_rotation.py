@@ -143,3 +143,17 @@ def test_run_rotate_composes_and_records_the_rotation(llama_dir, tmp_path, extra
     assert result.exit_code == 0, result.output
     floor = 25 if scheme == "W8A8_STATIC" else 12  # unrotated: 30.8 and 13.4 dB on these random weights
     assert json.loads(result.output)["outputs"][0]["sqnr_db"] > floor  # a quantized model of the same function
+
+
+def test_rotations_are_chosen_by_spinquants_names(tied_builder_model, tmp_path):
+    folder, calib = tied_builder_model
+    for value, heads in (("R1", 0), ("r1,R2", 2)):
+        out = tmp_path / value.replace(",", "")
+        result = _cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W8A16", "--group-size", "32",
+                      "--rotate", value, "-o", out, "-q")
+        assert result.exit_code == 0, result.output
+        written = onnx.load(out / "model.onnx", load_external_data=False)
+        assert json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))["heads"] == heads
+    for bad in ("R3", "R2", "R1,R5"):
+        result = _cli("run", folder / "model.onnx", "--data", calib, "--rotate", bad, "-o", tmp_path / "bad")
+        assert result.exit_code == 2 and "--rotate takes R1 or R1,R2" in result.output.strip().splitlines()[-1]

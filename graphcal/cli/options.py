@@ -53,12 +53,14 @@ CONFIG_OPTIONS = (
     click.option("--lm-head", "lm_head", is_flag=True, default=None,
                  help="Quantize lm_head too (llm-compressor leaves it in float: it is dropped from --ignore). A "
                       "lookup tied to it (--scheme-for Embedding=...) then reads its quantized weight: one table."),
-    click.option("--rotate", is_flag=True, default=None,
-                 help="Rotate the residual stream first (QuaRot's and SpinQuant's R1): an orthogonal matrix (Hadamard "
-                      "where the hidden size allows) folded into the embedding, the weights reading and writing the "
-                      "stream and lm_head, and each RMS norm's scale into the weights after it. The fp32 model's "
-                      "outputs do not change; outlier channels are spread, which helps int4 and int8. A table tied "
-                      "to lm_head is untied (the summary says what that costs). Pre-norm decoders only."),
+    click.option("--rotate", is_flag=False, flag_value="R1,R2", default=None, metavar="[R1|R1,R2]",
+                 help="Fold rotations in first (SpinQuant's names; the flag alone: R1,R2, its default). R1 (QuaRot's "
+                      "too): an orthogonal matrix (Hadamard where the hidden size allows) on the residual stream, "
+                      "folded into the embedding, the weights reading and writing it and lm_head, each RMS norm's "
+                      "scale into the weights after it. R2: each value head and o_proj's rows for it, around "
+                      "GroupQueryAttention over a packed qkv_proj. The fp32 model's logits do not change; outlier "
+                      "channels are spread. A table tied to lm_head is untied (run says what that costs). Pre-norm "
+                      "decoders only (docs/rotation.md)."),
     click.option("--observer", default=None,
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
                       "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "

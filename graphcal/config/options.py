@@ -58,7 +58,7 @@ class Options:
     group_size: int | None = None  # every group/tensor_group weight scheme's group size
     scheme_for: tuple[str, ...] | None = None  # "TARGET=SCHEME": one more config group each
     lm_head: bool | None = None  # quantize lm_head: "lm_head" leaves the ignore list
-    rotate: bool | None = None  # rotate the residual stream before calibrating
+    rotate: str | None = None  # --rotate: "R1", or "R1,R2" (SpinQuant's default), folded in before calibrating
 
 
 def resolve(options: Options) -> RunConfig:
@@ -76,7 +76,7 @@ def resolve(options: Options) -> RunConfig:
     if options.lm_head:
         config.ignore = [p for p in config.ignore if p != "lm_head"]
     if options.rotate:
-        config.rotate = True
+        config.rotate = check_rotations(options.rotate)
     if options.smoothquant is not None or options.smoothing_strength is not None:
         smoothing = config.smoothing or Smoothing()
         if options.smoothquant is not None:
@@ -139,6 +139,19 @@ def _duo(value) -> bool | str:
     if text not in choices:
         raise UsageError(f"--duo-scaling takes true, false or both, got {shown(str(value))!r}")
     return choices[text]
+
+
+ROTATIONS = ("R1", "R2")
+
+
+def check_rotations(text: str) -> tuple[str, ...]:
+    """--rotate's value: rotations by SpinQuant's names, R1 always among them (R2 turns heads inside it)."""
+    names = tuple(dict.fromkeys(p.strip().upper() for p in str(text).split(",") if p.strip()))
+    unknown = [n for n in names if n not in ROTATIONS]
+    if unknown or "R1" not in names:
+        raise UsageError(f"--rotate takes R1 or R1,R2 (SpinQuant's names; R3 and R4 need online Hadamards, which "
+                         f"graphcal does not write), got {shown(str(text))!r}")
+    return names
 
 
 def _number(value):

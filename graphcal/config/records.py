@@ -99,7 +99,7 @@ class RunConfig:
     smoothing: Smoothing | None = None  # SmoothQuant before quantizing (None: none)
     awq: AWQSettings | None = None  # AWQ's scale search before quantizing (None: none)
     gptq: GPTQSettings | None = None  # weights quantized by GPTQ instead of rounding to nearest (None: RTN)
-    rotate: bool = False  # the residual stream rotated first (algorithms.rotation), the fp32 model's outputs unchanged
+    rotate: tuple[str, ...] = ()  # rotations folded in first ("R1", "R2"; algorithms.rotation), fp32 outputs unchanged
 
     def __post_init__(self):
         """A stranger's ``re:`` target or ignore refused here, before any model is read (the bounded

@@ -53,9 +53,10 @@ class Rotation:
                 "untied": self.untied, "heads": self.heads, "head_matrix": self.head_matrix}
 
 
-def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0) -> Rotation:
-    """Rotate ``model``'s residual stream in place (its weights read under ``base_dir``); a model
-    whose stream cannot be rotated exactly is refused (:func:`residual_stream`) before any edit."""
+def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True) -> Rotation:
+    """Rotate ``model``'s residual stream in place (its weights read under ``base_dir``), and with
+    ``heads`` each value head with o_proj's rows for it (R2); a model whose stream cannot be rotated
+    exactly is refused (:func:`residual_stream`) before any edit."""
     stream = residual_stream(model, base_dir)
     q, how = orthogonal(stream.hidden, seed)
     graph = model.graph
@@ -104,7 +105,7 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0) -
         g = const(node, k)
         new.append((node, k, f"{node_name}.unit_scale", np.ones_like(g)))
     edits = {(node.name, k): [node, k, base, value] for node, k, base, value in new}
-    for pair in head_pairs(model):  # R2: each value head's columns and o_proj's rows for it, by one H
+    for pair in head_pairs(model) if heads else []:  # R2: each value head's columns and o_proj's rows for it, by one H
         h, how_heads = orthogonal(pair.head_dim, seed)
         qkv, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
                     for t in (pair.qkv, pair.out))
