@@ -29,8 +29,8 @@ from onnx import helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import SHAPE_OPS, GraphIndex
+from graphcal.graph.scaling.find import _Values
 from graphcal.graph.targets import find_lookups, find_targets
-from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.types import Target
 
 _RMS_NORMS = {  # op type -> (scale input, outputs in the stream, outputs that are per-row statistics)
@@ -67,8 +67,8 @@ def residual_stream(model: onnx.ModelProto, base_dir: str | None = None) -> Stre
 
 class _Walk:
     def __init__(self, model: onnx.ModelProto, base_dir: str | None):
-        self.model, self.base_dir = model, base_dir
-        self.index = GraphIndex(model.graph)
+        self.model = model
+        self.index = _Values(model, base_dir)  # the graph's index, with constants' values and values' types
         self.by_node = {t.node: t for t in find_targets(model)[0]}
         self.lookups = find_lookups(model)
         self.nodes = {n.name: n for n in model.graph.node}
@@ -85,26 +85,12 @@ class _Walk:
         self.folded: dict[str, tuple[str, int]] = {}  # a norm's scaled output -> its scale (node, input)
         self.waiting: dict[str, str] = {}  # node -> the stream value it reads, its other input not known yet
         self.readers: dict[str, Target] = {}
-        self._ranks = None
 
     # -- what a value is ----------------------------------------------------------------------
 
     def const(self, name: str) -> np.ndarray | None:
-        """A small constant's value (at most one row of the stream), else None."""
-        for _ in range(16):  # through Identity, as exporters share equal constants
-            node = self.index.producer_node(name)
-            if node is None or node.op_type != "Identity":
-                break
-            name = node.input[0]
-        if name in self.index.initializers:
-            t = self.index.initializers[name]
-            if int(np.prod(t.dims)) > self.stream.hidden:
-                return None
-            return weight_as_consumed(t, [], self.index.initializers, self.base_dir)
-        node = self.index.producer_node(name)
-        if node is not None and node.op_type == "Constant":
-            return onnx.numpy_helper.to_array(next(a.t for a in node.attribute if a.name == "value"))
-        return None
+        """A small constant's value (at most one row of the stream, maybe behind Identity), else None."""
+        return self.index.const(name, max_elements=self.stream.hidden)
 
     def scalar(self, name: str) -> bool:
         value = self.const(name)
@@ -125,11 +111,8 @@ class _Walk:
             return False
         if axes[0] == -1:
             return True
-        if self._ranks is None:
-            from graphcal.graph.io import value_types  # lazy: shape inference, only for a positive axis
-
-            self._ranks = {k: len(v.shape) if v.shape is not None else None for k, v in value_types(self.model).items()}
-        return self._ranks.get(node.input[0]) == axes[0] + 1
+        known = self.index.types.get(node.input[0])  # shape inference, on first use: only for a positive axis
+        return known is not None and known.shape is not None and len(known.shape) == axes[0] + 1
 
     def writer(self, name: str) -> bool:
         """``name`` is a weight's output added into the stream: record the weight (and its bias)."""
@@ -324,8 +307,6 @@ def head_pairs(model: onnx.ModelProto) -> list[HeadPair]:
     alone (no separate key and value inputs) and whose output only o_proj reads; others are left."""
     index = GraphIndex(model.graph)
     by_node = {t.node: t for t in find_targets(model)[0]}
-    nodes = {n.name: n for n in model.graph.node}
-    by_output = {nodes[t.node].output[0]: t for t in by_node.values() if t.node in nodes}
     pairs = []
     for node in model.graph.node:
         if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
@@ -333,7 +314,8 @@ def head_pairs(model: onnx.ModelProto) -> list[HeadPair]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if any(len(node.input) > k and node.input[k] for k in (1, 2)):
             continue  # separate key and value inputs: not the packed form
-        qkv = by_output.get(node.input[0])
+        producer = index.producer_node(node.input[0])
+        qkv = by_node.get(producer.name) if producer is not None and producer.output[0] == node.input[0] else None
         readers = [n for n in index.value_readers(node.output[0]) if n.op_type not in SHAPE_OPS]
         if qkv is None or len(index.value_readers(node.input[0])) != 1 or len(readers) != 1:
             continue

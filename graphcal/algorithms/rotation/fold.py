@@ -28,6 +28,7 @@ from graphcal.algorithms.rotation.hadamard import orthogonal
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.residual import head_pairs, residual_stream
+from graphcal.graph.scaling.find import _Values
 from graphcal.graph.weight_path import weight_as_consumed
 
 METADATA_KEY = "graphcal.rotation"
@@ -68,30 +69,31 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]:
         readers_of[t.weight] = readers_of.get(t.weight, 0) + 1
     report.untied = sorted(w for w, n in readers_of.items() if n > 1)
-    new: list[tuple[onnx.NodeProto, int, str, np.ndarray]] = []  # (node, input, base name, value)
+    edits: dict[tuple[str, int], list] = {}  # (node, input) -> [node, input, base name, new value]
+    values = _Values(model, base_dir)
+
+    def put(node: onnx.NodeProto, k: int, base: str, value: np.ndarray) -> None:
+        edits[(node.name, k)] = [node, k, base, value]
 
     def weight(t) -> np.ndarray:
         path = [nodes[n] for n in t.weight_path]
         return weight_as_consumed(inits[t.weight], path, inits, base_dir)
 
     def const(node: onnx.NodeProto, k: int) -> np.ndarray:
-        name = node.input[k]
-        while name not in inits:  # through Identity (residual_stream checked the chain)
-            name = next(n for n in graph.node if name in n.output).input[0]
-        return weight_as_consumed(inits[name], [], inits, base_dir)
+        return values.const(node.input[k])  # through Identity (residual_stream checked it is a constant)
 
     for t in stream.lookups:  # [vocab, hidden] -> E Q
         e = weight(t)
-        new.append((nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e)))
+        put(nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e))
     for t in stream.writers:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
         w = weight(t)
         w64 = w.astype(np.float64)
         rotated = w64 @ q if t.layout == "in_out" else q.T @ w64
-        new.append((nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w)))
+        put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
     for node_name, k in stream.biases:
         node = nodes[node_name]
         b = const(node, k)
-        new.append((node, k, f"{node_name}.rotated_bias", _cast(b.astype(np.float64) @ q, b)))
+        put(node, k, f"{node_name}.rotated_bias", _cast(b.astype(np.float64) @ q, b))
     for r in stream.readers:
         t = r.target
         w = weight(t)
@@ -99,12 +101,11 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             np.float64).reshape(-1)
         w64 = w.astype(np.float64)
         rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
-        new.append((nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w)))
+        put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
     for node_name, k in stream.scales:
         node = nodes[node_name]
         g = const(node, k)
-        new.append((node, k, f"{node_name}.unit_scale", np.ones_like(g)))
-    edits = {(node.name, k): [node, k, base, value] for node, k, base, value in new}
+        put(node, k, f"{node_name}.unit_scale", np.ones_like(g))
     for pair in head_pairs(model) if heads else []:  # R2: each value head's columns and o_proj's rows for it, by one H
         h, how_heads = orthogonal(pair.head_dim, seed)
         qkv, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]

@@ -41,8 +41,9 @@ class _Values(GraphIndex):
         """Element types and shapes of the graph's values (shape inference, on first use only)."""
         return value_types(self._model)
 
-    def const(self, name: str) -> np.ndarray | None:
-        """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise."""
+    def const(self, name: str, max_elements: int | None = None) -> np.ndarray | None:
+        """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise,
+        and None for one of more than ``max_elements`` elements (then nothing is read)."""
         seen = 0
         while name not in self.initializers:
             node = self.producer_node(name)
@@ -53,10 +54,13 @@ class _Values(GraphIndex):
                 continue
             if node.op_type == "Constant":
                 for a in node.attribute:
-                    if a.name == "value":
+                    if a.name == "value" and (max_elements is None or np.prod(a.t.dims) <= max_elements):
                         return numpy_helper.to_array(a.t)
             return None
-        return weight_as_consumed(self.initializers[name], [], self.initializers, self.base_dir)
+        init = self.initializers[name]
+        if max_elements is not None and np.prod(init.dims) > max_elements:
+            return None
+        return weight_as_consumed(init, [], self.initializers, self.base_dir)
 
 
 def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None = None) -> list[Candidate]:
