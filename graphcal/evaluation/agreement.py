@@ -58,6 +58,11 @@ class Agreement:
         return 10 * math.log10(self.ref_sq / self.err_sq) if self.ref_sq > 0 else -math.inf
 
     @property
+    def noise(self) -> float:
+        """Error power relative to the reference's (10^(-SQNR/10))."""
+        return self.err_sq / self.ref_sq if self.ref_sq > 0 else math.inf
+
+    @property
     def cosine(self) -> float:
         denom = math.sqrt(self.ref_sq * self.cand_sq)
         return self.dot / denom if denom > 0 else 1.0

@@ -130,7 +130,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     mix_plan = None
     if mixing:
         mix_plan = plan_mix(Path(reference), Path(candidate), None if fallback is None else Path(fallback),
-                            quantized_layers, per_layer=per_layer, budget_bytes=size_budget_bytes,
+                            per_layer=per_layer, budget_bytes=size_budget_bytes,
                             target_db=target_db, ignored=ignored if ignored is not None else list(DEFAULT_IGNORE))
         log.warning("eval %s: %s after the comparison", _MIX_FLAG[size_budget_bytes is None], mix_plan.describe())
     smoothable = smoothable_layers(ref_model, targets, smoothed, Path(reference).parent)

@@ -86,7 +86,7 @@ def _mix_text(report: EvalReport) -> list[str]:
     lines = ["", f"mixed precision {goal}: units of layers promoted to {high}, one at a time, every other layer "
              f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.3g} MB)",
              f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)  chosen"]
-    low = mix.low[0].err_sq / mix.low[0].ref_sq if mix.low[0].ref_sq > 0 else math.inf
+    low = mix.low[0].noise
     for u in sorted(plan.units, key=lambda u: -u.value):
         promoted = 10 * math.log10(1 / (low - u.gain)) if 0 < low - u.gain else math.inf
         lines.append(f"{u.name:<{width}}  {len(u.layers):>5}  {u.cost / 1e6:>8.2f}  {_fmt_db(promoted):>20}  "

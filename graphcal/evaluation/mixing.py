@@ -33,17 +33,18 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from graphcal.config.records import RunConfig
-from graphcal.data import batch_samples
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.candidate import written_config
 from graphcal.evaluation.kinds import layer_kind
+from graphcal.evaluation.sensitivity import measure_variants, quantized_layers
 from graphcal.graph.external import common_root, expected_bytes
 from graphcal.graph.io import load_model_info, runs_in_onnxruntime, value_types
 from graphcal.graph.switch import fp32_computed, layer_reads, switchable_model
@@ -93,6 +94,10 @@ class MixPlan:
     ignored: list[str]  # the low model's ignore list
     fp32_layers: dict[str, str]  # layer -> the fp32 node computing it
 
+    @cached_property
+    def by_name(self) -> dict[str, Unit]:
+        return {u.name: u for u in self.units}
+
     @property
     def mixes(self) -> int:
         return 1 if self.budget_bytes is not None else MAX_TRIES
@@ -120,8 +125,7 @@ class Mix:
 
     @property
     def bytes(self) -> int:
-        units = {u.name: u for u in self.plan.units}
-        return self.plan.base_bytes + sum(units[n].cost for n in self.chosen)
+        return self.plan.base_bytes + sum(self.plan.by_name[n].cost for n in self.chosen)
 
     @property
     def sqnr_db(self) -> float:
@@ -130,8 +134,7 @@ class Mix:
     def flags(self) -> list[str]:
         """Flags to add to the command that wrote the low model: one --scheme-for per promoted kind
         (or alternation of its layers) and scheme; with float, the --ignore list."""
-        units = {u.name: u for u in self.plan.units}
-        layers = [name for n in self.chosen for name in units[n].layers]
+        layers = [name for n in self.chosen for name in self.plan.by_name[n].layers]
         if self.plan.high == FLOAT:
             flags = []
             for value in [*self.plan.ignored, *_patterns(layers, self.plan.fp32_layers)]:
@@ -178,10 +181,9 @@ def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
     return regex + names
 
 
-def plan_mix(reference: Path, low: Path, high: Path | None, quantized_layers, *, per_layer: bool,
+def plan_mix(reference: Path, low: Path, high: Path | None, *, per_layer: bool,
              budget_bytes: int | None, target_db: float | None, ignored: list[str]) -> MixPlan:
-    """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk).
-    ``quantized_layers(candidate, reference, targets)`` picks the layers a model quantized."""
+    """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk)."""
     if (budget_bytes is None) == (target_db is None):
         raise UsageError("give one of --size-budget and --target-db")
     (ref, _), (low_model, low_files) = load_model_info(reference, lazy=True), load_model_info(low, lazy=True)
@@ -200,12 +202,15 @@ def plan_mix(reference: Path, low: Path, high: Path | None, quantized_layers, *,
         if high_config is None:
             raise UsageError(f"--fallback {high} has no quantization_config.json beside it (graphcal writes one): "
                              "its schemes cannot be given to run")
-    low_reads = {t.name: layer_reads(low_model, fp32_nodes[t.node], values) or [] for t in layers}
+    layer_nodes = [fp32_nodes[t.node] for t in layers]
+    low_by_node = layer_reads(low_model, layer_nodes, values)
+    low_reads = {t.name: low_by_node[t.node] or [] for t in layers}
+    high_by_node = layer_reads(high_model, layer_nodes, values) if high_model is not None else {}
     high_schemes: dict[str, str] = {}
     high_reads: dict[str, list[str]] = {}
     high_inits = {t.name: t for t in high_model.graph.initializer} if high_model is not None else {}
     for t in layers:
-        reads = layer_reads(high_model, fp32_nodes[t.node], values) if high_model is not None else None
+        reads = high_by_node.get(t.node)
         if reads is None:  # float in the fallback: its fp32 weight
             if high_model is not None:
                 raise UsageError(f"--fallback {high} leaves {t.name} in float, which {low} quantizes; give a "
@@ -298,7 +303,8 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
     run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
     del model
     every = [s for names in switches.values() for s in names if s is not None]
-    units = {u.name: u for u in plan.units}
+    off = {s: np.array(False) for s in every}
+    units = plan.by_name
 
     def feeds(promoted: set[str]) -> dict[str, np.ndarray]:
         """Every layer in the low form, the promoted units' layers in the high one (or float)."""
@@ -317,11 +323,11 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
     total = plan.runs * calib.num_samples if calib.num_samples else None
     with Progress("mixing", total, "sample") as bar:
         variants = {"": feeds(set()), **{u.name: feeds({u.name}) for u in plan.units}}
-        measured = _measure(run, every, variants, outputs, calib, bar)
+        measured = measure_variants(run, off, variants, outputs, calib, bar)
         low_agree = measured.pop("")
-        base = _noise(low_agree[0])
+        base = low_agree[0].noise
         for u in plan.units:
-            u.gain = base - _noise(measured[u.name][0])
+            u.gain = base - measured[u.name][0].noise
         order = sorted(plan.units, key=lambda u: (-u.value, u.name))
         if plan.budget_bytes is not None:
             chosen, room = [], plan.budget_bytes - plan.base_bytes
@@ -330,7 +336,7 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
                     chosen.append(u.name)
                     room -= u.cost
             mix = Mix(plan, low_agree, chosen)
-            mix.outputs = _measure(run, every, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
+            mix.outputs = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
             return mix
         want = 10 ** (-plan.target_db / 10)
         order = [u for u in order if u.gain > MIN_GAIN * base or u.cost <= 0]
@@ -338,11 +344,11 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
         count = 0 if base <= want else _enough(gains, 0, base - want)
         for _ in range(MAX_TRIES):
             mix = Mix(plan, low_agree, [u.name for u in order[:count]])
-            mix.outputs = _measure(run, every, {"mix": feeds(set(mix.chosen))}, outputs, calib, bar)["mix"]
+            mix.outputs = measure_variants(run, off, {"mix": feeds(set(mix.chosen))}, outputs, calib, bar)["mix"]
             mix.reached = mix.sqnr_db >= plan.target_db
             if mix.reached or count >= len(order):
                 break
-            count += max(_enough(gains, count, _noise(mix.outputs[0]) - want), 1)  # the shortfall, at measured rates
+            count += max(_enough(gains, count, mix.outputs[0].noise - want), 1)  # the shortfall, at measured rates
         return mix
 
 
@@ -354,24 +360,3 @@ def _enough(gains: list[float], start: int, needed: float) -> int:
         if total >= needed:
             return i + 1
     return len(gains) - start
-
-
-def _noise(agreement: Agreement) -> float:
-    """Error power relative to the output's (10^(-SQNR/10))."""
-    return agreement.err_sq / agreement.ref_sq if agreement.ref_sq > 0 else math.inf
-
-
-def _measure(run, switches: list[str], variants: dict[str, dict], outputs, calib, bar) -> dict[str, list[Agreement]]:
-    """Each variant's switches against fp32 (every switch off), batch by batch."""
-    agree = {v: [Agreement(o) for o in outputs] for v in variants}
-    off = {s: np.array(False) for s in switches}
-    for batch in calib.batches():
-        n = batch_samples(batch)
-        ref = run({**batch, **off})
-        bar.update(n)
-        for v, feeds in variants.items():
-            values = run({**batch, **feeds})
-            for a, name in zip(agree[v], outputs):
-                a.add(ref[name], values[name])
-            bar.update(n)
-    return agree

@@ -175,18 +175,25 @@ def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, ca
 
 
 def _measure(run, switches: dict[str, str], variants: dict[str, list[str]], outputs, calib, bar) -> dict[str, list[Agreement]]:
-    """Each variant (its layers quantized, the rest in float) against fp32, batch by batch: one fp32
-    run per batch serves every variant."""
+    """Each variant (its layers quantized, the rest in float) against fp32."""
+    off = {s: np.array(False) for s in switches.values()}
+    return measure_variants(run, off, {v: {**off, **{switches[name]: np.array(True) for name in layers}}
+                                       for v, layers in variants.items()}, outputs, calib, bar)
+
+
+def measure_variants(run, off: dict[str, np.ndarray], variants: dict[str, dict[str, np.ndarray]], outputs, calib,
+                     bar) -> dict[str, list[Agreement]]:
+    """Each variant (the switch inputs it feeds) against fp32 (``off``: every switch off), batch by
+    batch: one fp32 run per batch serves every variant."""
     agree = {v: [Agreement(o) for o in outputs] for v in variants}
     if not variants:
         return agree
-    off = {s: np.array(False) for s in switches.values()}
     for batch in calib.batches():
         n = batch_samples(batch)
         ref = run({**batch, **off})
         bar.update(n)
-        for v, layers in variants.items():
-            values = run({**batch, **off, **{switches[name]: np.array(True) for name in layers}})
+        for v, feeds in variants.items():
+            values = run({**batch, **feeds})
             for a, name in zip(agree[v], outputs):
                 a.add(ref[name], values[name])
             bar.update(n)

@@ -104,13 +104,12 @@ def fp32_computed(reference: onnx.ModelProto) -> set[str]:
     return values | {o for n in reference.graph.node for o in n.output}
 
 
-def layer_reads(candidate: onnx.ModelProto, fp32: onnx.NodeProto, fp32_values: set[str]) -> list[str] | None:
-    """The candidate initializers read in computing ``fp32``'s output (what that layer's form
-    stores), or None where the candidate computes it with the fp32 node itself."""
-    form = _Form(candidate, "", fp32_values)
-    if form.same_as(fp32):
-        return None
-    return form.nodes(fp32.output[0])[1]
+def layer_reads(candidate: onnx.ModelProto, fp32_nodes: list[onnx.NodeProto],
+                fp32_values: set[str]) -> dict[str, list[str] | None]:
+    """For each fp32 node (by name), the candidate initializers read in computing its output (what
+    that layer's form stores), or None where the candidate computes it with the fp32 node itself."""
+    form = _Form(candidate, "", fp32_values)  # the candidate indexed once for every layer
+    return {n.name: None if form.same_as(n) else form.nodes(n.output[0])[1] for n in fp32_nodes}
 
 
 class _Form:
