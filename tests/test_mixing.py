@@ -187,3 +187,19 @@ def test_the_text_report_prints_the_flags_it_measured(llama_dir, llama_forms):
     line = next(ln for ln in result.output.splitlines() if ln.startswith("to write it, add to the command"))
     flags = shlex.split(line.split("model: ", 1)[1])
     assert flags == _mix(llama_dir, low, *args[5:])["flags"]
+
+
+def test_a_fallback_config_linked_out_of_its_folder_is_refused(llama_dir, llama_forms, tmp_path):
+    """The fallback's quantization_config.json is a stranger's file: read only inside its folder."""
+    low, high = llama_forms
+    folder = tmp_path / "fallback"
+    folder.mkdir()
+    (folder / "model.onnx").write_bytes(high.read_bytes())
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((high.parent / "quantization_config.json").read_text())
+    (folder / "quantization_config.json").symlink_to(outside)
+    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--fallback",
+                  folder / "model.onnx", "--size-budget", 1)
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert "leads out of the model's folder" in last and "Traceback" not in result.output

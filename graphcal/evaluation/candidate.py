@@ -10,39 +10,56 @@ import onnx
 
 from graphcal.algorithms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
 from graphcal.config.records import RunConfig
+from graphcal.config.untrusted import MAX_JSON_BYTES, load_json
 from graphcal.errors import GraphcalError, UsageError, first_line
 from graphcal.graph.scaling import SCOPE_OF_KIND, candidates
-from graphcal.limits import read_regular
+from graphcal.limits import inside_folder, read_regular
 from graphcal.output.metadata import CONFIG_FILE
 
 
-def written_ignore(candidate: Path) -> list[str] | None:
-    """The ignore list graphcal wrote beside ``candidate`` (quantization_config.json), if there is one."""
-    path = candidate.parent / CONFIG_FILE
-    if not path.is_file():
+def _written_record(candidate: Path) -> dict | None:
+    """The quantization_config.json graphcal wrote beside ``candidate`` as a JSON object (None when
+    there is none), read as a stranger's file: inside the model's folder, regular, at most 1 MB,
+    bounded in depth; anything else is refused (GraphcalError)."""
+    real = inside_folder(candidate.parent, CONFIG_FILE, "reads a quantization config only inside it")
+    if real is None:
         return None
+    raw = read_regular(real, "quantization config", MAX_JSON_BYTES)
     try:
-        ignore = json.loads(read_regular(path, "quantization config", 1 << 20)).get("ignore")
-    except (GraphcalError, ValueError, AttributeError):
+        record = load_json(raw.decode("utf-8"), real, error=GraphcalError, needs="a quantization config nests 5")
+    except ValueError as e:  # json's own errors, and bytes that are not UTF-8
+        raise GraphcalError(f"{real} is not valid JSON ({first_line(e)})") from e
+    if not isinstance(record, dict):
+        raise GraphcalError(f"{real} is not a JSON object")
+    return record
+
+
+def written_ignore(candidate: Path) -> list[str] | None:
+    """The ignore list graphcal wrote beside ``candidate`` (quantization_config.json), if there is one
+    it can read (eval's advice then keeps it; otherwise it falls back to the default)."""
+    try:
+        record = _written_record(candidate)
+    except GraphcalError:
         return None
+    ignore = record.get("ignore") if record is not None else None
     return [str(x) for x in ignore] if isinstance(ignore, list) else None
 
 
 def written_config(candidate: Path):
     """The config groups and ignore list graphcal wrote beside ``candidate`` (quantization_config.json)
     as a :class:`RunConfig`, or None when there is no such file; a file that is not one is refused."""
-    path = candidate.parent / CONFIG_FILE
-    if not path.is_file():
-        return None
     from compressed_tensors.quantization import QuantizationScheme  # lazy: compressed-tensors, only for a fallback
     from pydantic import ValidationError
 
     try:
-        record = json.loads(read_regular(path, "quantization config", 1 << 20))
+        record = _written_record(candidate)
+        if record is None:
+            return None
         groups = {str(k): QuantizationScheme.model_validate(v) for k, v in record["config_groups"].items()}
         return RunConfig(groups=groups, ignore=[str(x) for x in record.get("ignore") or []])
-    except (ValueError, KeyError, TypeError, AttributeError, ValidationError) as e:
-        raise UsageError(f"{path} is not a quantization config graphcal can read: {first_line(e)}") from e
+    except (GraphcalError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as e:
+        raise UsageError(f"{candidate.parent / CONFIG_FILE} is not a quantization config graphcal can read: "
+                         f"{first_line(e)}") from e
 
 
 def smoothquant_record(model: onnx.ModelProto) -> dict:
