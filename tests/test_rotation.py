@@ -55,15 +55,18 @@ def _random_scales(model: onnx.ModelProto, names, rng) -> None:
             t.CopyFrom(numpy_helper.from_array(rng.uniform(0.5, 2.0, value.shape).astype(value.dtype), t.name))
 
 
-def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path):
+@pytest.mark.parametrize("kind, matrix", [("hadamard", "Hadamard 128"),
+                                          ("random-hadamard", "Hadamard 128, random signs (seed 0)"),
+                                          ("random-matrix", "random orthogonal 128 (seed 0)")])
+def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path, kind, matrix):
     rng = np.random.default_rng(0)
     model = load_model(llama_dir / "model.onnx")
     _random_scales(model, {"model.layers.0.input_layernorm.weight"}, rng)  # every norm reads it (Identity)
     original = tmp_path / "original.onnx"
     save_model(model, original)
     rotated = load_model(original)
-    report = rotate(rotated, str(tmp_path))
-    assert report.matrix == "Hadamard 128" and report.norms == 5 and report.untied == []
+    report = rotate(rotated, str(tmp_path), kind=kind)
+    assert report.matrix == matrix and report.norms == 5 and report.untied == []
     # the embedding, 2 x (o_proj, down_proj) writing, 2 x (q, k, v, gate, up) and lm_head reading
     assert len(report.rotated) == 1 + 4 + 11
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
@@ -72,7 +75,7 @@ def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     embed = next(t for t in rotated.graph.initializer if t.name.startswith("model.embed_tokens.rotated"))
     before = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "model.embed_tokens.weight"))
-    np.testing.assert_allclose(numpy_helper.to_array(embed), before @ orthogonal(128)[0], atol=1e-6)
+    np.testing.assert_allclose(numpy_helper.to_array(embed), before @ orthogonal(128, 0, kind)[0], atol=1e-6)
 
 
 def test_a_tied_builder_model_rotated_generates_the_same_logits_and_is_untied(tied_builder_model, tmp_path):
@@ -127,7 +130,7 @@ def test_an_encoder_with_layernorm_is_refused_in_one_line(bert_dir, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("extra", [[], ["--smoothquant"], ["--algorithm", "gptq"]])
+@pytest.mark.parametrize("extra", [[], ["--smoothquant"], ["--algorithm", "gptq"], ["--algorithm", "awq"]])
 def test_run_rotate_composes_and_records_the_rotation(llama_dir, tmp_path, extra):
     before = (llama_dir / "model.onnx").read_bytes()
     out = tmp_path / "out"
@@ -157,3 +160,50 @@ def test_rotations_are_chosen_by_spinquants_names(tied_builder_model, tmp_path):
     for bad in ("R3", "R2", "R1,R5"):
         result = _cli("run", folder / "model.onnx", "--data", calib, "--rotate", bad, "-o", tmp_path / "bad")
         assert result.exit_code == 2 and "--rotate takes R1 or R1,R2" in result.output.strip().splitlines()[-1]
+
+
+SPINQUANT_RECIPE = """
+quant_stage:
+  quant_modifiers:
+    SpinQuantModifier: {rotations: [R1, R2], transform_type: %s}
+    QuantizationModifier: {targets: [Linear], ignore: [lm_head], scheme: W8A8}
+"""
+
+
+def test_a_spinquant_recipe_folds_its_rotations_as_rotate_does(tied_builder_model, tmp_path):
+    """llm-compressor's SpinQuantModifier in a recipe: R1 and R2 by its transform type, folded in
+    before calibrating, recorded as --rotate records them."""
+    folder, calib = tied_builder_model
+    for kind, matrix in (("hadamard", "Hadamard 64"), ("random-matrix", "random orthogonal 64 (seed 0)")):
+        recipe = tmp_path / f"{kind}.yaml"
+        recipe.write_text(SPINQUANT_RECIPE % kind)
+        out = tmp_path / kind
+        result = _cli("run", folder / "model.onnx", "--data", calib, "--recipe", recipe, "-o", out, "-q")
+        assert result.exit_code == 0, result.output
+        written = onnx.load(out / "model.onnx", load_external_data=False)
+        record = json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))
+        assert record["matrix"] == matrix and record["heads"] == 2, record
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{rotations: [R1, R3]}", "rotations R3 are online"),
+    ("{rotations: [R2]}", "rotations must be [R1] or [R1, R2]"),
+    ("{randomize: true}", "randomize: true is not supported"),
+    ("{transform_block_size: 32}", "transform_block_size is not supported"),
+    ("{transform_type: givens}", "transform_type"),
+    ("{rotation: [R1]}", "rotation"),
+])
+def test_what_a_spinquant_recipe_asks_that_graphcal_cannot_fold_is_refused(llama_dir, tmp_path, body, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(SPINQUANT_RECIPE.replace("{rotations: [R1, R2], transform_type: %s}", body))
+    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_spinquant_modifier_after_the_quantizer_is_refused(llama_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {targets: [Linear], scheme: W8A16}\n"
+                      "    SpinQuantModifier: {rotations: [R1]}\n")
+    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
+    assert result.exit_code == 2 and "comes after the modifier that quantizes" in result.output, result.output

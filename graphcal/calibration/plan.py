@@ -144,7 +144,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
              len(model.graph.node), len(model.graph.initializer))
     rotation = None
     if config.rotate:  # before anything is found: every later stage sees the rotated model
-        rotation = rotate_stream(model, str(model_path.parent), heads="R2" in config.rotate)
+        rotation = rotate_stream(model, str(model_path.parent), heads="R2" in config.rotate, kind=config.rotation_type)
         model.metadata_props.add(key=ROTATION_METADATA_KEY, value=json.dumps(rotation.as_dict(), sort_keys=True))
         log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
                  len(rotation.rotated), rotation.norms)

@@ -33,7 +33,9 @@ MODIFIER = "QuantizationModifier"
 SMOOTHQUANT = "SmoothQuantModifier"
 GPTQ = "GPTQModifier"
 AWQ = "AWQModifier"
-KNOWN = (MODIFIER, GPTQ, SMOOTHQUANT, AWQ)
+SPINQUANT = "SpinQuantModifier"
+KNOWN = (MODIFIER, GPTQ, SMOOTHQUANT, AWQ, SPINQUANT)
+TRANSFORM_TYPES = ("hadamard", "random-hadamard", "random-matrix")
 NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
 
 # A name or a list of names, as llm-compressor's fields take them.
@@ -117,6 +119,27 @@ class SmoothQuantFields(BaseModel):
     update: Any = None
 
 
+class SpinQuantFields(BaseModel):
+    """SpinQuantModifier's fields (llm-compressor's transform modifier); anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rotations: list[str] = ["R1", "R2"]
+    transform_type: Literal["hadamard", "random-hadamard", "random-matrix"] = "hadamard"
+    randomize: bool = False
+    learnable: bool = False
+    precision: Any = None  # graphcal folds in float64, llm-compressor's default
+    transform_block_size: int | None = None
+    mappings: Any = None
+    norm_mappings: Any = None
+    transform_config: Any = None
+    index: int | None = None
+    group: str | None = None
+    start: float | None = None
+    end: float | None = None
+    update: Any = None
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A recipe's quantization fields (its QuantizationModifier's or GPTQModifier's) and, where it
@@ -126,6 +149,7 @@ class Recipe:
     smoothquant: dict[str, Any] | None = None
     gptq: dict[str, Any] | None = None
     awq: dict[str, Any] | None = None
+    spinquant: dict[str, Any] | None = None
 
 
 # --- checking a modifier's fields ---------------------------------------------------------------
@@ -171,6 +195,30 @@ def awq_fields(args, where: str) -> dict[str, Any]:
         for p in (m["smooth_layer"], *m["balance_layers"]):
             check_pattern(p, where)
     return {k: fields[k] for k in ("mappings", "duo_scaling", "n_grid")}
+
+
+def spinquant_fields(args, where: str) -> dict[str, Any]:
+    """A SpinQuantModifier's fields: the rotations graphcal folds into the weights (R1, with R2), by
+    the transform type asked; what it cannot do as llm-compressor does is refused in one line."""
+    fields = validated(SpinQuantFields, args, where, one_shot="SpinQuant")
+    for name in ("randomize", "learnable"):
+        if fields[name]:
+            raise UsageError(f"{where}: {name}: true is not supported (llm-compressor does not implement it either)")
+    for name, why in (("mappings", "graphcal finds the residual stream and the heads by graph structure"),
+                      ("norm_mappings", "graphcal folds every norm on the residual stream"),
+                      ("transform_config", "graphcal builds R1 and R2 from rotations and transform_type"),
+                      ("transform_block_size", "graphcal rotates the whole hidden width and whole heads")):
+        if fields[name] is not None:
+            raise UsageError(f"{where}: {name} is not supported ({why})")
+    rotations = tuple(dict.fromkeys(str(r).upper() for r in fields["rotations"]))
+    online = [r for r in rotations if r in ("R3", "R4")]
+    if online:
+        raise UsageError(f"{where}: rotations {', '.join(online)} are online (a Hadamard computed at inference); "
+                         "graphcal folds R1 and R2 into the weights and writes no extra node")
+    if [r for r in rotations if r not in ("R1", "R2")] or "R1" not in rotations:
+        raise UsageError(f"{where}: rotations must be [R1] or [R1, R2] (R2 turns the heads inside R1's rotation), "
+                         f"got {list(fields['rotations'])!r}")
+    return {"rotations": rotations, "transform_type": fields["transform_type"]}
 
 
 def smoothquant_fields(args, where: str) -> dict[str, Any]:

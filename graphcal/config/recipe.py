@@ -27,6 +27,12 @@ A SmoothQuantModifier takes llm-compressor's fields: ``smoothing_strength`` (0.5
 matched by module name), ``ignore`` and ``algorithm`` (``smoothquant`` or ``log_equalization``);
 ``num_calibration_steps`` and ``calibration_function`` are accepted and unused, as in
 llm-compressor 0.14; ``start``/``end`` other than None or -1 are refused (one-shot only).
+
+A SpinQuantModifier (before the modifier that quantizes) folds its mergeable rotations in first,
+as ``--rotate`` does: ``rotations`` [R1] or [R1, R2] and ``transform_type`` (``hadamard``,
+``random-hadamard``, ``random-matrix``); R3/R4 (online), ``randomize``/``learnable`` (not
+implemented by llm-compressor either), ``transform_block_size``, ``mappings``, ``norm_mappings``
+and ``transform_config`` are refused in one line (graphcal finds the stream by graph structure).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from graphcal.config.modifiers import (
     MODIFIER,
     NO_EFFECT,
     SMOOTHQUANT,
+    SPINQUANT,
     GPTQFields,
     ModifierFields,
     Recipe,
@@ -53,6 +60,7 @@ from graphcal.config.modifiers import (
     mapping,
     smoothing_from,
     smoothquant_fields,
+    spinquant_fields,
     typed,
     validated,
 )
@@ -101,7 +109,7 @@ def parse_recipe(text: str, where: str = "recipe") -> Recipe:
     quantizers = [n for n in (MODIFIER, GPTQ) if n in by_name]
     if not quantizers:
         raise UsageError(f"{where}: expected a {MODIFIER} or a {GPTQ} (the modifier that quantizes)")
-    for transform in (SMOOTHQUANT, AWQ):
+    for transform in (SPINQUANT, SMOOTHQUANT, AWQ):
         if transform in by_name and names.index(transform) > min(names.index(q) for q in quantizers):
             raise UsageError(f"{where}: {by_name[transform][2]} comes after the modifier that quantizes; graphcal "
                              "rescales before it quantizes, as llm-compressor recipes put it")
@@ -133,7 +141,10 @@ def parse_recipe(text: str, where: str = "recipe") -> Recipe:
     awq = None
     if AWQ in by_name:
         awq = awq_fields(by_name[AWQ][1], f"{where}: {by_name[AWQ][2]}")
-    return Recipe(fields, smoothquant, gptq, awq)
+    spinquant = None
+    if SPINQUANT in by_name:
+        spinquant = spinquant_fields(by_name[SPINQUANT][1], f"{where}: {by_name[SPINQUANT][2]}")
+    return Recipe(fields, smoothquant, gptq, awq, spinquant)
 
 
 def _order(data: dict, where: str = "recipe") -> list[tuple]:
@@ -214,8 +225,10 @@ def recipe_config(recipe: Recipe, *, scheme: str | None = None, targets: list[st
     awq = awq_from(recipe.awq) if recipe.awq is not None else None
     gptq = gptq_from(recipe.gptq) if recipe.gptq is not None else None  # (its actorder enters the schemes
     #                                  in options.resolve, after the flags: the one place that resolves it)
+    spin = recipe.spinquant or {}
     return RunConfig(groups=groups, ignore=list(m.ignore), scheme_name=name, kv_cache=kv_args, smoothing=smoothing,
-                     awq=awq, gptq=gptq)
+                     awq=awq, gptq=gptq, rotate=spin.get("rotations", ()),
+                     rotation_type=spin.get("transform_type", "hadamard"))
 
 
 def _with_observers(scheme, m: ModifierFields, cli_observer: str | None):

@@ -100,6 +100,7 @@ class RunConfig:
     awq: AWQSettings | None = None  # AWQ's scale search before quantizing (None: none)
     gptq: GPTQSettings | None = None  # weights quantized by GPTQ instead of rounding to nearest (None: RTN)
     rotate: tuple[str, ...] = ()  # rotations folded in first ("R1", "R2"; algorithms.rotation), fp32 outputs unchanged
+    rotation_type: str = "hadamard"  # SpinQuantModifier's transform_type: hadamard, random-hadamard, random-matrix
 
     def __post_init__(self):
         """A stranger's ``re:`` target or ignore refused here, before any model is read (the bounded

@@ -54,12 +54,14 @@ class Rotation:
                 "untied": self.untied, "heads": self.heads, "head_matrix": self.head_matrix}
 
 
-def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True) -> Rotation:
+def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True,
+           kind: str = "hadamard") -> Rotation:
     """Rotate ``model``'s residual stream in place (its weights read under ``base_dir``), and with
-    ``heads`` each value head with o_proj's rows for it (R2); a model whose stream cannot be rotated
-    exactly is refused (:func:`residual_stream`) before any edit."""
+    ``heads`` each value head with o_proj's rows for it (R2), by matrices of SpinQuant's ``kind``
+    (:func:`orthogonal`); a model whose stream cannot be rotated exactly is refused
+    (:func:`residual_stream`) before any edit."""
     stream = residual_stream(model, base_dir)
-    q, how = orthogonal(stream.hidden, seed)
+    q, how = orthogonal(stream.hidden, seed, kind)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     nodes = {n.name: n for n in graph.node}
@@ -107,7 +109,7 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         g = const(node, k)
         put(node, k, f"{node_name}.unit_scale", np.ones_like(g))
     for pair in head_pairs(model) if heads else []:  # R2: each value head's columns and o_proj's rows for it, by one H
-        h, how_heads = orthogonal(pair.head_dim, seed)
+        h, how_heads = orthogonal(pair.head_dim, seed, kind)
         qkv, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
                     for t in (pair.qkv, pair.out))
         w = qkv[3].astype(np.float64)

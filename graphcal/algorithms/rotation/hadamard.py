@@ -78,13 +78,20 @@ def hadamard(n: int) -> np.ndarray | None:
         base, power = base * 2, power // 2
 
 
-def orthogonal(n: int, seed: int = 0) -> tuple[np.ndarray, str]:
-    """An orthogonal ``n`` x ``n`` matrix in float64 and how it was made: the normalized Hadamard
-    matrix where one of order ``n`` is built here, else a random orthogonal matrix (QR of a
-    Gaussian matrix seeded by ``seed``, signs fixed so the draw is uniform)."""
-    h = hadamard(n)
-    if h is not None:
-        return h.astype(np.float64) / np.sqrt(n), f"Hadamard {n}"
+def orthogonal(n: int, seed: int = 0, kind: str = "hadamard") -> tuple[np.ndarray, str]:
+    """An orthogonal ``n`` x ``n`` matrix in float64 and how it was made, by SpinQuantModifier's
+    transform types: ``hadamard``, the normalized Hadamard matrix where one of order ``n`` is built
+    here; ``random-hadamard``, that matrix with its columns' signs drawn from ``seed``;
+    ``random-matrix`` (and either of the others where no Hadamard matrix is built), a random
+    orthogonal matrix (QR of a Gaussian matrix seeded by ``seed``, signs fixed so the draw is uniform)."""
+    if kind not in ("hadamard", "random-hadamard", "random-matrix"):
+        raise ValueError(f"unknown rotation type {kind!r}")
     rng = np.random.default_rng(seed)
+    h = None if kind == "random-matrix" else hadamard(n)
+    if h is not None:
+        q = h.astype(np.float64) / np.sqrt(n)
+        if kind == "random-hadamard":
+            return q * rng.choice([-1.0, 1.0], size=n)[None, :], f"Hadamard {n}, random signs (seed {seed})"
+        return q, f"Hadamard {n}"
     q, r = np.linalg.qr(rng.standard_normal((n, n)))
     return q * np.sign(np.diag(r))[None, :], f"random orthogonal {n} (seed {seed})"
