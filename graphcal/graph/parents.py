@@ -1,7 +1,8 @@
 """AWQ's parents: where the sub-network of a group of balance layers ends, and what it reads.
 
 :func:`parent_output` is where the parent sub-network of a group of balance layers ends
-(q/k/v -> the attention module's output, gate/up -> down_proj's output, one layer -> itself);
+(q/k/v, or onnxruntime-genai's packed qkv_proj, -> the attention module's output, gate/up ->
+down_proj's output, any other single layer -> itself);
 :func:`parent_inputs` what it reads; :func:`graphcal.graph.subgraph.subgraph` with
 ``weight_inputs`` is that sub-network with the balance weights fed per run (the candidate
 scales). Parents are found by module scope (legacy exporter's ``/model/layers.0/...`` paths or
@@ -25,7 +26,9 @@ from graphcal.types import Target
 def parent_output(model: onnx.ModelProto, targets: Sequence[Target]) -> str:
     """The tensor at which the AWQ parent sub-network of these balance targets ends.
 
-    One target: its node's output (the MatMul/Gemm output, before any bias ``Add``). Several:
+    One target: its node's output (the MatMul/Gemm output, before any bias ``Add``), except a
+    packed q/k/v projection that feeds an attention op (onnxruntime-genai's ``qkv_proj``), whose
+    parent is its attention module's output, as separate q/k/v's is. Several:
     when their nodes carry module scopes, the parent module is the longest common module prefix
     of their names (q/k/v -> ``model.layers.0.self_attn``, gate/up -> ``model.layers.0.mlp``,
     BERT's query/key/value -> ``encoder.layer.0.attention.self``, llm-compressor's lowest
@@ -40,11 +43,20 @@ def parent_output(model: onnx.ModelProto, targets: Sequence[Target]) -> str:
     if not targets:
         raise GraphcalError("parent_output needs at least one target")
     index = indexed(model)
-    outs = [index.output_of(i) for i in target_nodes(index, targets).values()]
+    nodes = target_nodes(index, targets)
+    outs = [index.output_of(i) for i in nodes.values()]
     if len(outs) == 1:
-        return outs[0]
+        packed = _packed_attention_scope(index, targets[0], nodes[targets[0].name])
+        found = None if packed is None else _scoped_output(index, targets, outs, scope=packed)
+        return found if found is not None else outs[0]
     found = _scoped_output(index, targets, outs)
     return found if found is not None else _common_post_dominator(index, outs, [t.name for t in targets])
+
+
+def layer_output(model: onnx.ModelProto, target: Target) -> str:
+    """The target's own MatMul/Gemm output: where a parent that is the layer itself ends."""
+    index = indexed(model)
+    return index.output_of(target_nodes(index, [target])[target.name])
 
 
 def parent_inputs(model: onnx.ModelProto, targets: Sequence[Target], output: str,
@@ -86,9 +98,38 @@ def _common_prefix(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _scoped_output(index: GraphIndex, targets: Sequence[Target], outs: list[str]) -> str | None:
-    """The single value tensor the targets' common module scope hands out; None if not exactly one."""
-    scope = _common_prefix([t.name for t in targets])
+ATTENTION_OPS = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "PackedMultiHeadAttention"}
+PASS_THROUGH = {"Add", "Split", "Slice", "Reshape", "Transpose", "Identity", "Cast", "Squeeze", "Unsqueeze"}
+
+
+def _packed_attention_scope(index: GraphIndex, target: Target, node: int) -> str | None:
+    """The module a packed q/k/v projection (onnxruntime-genai's ``qkv_proj``, one MatMul whose
+    output reaches an attention op only through a bias, splits and reshapes) belongs to: its
+    parent is that module's output, as separate q/k/v's is (llm-compressor's self_attn), not the
+    projection itself. None for any other single layer."""
+    frontier, seen = [index.output_of(node)], set()
+    reached = False
+    while frontier:
+        tensor = frontier.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        for c in index.consumers.get(tensor, ()):
+            op = index.nodes[c].op_type
+            if op in ATTENTION_OPS:
+                reached = True
+            elif op in PASS_THROUGH:
+                frontier.extend(o for o in index.nodes[c].output if o)
+            elif op not in SHAPE_OPS:
+                return None  # the projection's values meet something that is not attention
+    scope = target.name.rpartition(".")[0]
+    return scope if reached and scope else None
+
+
+def _scoped_output(index: GraphIndex, targets: Sequence[Target], outs: list[str], scope: str | None = None) -> str | None:
+    """The single value tensor the targets' common module scope (or ``scope``) hands out; None if
+    not exactly one."""
+    scope = scope or _common_prefix([t.name for t in targets])
     if not scope:
         return None
     scopes = node_scopes(index)

@@ -365,3 +365,20 @@ def test_kv_cache_outputs_do_not_end_a_parent(llama):
         model.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
     group = [llama.by_name[attn + m] for m in ("q_proj", "k_proj", "v_proj")]
     assert parent_output(model, group) == "/model/layers.0/self_attn/o_proj/MatMul_output_0"
+
+
+def test_a_packed_qkv_projections_parent_is_the_attention_output(builder_model):
+    """onnxruntime-genai's qkv_proj is q, k and v in one MatMul: its AWQ parent is the attention
+    module's output (o_proj's), as separate q/k/v's is, not the projection itself; a single layer
+    that feeds no attention op (o_proj, down_proj) stays its own parent."""
+    folder, _ = builder_model
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    by_name = {t.name: t for t in find_targets(model)[0]}
+    qkv = by_name["model.layers.0.attn.qkv_proj"]
+    o_proj = by_name["model.layers.0.attn.o_proj"]
+    o_out = next(n.output[0] for n in model.graph.node if n.name == o_proj.node)
+    assert parent_output(model, [qkv]) == o_out
+    assert parent_output(model, [o_proj]) == o_out
+    down = by_name["model.layers.0.mlp.down_proj"]
+    assert parent_output(model, [down]) == next(n.output[0] for n in model.graph.node if n.name == down.node)
+    assert parent_inputs(model, [qkv], o_out) == [qkv.activation]
