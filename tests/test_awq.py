@@ -65,7 +65,7 @@ def weights_of(params: dict) -> dict[str, torch.Tensor]:
     return {k: params[f"{PREFIX}mlp.{k}_proj.weight"] for k in PROJ}
 
 
-def run_case(case: dict, **search_kwargs) -> dict:
+def run_case(case: dict, gram: bool = False, **search_kwargs) -> dict:
     """Both mappings of a case through graphcal.algorithms.awq.math, as llm-compressor runs them: statistics and cached
     parent inputs from one calibration pass with the original weights, then search + apply in order."""
     a = case["args"]
@@ -86,9 +86,14 @@ def run_case(case: dict, **search_kwargs) -> dict:
             def parent(ws, inputs=inputs, current=dict(w)):
                 return (mlp(h, {**current, **ws}) for h in inputs)
         names = {b: f"{PREFIX}mlp.{b}_proj" for b in balance}
+        objective = lambda ws, parent=parent: parent({b: ws[names[b]] for b in balance})  # noqa: E731
+        if gram and balance == ("down",):  # graphcal's stage: a one-layer parent scored from its input's Gram matrix
+            moments = awq.Gram()
+            for x in inputs:
+                moments.update(x)
+            objective = awq.LayerLoss(moments)
         result = awq.search(stats.value(), {names[b]: w[b] for b in balance}, {names[b]: qargs for b in balance},
-                            lambda ws, parent=parent: parent({b: ws[names[b]] for b in balance}),
-                            duo_scaling=a["duo_scaling"], n_grid=a["n_grid"], **search_kwargs)
+                            objective, duo_scaling=a["duo_scaling"], n_grid=a["n_grid"], **search_kwargs)
         out["mappings"].append({"stats": stats, "result": result})
         for b in balance:
             w[b] = awq.apply(w[b], result.scales)
@@ -144,6 +149,39 @@ def mismatches(case: dict, got: dict) -> list[str]:
 def test_case_is_bit_exact(cases, index):
     case = cases[index]
     assert mismatches(case, run_case(case)) == []
+
+
+@pytest.mark.parametrize("index", range(len(case_ids())), ids=case_ids())
+def test_a_one_layer_parent_scored_from_the_gram_matrix_is_llmcompressors_search(cases, index):
+    """down_proj's parent is the layer itself: its output's MSE from the input's Gram matrix (what
+    the stage does, with no run of the parent) gives the best point's loss to float rounding, picks
+    the vectors' point and writes the vectors' parameters bit for bit."""
+    case = cases[index]
+    got = run_case(case, gram=True)
+    want = case["outputs"]["mappings"][1]["grid_losses"]
+    losses = got["mappings"][1]["result"].losses
+    best = min(range(len(want)), key=want.__getitem__)
+    assert got["mappings"][1]["result"].best_index == best
+    assert abs(losses[best] - want[best]) <= 1e-5 * want[best]
+    # the other points to 10%: each point's scales carry the last bit of torch's vectorized pow (_same_search)
+    assert all(abs(a - b) <= 0.1 * abs(b) for a, b in zip(losses, want, strict=True))
+    assert [m for m in mismatches(case, got) if "grid_losses" not in m and "error_metrics" not in m] == []
+
+
+def test_the_layer_loss_is_the_mse_of_the_layers_outputs():
+    """LayerLoss from the Gram matrix equals the MSE of the balance layers' outputs side by side."""
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]
+    w = {"a": torch.randn(4, 8), "b": torch.randn(6, 8)}
+    trial = {"a": w["a"] + 0.01 * torch.randn(4, 8), "b": w["b"]}
+    g = awq.Gram()
+    for x in xs:
+        g.update(x)
+    objective = awq.LayerLoss(g)
+    assert objective.prepare(w) is None and objective(w) == 0.0
+    both = [torch.cat([F.linear(x, ws["a"]), F.linear(x, ws["b"])], dim=-1) for ws in (w, trial) for x in xs]
+    assert objective(trial) == pytest.approx(awq.loss(both[:2], both[2:]), rel=1e-5)
+    assert awq.LayerLoss(awq.Gram()).prepare(w) == "saw no token"
 
 
 @pytest.mark.parametrize("index", range(len(case_ids())), ids=case_ids())

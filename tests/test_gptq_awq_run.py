@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -227,6 +228,35 @@ def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
         np.testing.assert_allclose(weight, ref["changed_params"][f"{m.smooth}.weight"], rtol=1e-6, atol=0)
 
 
+def test_awq_on_some_mappings_and_some_samples(llama_dir, tmp_path):
+    """A recipe mapping only up_proj -> down_proj: the last block runs just what down_proj's input
+    needs (fed only the inputs that subgraph reads). --awq-samples is recorded in the metadata."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(AWQ_RECIPE.replace("AWQModifier: {duo_scaling: true, n_grid: 20}",
+                                         'AWQModifier: {mappings: [{smooth_layer: "re:.*up_proj$", '
+                                         'balance_layers: ["re:.*down_proj$"]}]}'))
+    out = tmp_path / "o"
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                  "--awq-samples", "8", "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    record = json.loads(next(p.value for p in onnx.load(out / "model.onnx").metadata_props if p.key == "graphcal.awq"))
+    assert [m["balance"] for m in record["mappings"]] == [["model.layers.0.mlp.down_proj"],
+                                                          ["model.layers.1.mlp.down_proj"]]
+    assert record["search_samples"] == 8
+
+
+@pytest.mark.parametrize("samples, batches, want", [(None, 8, list(range(8))), (16, 8, [0, 4]), (8, 8, [0]),
+                                                    (1000, 8, list(range(8))), (3, 4, [0, 1, 3])])
+def test_awq_scores_parents_on_batches_spread_over_the_data(samples, batches, want):
+    from types import SimpleNamespace
+
+    from graphcal.algorithms.awq.stage import search_batches
+
+    per_batch = 8 if batches == 8 else 1
+    calib = SimpleNamespace(num_batches=batches, num_samples=batches * per_batch)
+    assert search_batches(calib, samples) == want
+
+
 def _cli(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
@@ -301,8 +331,6 @@ def test_awq_from_the_command_line_adds_no_node(llama, tmp_path):
                 "--target", "qdq").exit_code == 0
     from collections import Counter
 
-    import onnx
-
     a, b = onnx.load(str(out / "model.onnx")), onnx.load(str(rtn / "model.onnx"))
     ops, rtn_ops = Counter(n.op_type for n in a.graph.node), Counter(n.op_type for n in b.graph.node)
     assert all(ops[op] <= rtn_ops[op] for op in ops), ops - rtn_ops  # (an Identity copy of a norm may go)
@@ -316,6 +344,7 @@ def test_awq_from_the_command_line_adds_no_node(llama, tmp_path):
       '{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": null}}'], None),
     (["--algorithm", "awq", "--smoothquant"], "SmoothQuant and AWQ both rescale"),
     (["--algorithm", "awq", "--n-grid", "2"], "AWQ n_grid must be an integer >= 3"),
+    (["--awq-samples", "16"], "--awq-samples needs --algorithm awq"),
 ])
 def test_algorithm_flags(llama_dir, args, message):
     result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--group-size", "32", *args)
@@ -405,7 +434,6 @@ def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, t
     assert rtn.keys() == gptq.keys() and any(k.endswith("weight_global_scale") for k in rtn)
     for key in rtn:
         assert torch.equal(rtn[key], gptq[key]), key
-    import onnx
 
     def fp4(d):
         return {t.name: onnx.numpy_helper.to_array(t).astype(np.float32) for t in

@@ -119,6 +119,10 @@ CONFIG_OPTIONS = (
                       "(false), or both grids."),
     click.option("--n-grid", type=click.IntRange(min=1), default=None,
                  help="AWQ: grid points searched per mapping (default 20)."),
+    click.option("--awq-samples", type=click.IntRange(min=1), default=None, metavar="N",
+                 help="AWQ: score each grid point's parent (the attention, or gate/up's MLP) on about N samples "
+                      "spread over the data instead of all of them (llm-compressor's); the means and one-layer "
+                      "parents still use every token. Cost: the parents run 1 + n_grid times on N samples."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "

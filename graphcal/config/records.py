@@ -86,6 +86,7 @@ class AWQSettings:
     mappings: tuple[NamedMapping, ...] | None = None
     duo_scaling: bool | str = True  # True, False or "both"
     n_grid: int = 20
+    search_samples: int | None = None  # run the parents on about this many samples (None: all, llm-compressor's)
 
 
 @dataclass

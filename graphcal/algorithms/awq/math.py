@@ -13,7 +13,9 @@
 
 The parent is the caller's business: ``search`` takes a callable that runs it on every cached
 calibration batch with the balance weights replaced and yields each batch's output (on the ONNX
-side, a sub-graph under onnxruntime; in the tests, a torch block). Nothing here knows about graphs.
+side, a sub-graph under onnxruntime; in the tests, a torch block), wrapped as :class:`ParentLoss`;
+or, for a parent that is one linear layer, :class:`LayerLoss`, the same MSE from the input's Gram
+matrix with no run at all. Nothing here knows about graphs.
 
 Source: ``shared/reference/algorithms.md`` §4 (statistics §4.3, grid search and application §4.4) and
 the bit-exactness notes of §7, checked against its ``awq`` test vectors (tests/test_awq.py): sums of
@@ -239,6 +241,71 @@ def loss(references: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) ->
     return (total / count).item()
 
 
+class ParentLoss:
+    """llm-compressor's objective: the MSE of the parent sub-network's output against its output
+    with the original weights, over every cached batch."""
+
+    def __init__(self, parent: Parent):
+        self.parent, self.references = parent, None
+
+    def prepare(self, weights: dict[str, torch.Tensor]) -> str | None:
+        """Run the reference; a reason to skip the mapping (no batch, a non-finite output), or None."""
+        self.references = _outputs(self.parent, weights)
+        if not self.references:
+            return "yielded no batch"
+        if not all(torch.isfinite(r).all() for r in self.references):
+            return "gives non-finite outputs"
+        return None
+
+    def __call__(self, trial: dict[str, torch.Tensor]) -> float:
+        return loss(self.references, _outputs(self.parent, trial))
+
+
+class Gram:
+    """``sum over tokens of x x^T`` and the token count: all a linear layer's output MSE under a weight change needs."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.count = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        part = (flat.T @ flat).double()  # each batch's product in fp32 (a GEMM), the sum over batches in fp64
+        self.sum = part if self.sum is None else self.sum + part
+        self.count += flat.shape[0]
+
+
+class LayerLoss:
+    """graphcal's fast objective: the MSE of the balance layers' own outputs (all of them, side by
+    side), ``sum_l tr((W'_l - W_l) G (W'_l - W_l)^T) / (tokens * rows)`` from the input's Gram
+    matrix G: exact for those outputs, and one [rows, in] x [in, in] product per candidate instead
+    of a run of the parent over every token."""
+
+    def __init__(self, gram: Gram):
+        self.gram, self.original, self._g = gram, None, None
+
+    def prepare(self, weights: dict[str, torch.Tensor]) -> str | None:
+        if self.gram.sum is None or self.gram.count == 0:
+            return "saw no token"
+        if not torch.isfinite(self.gram.sum).all():
+            return "gives non-finite inputs"
+        self.original = dict(weights)
+        self._g = self.gram.sum.float()
+        return None
+
+    def __call__(self, trial: dict[str, torch.Tensor]) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        rows = 0
+        for name, w in self.original.items():
+            rows += w.shape[0]
+            t = trial.get(name, w)
+            if t is w:
+                continue
+            d = (t.float() - w.float()).to(self._g.device)
+            total += ((d @ self._g) * d).sum(dtype=torch.float64).cpu()
+        return (total / (self.gram.count * rows)).item()
+
+
 @dataclass(frozen=True)
 class AWQResult:
     """One mapping's search: the best scales and everything llm-compressor records about it."""
@@ -270,7 +337,8 @@ class AWQResult:
                 "best_error": self.best_error, "reduction": self.reduction}
 
 
-def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[str, QuantizationArgs | None], parent: Parent,
+def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[str, QuantizationArgs | None],
+           parent: Parent | ParentLoss | LayerLoss,
            *, duo_scaling: bool | str = True, n_grid: int = 20,
            fused_global_scale: Iterable[Iterable[str]] = ()) -> AWQResult | None:
     """The grid search of one mapping.
@@ -278,7 +346,7 @@ def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[st
     ``x_mean``: :class:`AbsMean`'s value for the balance layers' input; ``weights``: balance name ->
     original torch [out, in] weight; ``args``: balance name -> its weight QuantizationArgs (missing or
     None: no scheme, the weight stays as it is during the search); ``parent``: runs the parent
-    sub-network on every cached batch with the given balance weights, yielding each output;
+    sub-network on every cached batch with the given balance weights, yielding each output (or a :class:`LayerLoss`);
     ``fused_global_scale``: see :func:`quantize_scaled`.
 
     Returns None (with a warning) where llm-compressor skips the mapping and changes nothing: the
@@ -308,12 +376,10 @@ def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[st
     if duo_scaling is not False:
         w_mean = weight_mean([weights[n] for n in names], [schemes[n] for n in names])
 
-    references = _outputs(parent, weights)
-    if not references:
-        log.warning("AWQ: the parent of %s yielded no batch; mapping skipped", ", ".join(names))
-        return None
-    if not all(torch.isfinite(r).all() for r in references):
-        log.warning("AWQ: the parent of %s gives non-finite outputs; mapping skipped", ", ".join(names))
+    objective = parent if isinstance(parent, (ParentLoss, LayerLoss)) else ParentLoss(parent)
+    skip = objective.prepare(weights)
+    if skip is not None:
+        log.warning("AWQ: the parent of %s %s; mapping skipped", ", ".join(names), skip)
         return None
 
     losses: list[float] = []
@@ -321,7 +387,7 @@ def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[st
     for ratio, duo in points:
         s = candidate_scales(x_mean, w_mean, ratio, duo)
         trial = quantize_scaled(weights, schemes, s, fused)
-        value = loss(references, _outputs(parent, trial))
+        value = objective(trial)
         losses.append(value)
         if value < best_loss:  # strict: ties keep the first point; nan never wins
             best_index, best_loss, best_scales = len(losses) - 1, value, s

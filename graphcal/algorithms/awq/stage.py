@@ -7,9 +7,11 @@
       layers' shared activation x, and anything else the parent reads), cached for the search
       for each mapping (graph order):
         mean |x| per channel, the balance weights' normalised means (graphcal.algorithms.awq.math)
-        the parent sub-network (graph.blocks.parent_output: q/k/v -> the attention's output,
-        gate/up -> down_proj's output, one layer -> itself) run 1 + n_grid times on the cached
-        inputs, the balance weights fed as Q(W * s) / s for each candidate s
+        the parent sub-network (graph.parents.parent_output: q/k/v or a packed qkv_proj -> the
+        attention's output, gate/up -> down_proj's output) run 1 + n_grid times on the cached
+        inputs of every batch (or of --awq-samples' batches, spread evenly), the balance weights fed
+        as Q(W * s) / s for each candidate s; a parent that is the layer itself (down_proj, o_proj)
+        is not run: its output's MSE is tr(dW G dW^T) from the input's Gram matrix G (math.LayerLoss)
         --> the s whose parent output is nearest the float one (graphcal.algorithms.awq.math.search)
     --> ChannelScales (graphcal.algorithms.channel_scales): the weight pass multiplies each balance weight's columns by s
         (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
@@ -19,7 +21,9 @@ so layer i+1 sees what it would after layer i was smoothed, up to rounding (algo
 The weights a mapping searches with are the current ones (a layer smoothed by an earlier mapping
 of the same block enters the later one smoothed, as in llm-compressor); the other layers inside a
 parent run in float. Memory: one block's parent inputs for all the data, plus the residual stream
-between blocks; both are counted and refused with an error when they would not fit.
+between blocks; both are counted and refused with an error when they would not fit. Cost: one run
+of each block, plus 1 + n_grid runs of the attention and MLP parents on the samples they are scored
+on (docs/gptq_awq.md "What AWQ costs").
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphcal.algorithms.awq.math import AbsMean, search
+from graphcal.algorithms.awq.math import AbsMean, Gram, LayerLoss, ParentLoss, search
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
@@ -39,6 +43,7 @@ from graphcal.calibration.seams import PassSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import parent_inputs, parent_output
+from graphcal.graph.parents import layer_output
 from graphcal.graph.scaling import Mapping
 from graphcal.graph.targets import torch_weight
 from graphcal.progress import Progress
@@ -55,7 +60,7 @@ class _Search:
     block: int
     mapping: Mapping
     balance: list[Target]
-    output: str
+    output: str | None  # None: the parent is the layer itself, scored from its input's Gram matrix
     reads: list[str]
 
 
@@ -73,7 +78,12 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
         if not chosen:
             continue
         output = parent_output(run.model, balance)
-        reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
+        if output is not None and len(balance) == 1 and output == layer_output(run.model, balance[0]):
+            output = None  # the parent is the layer: its output's MSE comes exactly from the input's Gram matrix
+        if output is None:
+            reads = [m.candidate.activation]
+        else:
+            reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
         plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
     scales: dict[str, torch.Tensor] = {}
     done = ChannelScales([], {}, method=ScaleMethod.AWQ)
@@ -94,9 +104,12 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
             for p in here:
                 m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
                 x = m.candidate.activation
-                stats = AbsMean()
+                stats, gram = AbsMean(), Gram() if p.output is None else None
                 for value in cached[x]:
-                    stats.update(torch.from_numpy(value))
+                    value = torch.from_numpy(value)
+                    stats.update(value)
+                    if gram is not None:
+                        gram.update(value)
                 weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
                            for t in balance}
                 args = {t.name: run.schemes[t.name].weights for t in balance
@@ -104,14 +117,17 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                 if not args:
                     continue
                 fused = [list(g.members) for g in run.groups if set(g.members) <= set(args)]
-                parent = _Parent(walk, balance, output, reads, cached, weights)
+                used = search_batches(calib, settings.search_samples)
+                parent = None if output is None else _Parent(walk, balance, output, reads, cached, weights, used)
+                objective = LayerLoss(gram) if parent is None else ParentLoss(parent)
                 try:
-                    result = search(stats.value(), weights, args, parent, duo_scaling=settings.duo_scaling,
+                    result = search(stats.value(), weights, args, objective, duo_scaling=settings.duo_scaling,
                                     n_grid=settings.n_grid, fused_global_scale=fused)
                 except ValueError as e:
                     raise GraphcalError(f"AWQ {m.describe()}: {e}") from e
                 finally:
-                    parent.close()
+                    if parent is not None:
+                        parent.close()
                 bar.update(1)
                 if result is None:
                     continue
@@ -123,18 +139,31 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                 log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
                          result.best_error, result.grid[result.best_index][0])
             del cached
-    record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid, "mappings": records}
+    record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid,
+              "search_samples": settings.search_samples, "mappings": records}
     smoothed = ChannelScales(done.mappings, scales, method=ScaleMethod.AWQ, record=record)  # its metadata_key records it
     log.info("AWQ: %d of %d mappings scaled", len(records), len(mappings))
     return smoothed
+
+
+def search_batches(calib: Calibration, samples: int | None) -> list[int]:
+    """The batches a parent is run on in the search: all of them (llm-compressor's), or about
+    ``samples`` samples' worth, spread evenly over the data."""
+    total = calib.num_batches or 1
+    if samples is None:
+        return list(range(total))
+    per_batch = max(1, calib.num_samples // total)
+    want = max(1, min(total, -(-samples // per_batch)))
+    return sorted({round(k * total / want) for k in range(want)})
 
 
 class _Parent:
     """The parent sub-network of one mapping, run on the cached inputs with candidate balance weights."""
 
     def __init__(self, walk, balance: list[Target], output: str, reads: list[str], cached: dict,
-                 current: dict[str, torch.Tensor]):
+                 current: dict[str, torch.Tensor], used: list[int]):
         self.walk, self.balance, self.output, self.reads, self.cached = walk, balance, output, reads, cached
+        self.used = set(used)
         self.current = current  # the balance weights a candidate leaves as they are
         self.runtime, _ = walk.session([output], reads, balance)
         self.inputs = {i.name for i in self.runtime.session.get_inputs()}
@@ -142,6 +171,8 @@ class _Parent:
     def __call__(self, weights: dict[str, torch.Tensor]):
         fed = dict(self.walk.feed_weight(t, weights.get(t.name, self.current[t.name])) for t in self.balance)
         for i, batch in enumerate(self.walk.calib.batches()):
+            if i not in self.used:
+                continue
             feeds = {n: batch[n] for n in self.inputs if n in batch}
             for n in self.reads:
                 if n in self.inputs:
