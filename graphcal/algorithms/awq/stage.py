@@ -85,6 +85,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
         else:
             reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
         plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
+    used = search_batches(calib, settings.search_samples)  # the batches every multi-layer parent is scored on
     scales: dict[str, torch.Tensor] = {}
     done = ChannelScales([], {}, method=ScaleMethod.AWQ)
     records = []
@@ -117,7 +118,6 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                 if not args:
                     continue
                 fused = [list(g.members) for g in run.groups if set(g.members) <= set(args)]
-                used = search_batches(calib, settings.search_samples)
                 parent = None if output is None else _Parent(walk, balance, output, reads, cached, weights, used)
                 objective = LayerLoss(gram) if parent is None else ParentLoss(parent)
                 try:
