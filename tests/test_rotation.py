@@ -190,8 +190,8 @@ def test_a_spinquant_recipe_folds_its_rotations_as_rotate_does(tied_builder_mode
     ("{rotations: [R2]}", "rotations must be [R1] or [R1, R2]"),
     ("{randomize: true}", "randomize: true is not supported"),
     ("{transform_block_size: 32}", "transform_block_size is not supported"),
-    ("{transform_type: givens}", "transform_type"),
-    ("{rotation: [R1]}", "rotation"),
+    ("{transform_type: givens}", "transform_type: Input should be 'hadamard'"),
+    ("{rotation: [R1]}", "SpinQuantModifier.rotation: Extra inputs are not permitted"),
 ])
 def test_what_a_spinquant_recipe_asks_that_graphcal_cannot_fold_is_refused(llama_dir, tmp_path, body, message):
     recipe = tmp_path / "r.yaml"
