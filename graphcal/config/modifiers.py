@@ -17,6 +17,7 @@ from graphcal.config.records import (
     DEFAULT_SMOOTHING_STRENGTH,
     LLMCOMPRESSOR_AWQ_MAPPINGS,
     LLMCOMPRESSOR_SMOOTHQUANT_MAPPINGS,
+    ROTATIONS,
     AWQSettings,
     GPTQSettings,
     Smoothing,
@@ -35,7 +36,6 @@ GPTQ = "GPTQModifier"
 AWQ = "AWQModifier"
 SPINQUANT = "SpinQuantModifier"
 KNOWN = (MODIFIER, GPTQ, SMOOTHQUANT, AWQ, SPINQUANT)
-TRANSFORM_TYPES = ("hadamard", "random-hadamard", "random-matrix")
 NO_EFFECT = {"index", "group", "start", "end", "update"}  # llm-compressor Modifier bookkeeping
 
 # A name or a list of names, as llm-compressor's fields take them.
@@ -215,7 +215,7 @@ def spinquant_fields(args, where: str) -> dict[str, Any]:
     if online:
         raise UsageError(f"{where}: rotations {', '.join(online)} are online (a Hadamard computed at inference); "
                          "graphcal folds R1 and R2 into the weights and writes no extra node")
-    if [r for r in rotations if r not in ("R1", "R2")] or "R1" not in rotations:
+    if [r for r in rotations if r not in ROTATIONS] or "R1" not in rotations:
         raise UsageError(f"{where}: rotations must be [R1] or [R1, R2] (R2 turns the heads inside R1's rotation), "
                          f"got {list(fields['rotations'])!r}")
     return {"rotations": rotations, "transform_type": fields["transform_type"]}

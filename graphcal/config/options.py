@@ -16,6 +16,7 @@ from graphcal.config.records import (
     DEFAULT_IGNORE,
     DEFAULT_SCHEME,
     DEFAULT_TARGETS,
+    ROTATIONS,
     AWQSettings,
     GPTQSettings,
     RunConfig,
@@ -141,9 +142,6 @@ def _duo(value) -> bool | str:
     if text not in choices:
         raise UsageError(f"--duo-scaling takes true, false or both, got {shown(str(value))!r}")
     return choices[text]
-
-
-ROTATIONS = ("R1", "R2")
 
 
 def check_rotations(text: str) -> tuple[str, ...]:

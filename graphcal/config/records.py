@@ -89,6 +89,9 @@ class AWQSettings:
     search_samples: int | None = None  # run the parents on about this many samples (None: all, llm-compressor's)
 
 
+ROTATIONS = ("R1", "R2")  # the rotations graphcal folds into the weights (SpinQuant's names; R3/R4 are online)
+
+
 @dataclass
 class RunConfig:
     """Config groups (compressed-tensors schemes, each with targets) and what to ignore."""
