@@ -1,6 +1,7 @@
 """A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/test_genai.py,
-tests/test_bench_kv.py): a random-weight Llama made with transformers, built offline by
-onnxruntime-genai's own model builder through ``graphcal export --genai fp32``."""
+tests/test_bench_kv.py, tests/test_genai_cuda.py): a random-weight Llama made with transformers, built
+offline by onnxruntime-genai's own model builder through ``graphcal export --genai fp32``; and the
+reference they generate by, onnxruntime-genai's own greedy loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,40 @@ import numpy as np
 from click.testing import CliRunner
 
 from graphcal.cli import cli
+
+PROMPT = [1, 5, 9, 33, 70, 12]
+STEPS = 4
+
+
+def generate(folder: Path, provider: str | None = None) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after PROMPT and the first step's logits, by onnxruntime-genai's own loop, on the
+    provider genai_config.json names or, with ``provider`` ("cpu", "cuda"), on that one."""
+    import onnxruntime_genai as og  # test extra: the callers skip without it
+
+    if provider == "cuda":
+        import onnxruntime
+
+        onnxruntime.preload_dlls()  # CUDA and cuDNN from the nvidia-* pip packages, as graphcal's runtime does
+    config = og.Config(str(folder))
+    if provider is not None:
+        config.clear_providers()  # onnxruntime-genai's CPU provider
+        if provider != "cpu":
+            config.append_provider(provider)
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(PROMPT) + STEPS)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([PROMPT], np.int32))
+    logits = np.array(generator.get_output("logits"))[0, -1].astype(np.float64)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens, logits
+
+
+def sqnr(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10((ref * ref).sum() / ((got - ref) ** 2).sum()))
 
 
 def build_tiny_genai(root: Path, tied: bool = False) -> tuple[Path, Path]:

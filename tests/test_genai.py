@@ -18,30 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from graphcal.cli import cli
+from tests.genai_models import STEPS, generate, sqnr
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
-
-PROMPT = [1, 5, 9, 33, 70, 12]
-STEPS = 4
-
-
-def _generate(folder):
-    """Greedy tokens after PROMPT and the first step's logits, by onnxruntime-genai's own loop."""
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(PROMPT) + STEPS)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([PROMPT], np.int32))
-    logits = np.array(generator.get_output("logits"))[0, -1].astype(np.float64)
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens, logits
-
-
-def _sqnr(ref, got):
-    return 10 * np.log10((ref * ref).sum() / ((got - ref) ** 2).sum())
 
 
 def test_a_builder_model_fails_onnx_checker_as_graphcal_finds_it(builder_model):
@@ -71,11 +50,11 @@ def test_graphcal_output_is_a_genai_folder_that_generates_as_fp32_does(builder_m
     for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json"):  # the drop-in folder
         assert (out / name).read_bytes() == (folder / name).read_bytes(), name
     assert json.loads((out / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
-    ref_tokens, ref_logits = _generate(folder)
-    tokens, logits = _generate(out)
+    ref_tokens, ref_logits = generate(folder)
+    tokens, logits = generate(out)
     # random weights give near-uniform logits, so only the first token is sure to survive int4 noise
     assert tokens[0] == ref_tokens[0] and len(tokens) == STEPS
-    assert _sqnr(ref_logits, logits) > 15  # measured 19.0-28.0 dB on this model; a broken layer gives ~0
+    assert sqnr(ref_logits, logits) > 15  # measured 19.0-28.0 dB on this model; a broken layer gives ~0
     if "--smoothquant" in args or "awq" in args:  # the folds found the builder's norms (SkipSimplifiedLayerNormalization)
         assert "activation(s) first" in result.output
 
@@ -99,10 +78,10 @@ def test_a_tied_builder_model_quantized_whole_generates_from_one_table(tied_buil
     assert head.op_type == "MatMulNBits" and reshape.input[0] == head.input[1] and gather.input[2] == head.input[2]
     assert not [i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
                 and np.prod(i.dims) == 256 * 64]  # no float table left
-    ref_tokens, ref_logits = _generate(folder)
-    tokens, logits = _generate(out)
+    ref_tokens, ref_logits = generate(folder)
+    tokens, logits = generate(out)
     assert tokens[0] == ref_tokens[0] and len(tokens) == STEPS
-    assert _sqnr(ref_logits, logits) > 12  # measured 16.0 dB (int4 table) and 21.9 dB (int8 table)
+    assert sqnr(ref_logits, logits) > 12  # measured 16.0 dB (int4 table) and 21.9 dB (int8 table)
 
 
 def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_model, tmp_path):
@@ -123,7 +102,7 @@ def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_
     assert written["model"]["decoder"]["filename"] == "model.onnx"
     written["model"]["decoder"]["filename"] = "decoder.onnx"
     assert written == config  # nothing else changed
-    assert _generate(out)[0][0] == _generate(folder)[0][0]
+    assert generate(out)[0][0] == generate(folder)[0][0]
 
 
 @pytest.mark.parametrize("make, fragment", [
@@ -192,7 +171,7 @@ def test_every_scheme_writes_for_fp32_and_fp16_builds(builder_model, fp16_builde
     if runs_in_onnxruntime(written) and build == "fp32":  # (run loaded it in onnxruntime already)
         # the builder's own fp16 CPU model stops in onnxruntime-genai 0.18's loop on the CPU (a Cast
         # reusing a buffer of another shape), so fp16 builds are held to the checker and the load
-        tokens, _ = _generate(out)
+        tokens, _ = generate(out)
         assert len(tokens) == STEPS
 
 

@@ -212,8 +212,8 @@ def same_npz(a: Path, b: Path) -> bool:
     return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
 
 
-def genai_build(hf: Path, out: Path, precision: str) -> str | None:
-    """onnxruntime-genai's model builder, CPU, into ``out``; None when built, else why not."""
+def genai_build(hf: Path, out: Path, precision: str, provider: str = "cpu") -> str | None:
+    """onnxruntime-genai's model builder for ``provider`` (its -e), into ``out``; None when built, else why not."""
     import importlib.util
 
     if importlib.util.find_spec("onnxruntime_genai") is None:
@@ -221,7 +221,7 @@ def genai_build(hf: Path, out: Path, precision: str) -> str | None:
     tmp, cache = out.with_name(out.name + ".tmp"), out.with_name("genai_cache")
     shutil.rmtree(tmp, ignore_errors=True)
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-               "-p", precision, "-e", "cpu", "-c", str(cache)]
+               "-p", precision, "-e", provider, "-c", str(cache)]
     log("genai: HF_HUB_OFFLINE=1 " + " ".join(["python", *command[1:]]))
     logfile = out.with_name(out.name + ".log")
     with logfile.open("w") as f:
