@@ -78,31 +78,107 @@ def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path, kind, 
     np.testing.assert_allclose(numpy_helper.to_array(embed), before @ orthogonal(128, 0, kind)[0], atol=1e-6)
 
 
-def test_a_tied_builder_model_rotated_generates_the_same_logits_and_is_untied(tied_builder_model, tmp_path):
-    folder, calib = tied_builder_model
-    rng = np.random.default_rng(1)
+def _tied_with_random_scales(folder, dest, rng):
+    """The tied builder model with random norm scales, saved into ``dest`` (the folder's other files copied)."""
     model = load_model(folder / "model.onnx")
     scales = {n.input[2] if n.op_type == "SkipSimplifiedLayerNormalization" else n.input[1]
               for n in model.graph.node if "SimplifiedLayerNormalization" in n.op_type}
     _random_scales(model, scales, rng)
-    shutil.copytree(folder, tmp_path / "fp32")
-    save_model(model, tmp_path / "fp32" / "model.onnx", external=True, unchecked=unchecked_ops(model))
-    rotated = load_model(tmp_path / "fp32" / "model.onnx")
-    report = rotate(rotated, str(tmp_path / "fp32"))
-    assert report.untied and report.bytes_after - report.bytes_before == 256 * 64 * 4  # one more fp32 table
-    assert report.heads == 2 and report.head_matrix == "Hadamard 16"  # R2 in both blocks: 4 heads, 2 kv heads of 16
-    shutil.copytree(folder, tmp_path / "rotated", ignore=shutil.ignore_patterns("model.onnx*"))
+    shutil.copytree(folder, dest)
+    save_model(model, dest / "model.onnx", external=True, unchecked=unchecked_ops(model))
+    return model
+
+
+def _same_function(reference, rotated, calib, tmp_path):
+    """``rotated`` (a ModelProto) computes what ``reference`` (a model file) does: logits and keys to
+    float rounding through graphcal eval, and a decode step over each model's own cache."""
+    shutil.copytree(reference.parent, tmp_path / "rotated", ignore=shutil.ignore_patterns("model.onnx*"))
     save_model(rotated, tmp_path / "rotated" / "model.onnx", external=True, unchecked=unchecked_ops(rotated))
-    result = _cli("eval", tmp_path / "fp32" / "model.onnx", tmp_path / "rotated" / "model.onnx", "--data", calib,
-                  "--json")
+    result = _cli("eval", reference, tmp_path / "rotated" / "model.onnx", "--data", calib, "--json")
     assert result.exit_code == 0, result.output
     outputs = {o["name"]: o["sqnr_db"] for o in json.loads(result.output.strip().splitlines()[-1])["outputs"]}
     for name, sqnr in outputs.items():  # float rounding only, except the values R2 turned per head
         assert (sqnr is None or sqnr > 100) == (".value" not in name), (name, sqnr)
     # a decode step over each model's own cache: the turned values give the same next logits
     ids = np.load(calib)["input_ids"][:2]
-    want, got = (_prefill_then_step(m, ids) for m in (tmp_path / "fp32" / "model.onnx", tmp_path / "rotated" / "model.onnx"))
+    want, got = (_prefill_then_step(m, ids) for m in (reference, tmp_path / "rotated" / "model.onnx"))
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
+def test_a_tied_builder_model_rotated_generates_the_same_logits_and_stays_tied(tied_builder_model, tmp_path):
+    """The builder's tie (lm_head reads the table, the lookup reads it through a Transpose) is kept:
+    one table ``E Q``, and the final norm's scale in a 64 x 64 MatMul before lm_head."""
+    folder, calib = tied_builder_model
+    original = _tied_with_random_scales(folder, tmp_path / "fp32", np.random.default_rng(1))
+    table = next(n for n in original.graph.node if n.name == "/lm_head/MatMul").input[1]
+    e = numpy_helper.to_array(next(t for t in original.graph.initializer if t.name == table)).T  # [vocab, hidden]
+    rotated = load_model(tmp_path / "fp32" / "model.onnx")
+    report = rotate(rotated, str(tmp_path / "fp32"))
+    assert report.untied == [] and report.kept_tied == [table]
+    assert report.bytes_after - report.bytes_before == 64 * 64 * 4  # the scale's MatMul, not a second table
+    assert report.heads == 2 and report.head_matrix == "Hadamard 16"  # R2 in both blocks: 4 heads, 2 kv heads of 16
+    nodes = {n.name: n for n in rotated.graph.node}
+    (scale_node,) = report.scale_nodes
+    lm_head = nodes["/lm_head/MatMul"]
+    assert lm_head.input[0] == nodes[scale_node].output[0]
+    shared = lm_head.input[1]
+    readers = [n for n in rotated.graph.node if shared in n.input]
+    assert sorted(n.op_type for n in readers) == ["MatMul", "Transpose"]  # still one table for both
+    value = numpy_helper.to_array(next(t for t in rotated.graph.initializer if t.name == shared), str(tmp_path / "fp32"))
+    np.testing.assert_allclose(value.T, e.astype(np.float64) @ orthogonal(64)[0], atol=1e-6)  # numpy's E Q
+    _same_function(tmp_path / "fp32" / "model.onnx", rotated, calib, tmp_path)
+
+
+def test_a_tie_lm_head_reads_through_a_transpose_is_untied(tied_builder_model, tmp_path):
+    """Where lm_head reads the shared table through a layout path, the table is stored twice (the cost said)."""
+    folder, calib = tied_builder_model
+    model = _tied_with_random_scales(folder, tmp_path / "src", np.random.default_rng(2))
+    lm_head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul")
+    table = lm_head.input[1]
+    init = next(t for t in model.graph.initializer if t.name == table)
+    to_gather = next(n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] == table)
+    init.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(init, str(tmp_path / "src")).T),
+                                          table))  # stored [vocab, hidden]: the lookup reads it as is
+    gather = next(n for n in model.graph.node if to_gather.output[0] in n.input)
+    gather.input[0] = table
+    model.graph.node.remove(to_gather)
+    to_lm_head = onnx.helper.make_node("Transpose", [table], ["lm_head_table_t"], name="/lm_head/Transpose", perm=[1, 0])
+    lm_head.input[1] = "lm_head_table_t"
+    model.graph.node.insert(list(model.graph.node).index(lm_head), to_lm_head)
+    shutil.copytree(folder, tmp_path / "fp32")
+    save_model(model, tmp_path / "fp32" / "model.onnx", external=True, unchecked=unchecked_ops(model))
+    rotated = load_model(tmp_path / "fp32" / "model.onnx")
+    report = rotate(rotated, str(tmp_path / "fp32"))
+    assert report.untied == [table] and report.kept_tied == [] and report.scale_nodes == []
+    assert report.bytes_after - report.bytes_before == 256 * 64 * 4  # one more fp32 table
+    _same_function(tmp_path / "fp32" / "model.onnx", rotated, calib, tmp_path)
+
+
+def test_a_kept_tie_quantizes_as_one_table_and_its_scale_stays_float(tied_builder_model, tmp_path):
+    """The whole tied model rotated and quantized: the lookup reads lm_head's MatMulNBits bytes, as
+    without a rotation, and the rotation's own small MatMul is left in float."""
+    folder, calib = tied_builder_model
+    _tied_with_random_scales(folder, tmp_path / "src", np.random.default_rng(3))
+    folder, out = tmp_path / "src", tmp_path / "out"
+    result = _cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32",
+                  "--lm-head", "--scheme-for", "Embedding=W4A16", "--matmulnbits", "--rotate", "R1", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "stored twice" not in result.output  # the untie warning
+    written = onnx.load(out / "model.onnx", load_external_data=False)
+    ops = {n.name: n for n in written.graph.node}
+    gather = next(n for n in written.graph.node if n.op_type == "GatherBlockQuantized")
+    lm_head = ops["/lm_head/MatMul"]
+    reshape = next(n for n in written.graph.node if n.output[0] == gather.input[0])
+    assert lm_head.op_type == "MatMulNBits" and reshape.input[0] == lm_head.input[1]  # one int4 table
+    assert gather.input[2] == lm_head.input[2]  # and its scales
+    record = json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))
+    (scale_node,) = record["scale_nodes"]
+    assert len(record["kept_tied"]) == 1 and record["untied"] == []
+    assert ops[scale_node].op_type == "MatMul"  # float: not quantized
+    result = _cli("eval", folder / "model.onnx", out / "model.onnx", "--data", calib, "--json")
+    assert result.exit_code == 0, result.output
+    logits = next(o for o in json.loads(result.output.strip().splitlines()[-1])["outputs"] if o["name"] == "logits")
+    assert logits["sqnr_db"] > 10  # a quantized model of the same function (broken: about 0 dB)
 
 
 def _prefill_then_step(model, ids: np.ndarray) -> np.ndarray:

@@ -148,13 +148,17 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         model.metadata_props.add(key=ROTATION_METADATA_KEY, value=json.dumps(rotation.as_dict(), sort_keys=True))
         log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
                  len(rotation.rotated), rotation.norms)
+        if rotation.kept_tied:
+            log.info("rotation kept %s tied to lm_head; its norm scale moved into a %dx%d MatMul before lm_head, "
+                     "left in float", ", ".join(rotation.kept_tied), rotation.hidden, rotation.hidden)
     found, skipped = find_targets(model)
     if not found:
         raise GraphcalError(f"{model_path}: no MatMul/Gemm node takes a weight; nothing to quantize")
     found_lookups = find_lookups(model)
     every = found + found_lookups
     selected, unmatched = select(every, config.patterns, config.ignore)
-    chosen = [t for t in selected if t.op_type != "Gather"]
+    keep_float = set(rotation.scale_nodes) if rotation is not None else set()  # rotation's small MatMuls
+    chosen = [t for t in selected if t.op_type != "Gather" and t.node not in keep_float]
     lookups = [t for t in selected if t.op_type == "Gather"]
     unmatched = [p for p in unmatched if p not in DEFAULT_IGNORE]  # a default that fits no model is no news
     warnings = [f"target or ignore pattern {p!r} matches no MatMul/Gemm or embedding lookup" for p in unmatched]

@@ -12,9 +12,15 @@ the stream found by :func:`graphcal.graph.residual.residual_stream`:
 - each weight reading the stream (q/k/v, gate/up, lm_head) takes ``Q^T diag(g)`` on its input side.
 
 Rotated, a weight's outlier input channels are spread over all channels, which is what makes
-int4 and int8 grids fit it better. A table tied to lm_head cannot stay one table (the two take
-different transforms: ``E Q`` and ``E diag(g) Q``), so both are stored, and the report says what
-that costs.
+int4 and int8 grids fit it better.
+
+A table tied to lm_head takes two transforms: ``E Q`` for the lookup, ``Qᵀ diag(g) Eᵀ`` for lm_head.
+Where lm_head reads the shared initializer directly and the lookup reads it through a layout path
+(the builder's Transpose), the tie is kept: the one table becomes ``E Q`` as both read it, and
+lm_head's ``diag(g)``, conjugated into the rotated basis, moves into a small MatMul of its own
+before it: ``x M`` with ``M = Qᵀ diag(g) Q`` (hidden x hidden, kept in float: ``scale_nodes``),
+since ``x_rot M (E Q)ᵀ = x diag(g) Eᵀ``. Otherwise (another layout, more readers) the table is
+stored twice, and the report says what that costs.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from graphcal.algorithms.rotation.hadamard import orthogonal
-from graphcal.graph.edit import Names, add_initializer, drop_dead_paths
+from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, replace_input
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.residual import head_pairs, residual_stream
 from graphcal.graph.scaling.find import _Values
@@ -43,6 +50,8 @@ class Rotation:
     rotated: list[str] = field(default_factory=list)  # module names of the weights rotated
     norms: int = 0  # norm scales folded into the weights after them
     untied: list[str] = field(default_factory=list)  # initializers that had several readers, now one copy each
+    kept_tied: list[str] = field(default_factory=list)  # tables still shared by a lookup and lm_head
+    scale_nodes: list[str] = field(default_factory=list)  # MatMul nodes added before such an lm_head (stay float)
     bytes_before: int = 0
     bytes_after: int = 0
     heads: int = 0  # attention blocks whose value and output heads were turned too (R2)
@@ -51,7 +60,8 @@ class Rotation:
     def as_dict(self) -> dict:
         """The model's ``graphcal.rotation`` metadata."""
         return {"hidden": self.hidden, "matrix": self.matrix, "weights": len(self.rotated), "norms": self.norms,
-                "untied": self.untied, "heads": self.heads, "head_matrix": self.head_matrix}
+                "untied": self.untied, "kept_tied": self.kept_tied, "scale_nodes": self.scale_nodes,
+                "heads": self.heads, "head_matrix": self.head_matrix}
 
 
 def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True,
@@ -70,7 +80,6 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     readers_of: dict[str, int] = {}
     for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]:
         readers_of[t.weight] = readers_of.get(t.weight, 0) + 1
-    report.untied = sorted(w for w, n in readers_of.items() if n > 1)
     edits: dict[tuple[str, int], list] = {}  # (node, input) -> [node, input, base name, new value]
     values = _Values(model, base_dir)
 
@@ -84,7 +93,16 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     def const(node: onnx.NodeProto, k: int) -> np.ndarray:
         return values.const(node.input[k])  # through Identity (residual_stream checked it is a constant)
 
+    def scale(r) -> np.ndarray:
+        if r.scale is None:
+            return np.ones(stream.hidden)
+        return const(nodes[r.scale[0]], r.scale[1]).astype(np.float64).reshape(-1)
+
+    kept = _kept_ties(stream, readers_of, q, weight, inits, nodes, base_dir)  # weight -> its rotated table
+    report.untied = sorted(w for w, n in readers_of.items() if n > 1 and w not in kept)
     for t in stream.lookups:  # [vocab, hidden] -> E Q
+        if t.weight in kept:
+            continue
         e = weight(t)
         put(nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e))
     for t in stream.writers:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
@@ -96,11 +114,14 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         node = nodes[node_name]
         b = const(node, k)
         put(node, k, f"{node_name}.rotated_bias", _cast(b.astype(np.float64) @ q, b))
+    kept_scales = {}  # a kept tie's lm_head -> its norm scale, read before the scales are set to ones
     for r in stream.readers:
         t = r.target
+        if t.weight in kept:
+            kept_scales[t.weight] = scale(r)
+            continue
         w = weight(t)
-        g = np.ones(stream.hidden) if r.scale is None else const(nodes[r.scale[0]], r.scale[1]).astype(
-            np.float64).reshape(-1)
+        g = scale(r)
         w64 = w.astype(np.float64)
         rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
         put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
@@ -130,11 +151,57 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     for node, k, base, value in edits.values():
         old.add(node.input[k])
         node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
+    for r in stream.readers:  # a kept tie: the one table rotated, lm_head's norm scale in a MatMul before it
+        t = r.target
+        if t.weight not in kept:
+            continue
+        table = add_initializer(graph.initializer, names, f"{t.weight}.rotated", kept[t.weight])
+        for node in graph.node:
+            replace_input(node, t.weight, table)
+        old.add(t.weight)
+        report.kept_tied.append(t.weight)
+        g = kept_scales[t.weight]
+        if not np.array_equal(g, np.ones_like(g)):
+            m = _cast(q.T @ (g[:, None] * q), kept[t.weight])
+            reader = nodes[t.node]
+            node_name = names.unique(f"{t.node}/rotation_scale")
+            out = names.unique(f"{t.node}/rotation_scale_output")
+            scaled = helper.make_node("MatMul", [reader.input[0], add_initializer(graph.initializer, names,
+                                                                                  f"{t.name}.rotation_scale", m)],
+                                      [out], name=node_name)
+            reader.input[0] = out
+            at = next(i for i, n in enumerate(graph.node) if n.name == t.node)
+            graph.node.insert(at, scaled)
+            report.scale_nodes.append(node_name)
     drop_dead_paths(graph, old)
     report.rotated = [t.name for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]]
     report.norms = len(stream.scales)
     report.bytes_after = _bytes(graph)
     return report
+
+
+def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits, nodes,
+               base_dir: str | None) -> dict[str, np.ndarray]:
+    """The tables that stay tied (initializer -> its rotated value as stored): read by exactly one
+    lookup and one reader, lm_head reading the initializer as stored, and the lookup's path giving
+    ``E Q`` from the rotated value (checked on the numbers)."""
+    kept = {}
+    for w, n in readers_of.items():
+        lookups = [t for t in stream.lookups if t.weight == w]
+        readers = [r for r in stream.readers if r.target.weight == w]
+        if n != 2 or len(lookups) != 1 or len(readers) != 1 or readers[0].target.weight_path:
+            continue
+        t = readers[0].target
+        stored = weight(t).astype(np.float64)
+        rotated = _cast(q.T @ stored if t.layout == "in_out" else stored @ q, weight(t))
+        e = weight(lookups[0])
+        want = e.astype(np.float64) @ q
+        path = [nodes[name] for name in lookups[0].weight_path]
+        got = weight_as_consumed(numpy_helper.from_array(rotated, w), path, inits, base_dir).astype(np.float64)
+        ulp = np.finfo(e.dtype).eps if np.issubdtype(e.dtype, np.floating) else 0.0  # the casts' rounding
+        if got.shape == want.shape and np.allclose(got, want, rtol=0, atol=4 * ulp * np.abs(want).max()):
+            kept[w] = rotated
+    return kept
 
 
 def _cast(value: np.ndarray, like: np.ndarray) -> np.ndarray:
