@@ -153,31 +153,32 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
     for r in stream.readers:  # a kept tie: the one table rotated, lm_head's norm scale in a MatMul before it
         t = r.target
-        if t.weight not in kept:
-            continue
-        table = add_initializer(graph.initializer, names, f"{t.weight}.rotated", kept[t.weight])
-        for node in graph.node:
-            replace_input(node, t.weight, table)
-        old.add(t.weight)
-        report.kept_tied.append(t.weight)
-        g = kept_scales[t.weight]
-        if not np.array_equal(g, np.ones_like(g)):
-            m = _cast(q.T @ (g[:, None] * q), kept[t.weight])
-            reader = nodes[t.node]
-            node_name = names.unique(f"{t.node}/rotation_scale")
-            out = names.unique(f"{t.node}/rotation_scale_output")
-            scaled = helper.make_node("MatMul", [reader.input[0], add_initializer(graph.initializer, names,
-                                                                                  f"{t.name}.rotation_scale", m)],
-                                      [out], name=node_name)
-            reader.input[0] = out
-            at = next(i for i, n in enumerate(graph.node) if n.name == t.node)
-            graph.node.insert(at, scaled)
-            report.scale_nodes.append(node_name)
+        if t.weight in kept:
+            old.add(t.weight)
+            report.kept_tied.append(t.weight)
+            report.scale_nodes += _keep_tie(graph, names, nodes[t.node], t, kept[t.weight], kept_scales[t.weight], q)
     drop_dead_paths(graph, old)
     report.rotated = [t.name for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]]
     report.norms = len(stream.scales)
     report.bytes_after = _bytes(graph)
     return report
+
+
+def _keep_tie(graph: onnx.GraphProto, names: Names, reader: onnx.NodeProto, t, table: np.ndarray, g: np.ndarray,
+              q: np.ndarray) -> list[str]:
+    """Point every reader of ``t.weight`` at the rotated ``table``, and where ``g`` (lm_head's norm
+    scale) is not ones, feed ``reader`` through ``x M``, ``M = Q^T diag(g) Q``; the nodes added."""
+    rotated = add_initializer(graph.initializer, names, f"{t.weight}.rotated", table)
+    for node in graph.node:
+        replace_input(node, t.weight, rotated)
+    if np.array_equal(g, np.ones_like(g)):
+        return []
+    m = add_initializer(graph.initializer, names, f"{t.name}.rotation_scale", _cast(q.T @ (g[:, None] * q), table))
+    name, out = names.unique(f"{reader.name}/rotation_scale"), names.unique(f"{reader.name}/rotation_scale_output")
+    scaled = helper.make_node("MatMul", [reader.input[0], m], [out], name=name)
+    reader.input[0] = out
+    graph.node.insert(next(i for i, n in enumerate(graph.node) if n.name == reader.name), scaled)
+    return [name]
 
 
 def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits, nodes,
