@@ -283,3 +283,24 @@ def test_a_spinquant_modifier_after_the_quantizer_is_refused(llama_dir, tmp_path
                       "    SpinQuantModifier: {rotations: [R1]}\n")
     result = _cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
     assert result.exit_code == 2 and "comes after the modifier that quantizes" in result.output, result.output
+
+
+@pytest.mark.parametrize("measure", [["--sensitivity"], ["--fallback", "HIGH", "--size-budget", "1"]],
+                         ids=["sensitivity", "fallback"])
+def test_layer_by_layer_measures_refuse_a_rotated_model_against_an_unrotated_one(llama_dir, tmp_path, measure):
+    """Swapping one layer between a rotated model and fp32 would mix two bases: refused in one line
+    before any pass; plain eval of the same pair still runs."""
+    args = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "-q"]
+    assert _cli("run", llama_dir / "model.onnx", *args, "--rotate", "R1", "-o", tmp_path / "low").exit_code == 0
+    assert _cli("run", llama_dir / "model.onnx", *args[:2], "--scheme", "W8A16", "-q", "--rotate", "R1", "-o",
+                tmp_path / "high").exit_code == 0
+    measure = [str(tmp_path / "high" / "model.onnx") if m == "HIGH" else m for m in measure]
+    result = _cli("eval", llama_dir / "model.onnx", tmp_path / "low" / "model.onnx", "--data", llama_dir / "calib.npz",
+                  *measure)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.strip() == (
+        "error: the quantized model was rotated (Hadamard 128) and the reference not rotated: layer-by-layer measures "
+        "(--sensitivity, --fallback) swap layers between them, which needs one rotation; plain eval (outputs against "
+        "fp32) measures a rotated model")
+    assert _cli("eval", llama_dir / "model.onnx", tmp_path / "low" / "model.onnx", "--data",
+                llama_dir / "heldout.npz").exit_code == 0

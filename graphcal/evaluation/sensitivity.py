@@ -20,6 +20,7 @@ layers' weights.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from graphcal.algorithms.rotation.fold import METADATA_KEY as ROTATION_KEY
 from graphcal.data import batch_samples
+from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
 from graphcal.graph.external import common_root
@@ -41,7 +44,15 @@ MAX_OPTIONS = 3  # advice: the worst kind, the worst two, the worst three
 
 
 def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, targets) -> list:
-    """The targets the candidate quantized: those whose output it computes otherwise than fp32 does."""
+    """The targets the candidate quantized: those whose output it computes otherwise than fp32 does.
+    Refused in one line where the two models' residual streams were rotated differently (--rotate):
+    a layer swapped in from the other model would then read and write another basis."""
+    rotations = [_rotation(m) for m in (candidate, reference)]
+    if rotations[0] != rotations[1]:
+        said = [f"rotated ({r})" if r else "not rotated" for r in rotations]
+        raise UsageError(f"the quantized model was {said[0]} and the reference {said[1]}: layer-by-layer measures "
+                         "(--sensitivity, --fallback) swap layers between them, which needs one rotation; plain eval "
+                         "(outputs against fp32) measures a rotated model")
     ref_nodes = {n.name: n for n in reference.graph.node}
     producer = {o: n for n in candidate.graph.node for o in n.output}
     out = []
@@ -54,6 +65,18 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
             continue  # the fp32 node itself: left in float
         out.append(t)
     return out
+
+
+def _rotation(model: onnx.ModelProto) -> str | None:
+    """The rotation graphcal folded into ``model`` (its metadata's matrix), None without one."""
+    record = next((p.value for p in model.metadata_props if p.key == ROTATION_KEY), None)
+    if record is None:
+        return None
+    try:
+        said = json.loads(record)
+        return f"{said.get('matrix', 'unknown matrix')}{', R2' if said.get('heads') else ''}"
+    except (ValueError, AttributeError):
+        return "an unreadable record"
 
 
 @dataclass
