@@ -59,7 +59,9 @@ CONFIG_OPTIONS = (
                       "folded into the embedding, the weights reading and writing it and lm_head, each RMS norm's "
                       "scale into the weights after it. R2: each value head and o_proj's rows for it, around "
                       "GroupQueryAttention over a packed qkv_proj. The fp32 model's logits do not change; outlier "
-                      "channels are spread. A table tied to lm_head is untied (run says what that costs). Pre-norm "
+                      "channels are spread. A table tied to lm_head stays tied where lm_head reads it as stored (a small "
+                      "MatMul before lm_head takes the final norm's scale), else is untied (run says what that costs). "
+                      "Pre-norm "
                       "decoders only (docs/rotation.md)."),
     click.option("--observer", default=None,
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
