@@ -285,22 +285,50 @@ def test_a_spinquant_modifier_after_the_quantizer_is_refused(llama_dir, tmp_path
     assert result.exit_code == 2 and "comes after the modifier that quantizes" in result.output, result.output
 
 
-@pytest.mark.parametrize("measure", [["--sensitivity"], ["--fallback", "HIGH", "--size-budget", "1"]],
-                         ids=["sensitivity", "fallback"])
-def test_layer_by_layer_measures_refuse_a_rotated_model_against_an_unrotated_one(llama_dir, tmp_path, measure):
-    """Swapping one layer between a rotated model and fp32 would mix two bases: refused in one line
-    before any pass; plain eval of the same pair still runs."""
-    args = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "-q"]
-    assert _cli("run", llama_dir / "model.onnx", *args, "--rotate", "R1", "-o", tmp_path / "low").exit_code == 0
-    assert _cli("run", llama_dir / "model.onnx", *args[:2], "--scheme", "W8A16", "-q", "--rotate", "R1", "-o",
-                tmp_path / "high").exit_code == 0
-    measure = [str(tmp_path / "high" / "model.onnx") if m == "HIGH" else m for m in measure]
-    result = _cli("eval", llama_dir / "model.onnx", tmp_path / "low" / "model.onnx", "--data", llama_dir / "calib.npz",
-                  *measure)
+def _json(result):
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+def test_eval_measures_a_rotated_model_layer_by_layer_against_its_unrotated_fp32(llama_dir, tmp_path):
+    """eval rotates the fp32 reference as the quantized models were: every layer's output compares in
+    one basis, and a mix chosen with --fallback, pasted into run with --rotate, gives the SQNR eval
+    predicted (round to nearest: a layer's qparams do not depend on the others)."""
+    calib, heldout = llama_dir / "calib.npz", llama_dir / "heldout.npz"
+    for scheme in ("W4A16", "W8A16"):
+        _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", scheme, "--lm-head", "--rotate", "R1",
+                   "-o", tmp_path / scheme, "-q", "--json"))
+    low, high = tmp_path / "W4A16" / "model.onnx", tmp_path / "W8A16" / "model.onnx"
+    report = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json"))
+    layers = {layer["name"]: layer["sqnr_db"] for layer in report["layers"]}
+    assert len(layers) == 15 and min(layers.values()) > 8  # measured 9.9-19.2 dB; unrotated fp32: writers ~0 dB
+    low_bytes = sum(f.stat().st_size for f in low.parent.glob("model.onnx*"))
+    mix = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--fallback", high,
+                     "--size-budget", (low_bytes + 60_000) / 1e6, "--per-layer"))["mix"]
+    assert 0 < sum(u["chosen"] for u in mix["units"]) < len(mix["units"])
+    predicted = mix["expected_outputs"][0]["sqnr_db"]
+    assert predicted > mix["low_sqnr_db"] + 2
+    _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "--lm-head", "--rotate", "R1",
+               "-o", tmp_path / "mixed", "-q", "--json", *mix["flags"]))
+    measured = _json(_cli("eval", llama_dir / "model.onnx", tmp_path / "mixed" / "model.onnx", "--data", heldout,
+                          "--json"))["outputs"][0]["sqnr_db"]
+    assert measured == pytest.approx(predicted, abs=0.05)
+    sensitivity = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--sensitivity"))
+    assert sensitivity["sensitivity"]["alone"]  # each kind measured (it swaps layers between the two)
+
+
+def test_models_rotated_otherwise_are_refused_in_one_line_before_any_pass(llama_dir, tmp_path):
+    calib = llama_dir / "calib.npz"
+    for name in ("r1", "random"):
+        extra = ["--recipe", tmp_path / "r.yaml"] if name == "random" else ["--rotate", "R1"]
+        if name == "random":
+            (tmp_path / "r.yaml").write_text(SPINQUANT_RECIPE.replace("rotations: [R1, R2], transform_type: %s",
+                                                                      "rotations: [R1], transform_type: random-matrix")
+                                             .replace("scheme: W8A8", "scheme: W8A16"))
+        _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "-o", tmp_path / name, "-q",
+                   "--json", *extra))
+    result = _cli("eval", tmp_path / "r1" / "model.onnx", tmp_path / "random" / "model.onnx", "--data", calib,
+                  "--sensitivity")
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-    assert result.output.strip() == (
-        "error: the quantized model was rotated (Hadamard 128) and the reference not rotated: layer-by-layer measures "
-        "(--sensitivity, --fallback) swap layers between them, which needs one rotation; plain eval (outputs against "
-        "fp32) measures a rotated model")
-    assert _cli("eval", llama_dir / "model.onnx", tmp_path / "low" / "model.onnx", "--data",
-                llama_dir / "heldout.npz").exit_code == 0
+    assert result.output.startswith("error: the reference was rotated otherwise (Hadamard 128) than the quantized "
+                                    "model (random orthogonal 128 (seed 0))")

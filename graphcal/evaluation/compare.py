@@ -23,6 +23,7 @@ from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.candidate import smoothable_layers, smoothquant_record, written_ignore
 from graphcal.evaluation.mixing import measure_mix, plan_mix
 from graphcal.evaluation.report import EvalReport
+from graphcal.evaluation.rotated import rotated_as
 from graphcal.evaluation.sensitivity import SensitivityPlan, measure_sensitivity, quantized_layers
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
 from graphcal.graph.compare import PREFIX as PAIRED_PREFIX
@@ -86,6 +87,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     # paths run each model as a whole protobuf and load them whole below.
     (ref_model, ref_files), (cand_model, cand_files) = load_model_info(reference, lazy=True), load_model_info(
         candidate, lazy=True)
+    ref_model = rotated_as(ref_model, str(Path(reference).parent), cand_model)  # --rotate: layers in one basis
     for option, path in writes:  # the models' external data files are inputs too
         check_output_file(path, [Path(m).parent / f for m, files in ((reference, ref_files), (candidate, cand_files))
                                  for f in files], option)
@@ -154,7 +156,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         runner_kind = paired.kind
     else:
         if any(map(is_external, ref_model.graph.initializer)):  # weights left on disk (data files, or inline ones)
-            ref_model = load_model(reference)
+            ref_model = rotated_as(load_model(reference), str(Path(reference).parent), cand_model)
         if any(map(is_external, cand_model.graph.initializer)):
             cand_model = load_model(candidate)
     forced, forced_run, ref_fetch = {}, None, fetch

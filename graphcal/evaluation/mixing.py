@@ -44,6 +44,7 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.candidate import written_config
 from graphcal.evaluation.kinds import layer_kind
+from graphcal.evaluation.rotated import rotated_as
 from graphcal.evaluation.sensitivity import measure_variants, quantized_layers
 from graphcal.graph.external import common_root, expected_bytes
 from graphcal.graph.io import load_model_info, runs_in_onnxruntime, value_types
@@ -187,6 +188,8 @@ def plan_mix(reference: Path, low: Path, high: Path | None, *, per_layer: bool,
     if (budget_bytes is None) == (target_db is None):
         raise UsageError("give one of --size-budget and --target-db")
     (ref, _), (low_model, low_files) = load_model_info(reference, lazy=True), load_model_info(low, lazy=True)
+    high_model = load_model_info(high, lazy=True)[0] if high is not None else None
+    ref = rotated_as(ref, str(Path(reference).parent), low_model, high_model)  # --rotate: layers in one basis
     base_bytes = sum((Path(low).parent / f).stat().st_size for f in [Path(low).name, *low_files])
     targets, lookups = find_targets(ref)[0], find_lookups(ref)
     layers = quantized_layers(low_model, ref, [*targets, *lookups])
@@ -195,9 +198,8 @@ def plan_mix(reference: Path, low: Path, high: Path | None, *, per_layer: bool,
     fp32_nodes = {n.name: n for n in ref.graph.node}
     values = fp32_computed(ref)
     ref_inits = {t.name: t for t in ref.graph.initializer}
-    high_model = high_config = None
+    high_config = None
     if high is not None:
-        high_model = load_model_info(high, lazy=True)[0]
         high_config = written_config(Path(high))
         if high_config is None:
             raise UsageError(f"--fallback {high} has no quantization_config.json beside it (graphcal writes one): "
@@ -293,6 +295,7 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
     models = [(load_model_info(p, lazy=True)[0], p) for p in [reference, low, *([high] if high else [])]]
     if not all(runs_in_onnxruntime(m) for m, _ in models):
         raise GraphcalError("--size-budget and --target-db run in onnxruntime; these models need onnx.reference")
+    rotated_as(models[0][0], str(Path(reference).parent), *(m for m, _ in models[1:]))
     folder = common_root(models)
     ref_model = models[0][0]
     types = {name: t.elem_type for name, t in value_types(ref_model).items()}

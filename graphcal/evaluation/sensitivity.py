@@ -24,6 +24,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -33,6 +34,7 @@ from graphcal.data import batch_samples
 from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
+from graphcal.evaluation.rotated import rotated_as
 from graphcal.graph.external import common_root
 from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime, value_types
 from graphcal.graph.switch import switchable_model
@@ -170,6 +172,7 @@ def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, ca
                         ignored) -> Sensitivity:
     """Each variant of ``plan`` alone, then the advice options, each compared with fp32 over the data."""
     (ref_model, _), (cand_model, _) = load_model_info(reference, lazy=True), load_model_info(candidate, lazy=True)
+    ref_model = rotated_as(ref_model, str(Path(reference).parent), cand_model)  # --rotate: layers in one basis
     folder = None
     if runs_in_onnxruntime(cand_model):
         folder = common_root([(ref_model, reference), (cand_model, candidate)])

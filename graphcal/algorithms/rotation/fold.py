@@ -25,6 +25,7 @@ stored twice, and the report says what that costs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphcal.algorithms.rotation.hadamard import orthogonal
+from graphcal.errors import GraphcalError
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, replace_input
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.residual import head_pairs, residual_stream
@@ -56,12 +58,41 @@ class Rotation:
     bytes_after: int = 0
     heads: int = 0  # attention blocks whose value and output heads were turned too (R2)
     head_matrix: str = ""  # how R2's matrix was made
+    kind: str = "hadamard"  # SpinQuant's transform type the matrices were made by
+    seed: int = 0
+    rotations: list[str] = field(default_factory=lambda: ["R1"])  # what was asked: R1, or R1 and R2
 
     def as_dict(self) -> dict:
         """The model's ``graphcal.rotation`` metadata."""
         return {"hidden": self.hidden, "matrix": self.matrix, "weights": len(self.rotated), "norms": self.norms,
                 "untied": self.untied, "kept_tied": self.kept_tied, "scale_nodes": self.scale_nodes,
-                "heads": self.heads, "head_matrix": self.head_matrix}
+                "heads": self.heads, "head_matrix": self.head_matrix, "kind": self.kind, "seed": self.seed,
+                "rotations": self.rotations}
+
+
+def rotation_record(model: onnx.ModelProto) -> dict | None:
+    """The ``graphcal.rotation`` metadata graphcal wrote into ``model``, None without one."""
+    text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    if text is None:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise GraphcalError(f"the model's {METADATA_KEY} metadata is not a JSON object")
+    return record
+
+
+def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> Rotation:
+    """Rotate ``model`` as the model whose ``record`` this is was rotated (same matrices), in place."""
+    if not all(k in record for k in ("kind", "seed", "rotations")):
+        raise GraphcalError(f"the {METADATA_KEY} record names no transform type, seed and rotations (written by an "
+                            "older graphcal): rewrite the model to compare it layer by layer")
+    report = rotate(model, base_dir, seed=int(record["seed"]), heads="R2" in record["rotations"],
+                    kind=str(record["kind"]))
+    model.metadata_props.add(key=METADATA_KEY, value=json.dumps(report.as_dict(), sort_keys=True))
+    return report
 
 
 def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True,
@@ -76,7 +107,8 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     inits = {t.name: t for t in graph.initializer}
     nodes = {n.name: n for n in graph.node}
     names = Names(set(inits) | {o for n in graph.node for o in n.output})
-    report = Rotation(stream.hidden, how, bytes_before=_bytes(graph))
+    report = Rotation(stream.hidden, how, bytes_before=_bytes(graph), kind=kind, seed=seed,
+                      rotations=["R1", "R2"] if heads else ["R1"])
     readers_of: dict[str, int] = {}
     for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]:
         readers_of[t.weight] = readers_of.get(t.weight, 0) + 1
