@@ -332,3 +332,18 @@ def test_models_rotated_otherwise_are_refused_in_one_line_before_any_pass(llama_
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("error: the reference was rotated otherwise (Hadamard 128) than the quantized "
                                     "model (random orthogonal 128 (seed 0))")
+
+
+@pytest.mark.parametrize("change", [{"kind": "givens"}, {"seed": "0; rm"}, {"rotations": ["R3"]}, {"kind": None}])
+def test_a_stranger_s_rotation_record_is_checked_before_it_is_used(llama_dir, tmp_path, change):
+    """eval re-applies the rotation a quantized model's metadata names: a record graphcal would not
+    write is refused in one line, before any pass."""
+    _json(_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--rotate",
+               "R1", "-o", tmp_path / "q", "-q", "--json"))
+    model = onnx.load(tmp_path / "q" / "model.onnx")
+    prop = next(p for p in model.metadata_props if p.key == METADATA_KEY)
+    prop.value = json.dumps({k: v for k, v in {**json.loads(prop.value), **change}.items() if v is not None})
+    onnx.save(model, tmp_path / "q" / "model.onnx")
+    result = _cli("eval", llama_dir / "model.onnx", tmp_path / "q" / "model.onnx", "--data", llama_dir / "calib.npz")
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("error: the graphcal.rotation record")

@@ -20,7 +20,6 @@ layers' weights.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphcal.algorithms.rotation.fold import METADATA_KEY as ROTATION_KEY
+from graphcal.algorithms.rotation.fold import rotation_record
 from graphcal.data import batch_samples
 from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
@@ -70,15 +69,11 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
 
 
 def _rotation(model: onnx.ModelProto) -> str | None:
-    """The rotation graphcal folded into ``model`` (its metadata's matrix), None without one."""
-    record = next((p.value for p in model.metadata_props if p.key == ROTATION_KEY), None)
+    """The rotation graphcal folded into ``model`` (its matrix, and R2), None without one."""
+    record = rotation_record(model)
     if record is None:
         return None
-    try:
-        said = json.loads(record)
-        return f"{said.get('matrix', 'unknown matrix')}{', R2' if said.get('heads') else ''}"
-    except (ValueError, AttributeError):
-        return "an unreadable record"
+    return f"{record.get('matrix', 'unknown matrix')}{', R2' if record.get('heads') else ''}"
 
 
 @dataclass

@@ -32,8 +32,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphcal.algorithms.rotation.hadamard import orthogonal
-from graphcal.errors import GraphcalError
+from graphcal.algorithms.rotation.hadamard import KINDS, orthogonal
+from graphcal.errors import GraphcalError, shown
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, replace_input
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.residual import head_pairs, residual_stream
@@ -86,11 +86,15 @@ def rotation_record(model: onnx.ModelProto) -> dict | None:
 
 def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> Rotation:
     """Rotate ``model`` as the model whose ``record`` this is was rotated (same matrices), in place."""
-    if not all(k in record for k in ("kind", "seed", "rotations")):
+    kind, seed, rotations = record.get("kind"), record.get("seed"), record.get("rotations")
+    if kind is None or seed is None or rotations is None:
         raise GraphcalError(f"the {METADATA_KEY} record names no transform type, seed and rotations (written by an "
                             "older graphcal): rewrite the model to compare it layer by layer")
-    report = rotate(model, base_dir, seed=int(record["seed"]), heads="R2" in record["rotations"],
-                    kind=str(record["kind"]))
+    if (kind not in KINDS or type(seed) is not int or not 0 <= seed < 2**63 or not isinstance(rotations, list)
+            or rotations not in (["R1"], ["R1", "R2"])):
+        raise GraphcalError(f"the {METADATA_KEY} record's transform type, seed or rotations are not graphcal's "
+                            f"({shown(repr(kind))}, {shown(repr(seed))}, {shown(repr(rotations))})")
+    report = rotate(model, base_dir, seed=seed, heads="R2" in rotations, kind=kind)
     model.metadata_props.add(key=METADATA_KEY, value=json.dumps(report.as_dict(), sort_keys=True))
     return report
 

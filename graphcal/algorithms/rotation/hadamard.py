@@ -78,13 +78,16 @@ def hadamard(n: int) -> np.ndarray | None:
         base, power = base * 2, power // 2
 
 
+KINDS = ("hadamard", "random-hadamard", "random-matrix")  # SpinQuantModifier's transform types
+
+
 def orthogonal(n: int, seed: int = 0, kind: str = "hadamard") -> tuple[np.ndarray, str]:
     """An orthogonal ``n`` x ``n`` matrix in float64 and how it was made, by SpinQuantModifier's
     transform types: ``hadamard``, the normalized Hadamard matrix where one of order ``n`` is built
     here; ``random-hadamard``, that matrix with its columns' signs drawn from ``seed``;
     ``random-matrix`` (and either of the others where no Hadamard matrix is built), a random
     orthogonal matrix (QR of a Gaussian matrix seeded by ``seed``, signs fixed so the draw is uniform)."""
-    if kind not in ("hadamard", "random-hadamard", "random-matrix"):
+    if kind not in KINDS:
         raise ValueError(f"unknown rotation type {kind!r}")
     rng = np.random.default_rng(seed)
     h = None if kind == "random-matrix" else hadamard(n)
