@@ -1,7 +1,8 @@
 """Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
 
     python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq]
-                                [--scheme W4A16] [--whole [--mix MB [--mix-fallback W8A16:64:rtn]]] [--json OUT]
+                                [--scheme W4A16] [--whole [--mix MB [--mix-fallback W8A16:64:rtn]]]
+                                [--rotate R1] [--json OUT]
 
 On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
 4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
@@ -20,6 +21,10 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
   --fallback ... --size-budget MB --per-layer`` chooses which layers take it on calibration data
   (``--mix-samples`` of calib_ids.npz), and ``graphcal run`` writes that choice with the method into
   ``graphcal_<scheme>_<method>_g<group>_mix<MB>_<fallback>/`` (the eval report beside it as ``mix.json``).
+
+With ``--rotate R1`` every graphcal model is written with that rotation (folders named ``..._r1``);
+eval rotates the fp32 model as the low model was before it mixes. The 42.15 row of docs/genai.md:
+``python -m tools.genai_table --whole --methods gptq --rotate R1 --mix 86.3 --mix-samples 2``.
 
 Each is scored by tools/lib/perplexity.py over eval.npz (onnxruntime on the CPU, default settings);
 size is the folder's model files. Every step is skipped when its folder exists.
@@ -50,8 +55,9 @@ def _builder(work: Path, out: str, extra: list[str]) -> Path:
 
 
 def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
-              whole: bool = False) -> tuple[Path, float | None]:
+              whole: bool = False, rotate: str | None = None) -> tuple[Path, float | None]:
     folder = work / (f"graphcal_{scheme.lower()}_{method}_g{group}_whole" if whole else f"graphcal_{method}_g{group}")
+    folder = folder.with_name(folder.name + _suffix(rotate))
     seconds = None
     if not (folder / "model.onnx").exists():
         import numpy as np
@@ -65,21 +71,26 @@ def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
             command += ["--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits"]
         if method != "rtn":
             command += ["--algorithm", method]
+        command += ["--rotate", rotate] if rotate else []
         start = time.perf_counter()
         subprocess.run(command, check=True, cwd=REPO)
         seconds = time.perf_counter() - start
     return folder, seconds
 
 
+def _suffix(rotate: str | None) -> str:
+    return "_" + rotate.lower().replace(",", "") if rotate else ""
+
+
 def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samples: int,
-           fallback: str) -> tuple[Path, float]:
+           fallback: str, rotate: str | None = None) -> tuple[Path, float]:
     """The whole model with the layers eval chooses (within ``budget`` MB) in the ``fallback``
     (SCHEME:GROUP:METHOD) form, written with ``method``."""
     high_scheme, high_group, high_method = fallback.split(":")
     folder = work / (f"graphcal_{scheme.lower()}_{method}_g{group}_mix{budget:g}_"
-                     f"{high_scheme.lower()}_g{high_group}_{high_method}")
-    low, _ = _graphcal(work, method, group, scheme, whole=True)
-    high, _ = _graphcal(work, high_method, int(high_group), high_scheme, whole=True)
+                     f"{high_scheme.lower()}_g{high_group}_{high_method}{_suffix(rotate)}")
+    low, _ = _graphcal(work, method, group, scheme, whole=True, rotate=rotate)
+    high, _ = _graphcal(work, high_method, int(high_group), high_scheme, whole=True, rotate=rotate)
     start = time.perf_counter()
     if not (folder / "model.onnx").exists():
         report = subprocess.run([sys.executable, "-m", "graphcal", "eval", str(work / "genai_fp32" / "model.onnx"),
@@ -93,6 +104,7 @@ def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samp
                    "-q", "--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits", *flags]
         if method != "rtn":
             command += ["--algorithm", method]
+        command += ["--rotate", rotate] if rotate else []
         subprocess.run(command, check=True, cwd=REPO)
         (folder / "mix.json").write_text(report)
     return folder, time.perf_counter() - start
@@ -114,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix-samples", type=int, default=8, help="calibration samples the mix is chosen on")
     parser.add_argument("--mix-fallback", default="W8A16:64:rtn", metavar="SCHEME:GROUP:METHOD",
                         help="the whole model's higher form the mix takes layers from")
+    parser.add_argument("--rotate", default=None, metavar="R1|R1,R2", help="graphcal's models rotated (run --rotate)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work
@@ -122,16 +135,17 @@ def main(argv: list[str] | None = None) -> int:
             ("builder int4 k_quant_mixed", _builder(work, "genai_kq_mixed",
                                                      ["--extra_options", "algo_config=k_quant_mixed"]), None)]
     for method in args.methods:
-        folder, seconds = _graphcal(work, method, args.group_size, args.scheme, args.whole)
-        rows.append((f"graphcal {args.scheme} g{args.group_size} {method}{' whole model' if args.whole else ''}",
+        folder, seconds = _graphcal(work, method, args.group_size, args.scheme, args.whole, args.rotate)
+        rotated = f" --rotate {args.rotate}" if args.rotate else ""
+        rows.append((f"graphcal {args.scheme} g{args.group_size} {method}{' whole model' if args.whole else ''}{rotated}",
                      folder, seconds))
         if args.mix is not None:
             if not args.whole:
                 parser.error("--mix takes --whole")
             folder, seconds = _mixed(work, method, args.group_size, args.scheme, args.mix, args.mix_samples,
-                                     args.mix_fallback)
+                                     args.mix_fallback, args.rotate)
             rows.append((f"graphcal {args.scheme} g{args.group_size} {method} whole model, {args.mix_fallback} where "
-                         f"eval chose within {args.mix:g} MB", folder, seconds))
+                         f"eval chose within {args.mix:g} MB{rotated}", folder, seconds))
     results = []
     print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
     print("|---|---|---|---|")
