@@ -164,6 +164,8 @@ def test_a_kept_tie_quantizes_as_one_table_and_its_scale_stays_float(tied_builde
                   "--lm-head", "--scheme-for", "Embedding=W4A16", "--matmulnbits", "--rotate", "R1", "-o", out)
     assert result.exit_code == 0, result.output
     assert "stored twice" not in result.output  # the untie warning
+    assert ("rotated the residual stream first (Hadamard 64; R1): 12 weights and 5 norm scales folded; 1 table kept "
+            "tied to lm_head (a 64x64 float MatMul before lm_head takes the final norm's scale)") in result.output
     written = onnx.load(out / "model.onnx", load_external_data=False)
     ops = {n.name: n for n in written.graph.node}
     gather = next(n for n in written.graph.node if n.op_type == "GatherBlockQuantized")

@@ -70,6 +70,7 @@ class CalibrationResult:
     smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.scaling.Mapping.describe)
     awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
     gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
+    rotation: dict | None = None  # --rotate: what was folded in first (algorithms.rotation.fold.Rotation.as_dict)
     float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
     model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
 
@@ -184,7 +185,8 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
     common = dict(output_dir=out_dir, provider=activations.provider, seconds=time.perf_counter() - start,
                   world=dist.world if dist else 1,
                   padding_share=padding.share if padding is not None else None,
-                  exclude_padding=settings.exclude_padding)
+                  exclude_padding=settings.exclude_padding,
+                  rotation=run.rotation.as_dict() if run.rotation is not None else None)
     if weights is None:
         return CalibrationResult(files=[], targets=[], ignored=run.ignored, num_samples=0,
                                  num_batches=activations.batches, warnings=warnings, rank=dist.rank, **common)

@@ -52,7 +52,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
             "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
-            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq,
+            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq, "rotation": result.rotation,
             "model_bytes": result.model_bytes, "float_bytes": result.float_bytes,
         }, sort_keys=True))
         return
@@ -68,6 +68,14 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         click.echo(f"written model: {result.model_bytes / 1e6:.1f} MB, of which {result.float_bytes / 1e6:.1f} MB "
                    f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
                    "norms, biases, scales)")
+    if result.rotation is not None:
+        r = result.rotation
+        click.echo(f"rotated the residual stream first ({r['matrix']}; {','.join(r['rotations'])}): {r['weights']} "
+                   f"weights and {r['norms']} norm scales folded"
+                   + (f"; {len(r['kept_tied'])} table kept tied to lm_head" if r["kept_tied"] else "")
+                   + (f" (a {r['hidden']}x{r['hidden']} float MatMul before lm_head takes the final norm's scale)"
+                      if r["scale_nodes"] else "")
+                   + (f"; untied: {', '.join(r['untied'])}" if r["untied"] else ""))
     if result.smoothed:
         click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.awq:
