@@ -10,7 +10,6 @@ for the target runtime) fails here.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,9 +19,9 @@ from types import MappingProxyType
 
 import onnx
 
-from graphcal.algorithms.rotation.fold import METADATA_KEY as ROTATION_METADATA_KEY
 from graphcal.algorithms.rotation.fold import Rotation
 from graphcal.algorithms.rotation.fold import rotate as rotate_stream
+from graphcal.algorithms.rotation.fold import write_record as write_rotation_record
 from graphcal.calibration.sizing import size_parts
 from graphcal.config import DEFAULT_IGNORE, RunConfig, observer_name
 from graphcal.errors import GraphcalError
@@ -145,7 +144,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     rotation = None
     if config.rotate:  # before anything is found: every later stage sees the rotated model
         rotation = rotate_stream(model, str(model_path.parent), heads="R2" in config.rotate, kind=config.rotation_type)
-        model.metadata_props.add(key=ROTATION_METADATA_KEY, value=json.dumps(rotation.as_dict(), sort_keys=True))
+        write_rotation_record(model, rotation)
         log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
                  len(rotation.rotated), rotation.norms)
         if rotation.kept_tied:

@@ -22,19 +22,24 @@ log = logging.getLogger("graphcal")
 _SAME = ("matrix", "heads", "kind", "seed")  # what makes two rotations the same
 
 
+def rotation_key(record: dict | None) -> str | None:
+    """What makes two rotation records the same rotation (None: not rotated)."""
+    return None if record is None else json.dumps([record.get(k) for k in _SAME])
+
+
 def rotated_as(reference: onnx.ModelProto, base_dir: str, *candidates: onnx.ModelProto | None) -> onnx.ModelProto:
     """``reference``, rotated in place as ``candidates`` were where they were and it was not; a
     one-line UsageError where the candidates were rotated differently from each other or from it."""
     records = [rotation_record(c) for c in candidates if c is not None]
     if not any(records):
         return reference
-    keys = {json.dumps([r.get(k) for k in _SAME]) if r else None for r in records}
+    keys = {rotation_key(r) for r in records}
     if len(keys) > 1:
         raise UsageError("the quantized models were rotated differently (--rotate); mix models rotated alike")
     record = next(r for r in records if r)
     own = rotation_record(reference)
     if own is not None:
-        if [own.get(k) for k in _SAME] != [record.get(k) for k in _SAME]:
+        if rotation_key(own) != rotation_key(record):
             raise UsageError(f"the reference was rotated otherwise ({own.get('matrix')}) than the quantized model "
                              f"({record.get('matrix')}); compare a model with its own fp32 form")
         return reference

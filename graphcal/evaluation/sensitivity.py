@@ -33,7 +33,7 @@ from graphcal.data import batch_samples
 from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
-from graphcal.evaluation.rotated import rotated_as
+from graphcal.evaluation.rotated import rotated_as, rotation_key
 from graphcal.graph.external import common_root
 from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime, value_types
 from graphcal.graph.switch import switchable_model
@@ -48,9 +48,9 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
     """The targets the candidate quantized: those whose output it computes otherwise than fp32 does.
     Refused in one line where the two models' residual streams were rotated differently (--rotate):
     a layer swapped in from the other model would then read and write another basis."""
-    rotations = [_rotation(m) for m in (candidate, reference)]
-    if rotations[0] != rotations[1]:
-        said = [f"rotated ({r})" if r else "not rotated" for r in rotations]
+    records = [rotation_record(m) for m in (candidate, reference)]
+    if rotation_key(records[0]) != rotation_key(records[1]):
+        said = [f"rotated ({_rotation(r)})" if r else "not rotated" for r in records]
         raise UsageError(f"the quantized model was {said[0]} and the reference {said[1]}: layer-by-layer measures "
                          "(--sensitivity, --fallback) swap layers between them, which needs one rotation; plain eval "
                          "(outputs against fp32) measures a rotated model")
@@ -68,11 +68,8 @@ def quantized_layers(candidate: onnx.ModelProto, reference: onnx.ModelProto, tar
     return out
 
 
-def _rotation(model: onnx.ModelProto) -> str | None:
-    """The rotation graphcal folded into ``model`` (its matrix, and R2), None without one."""
-    record = rotation_record(model)
-    if record is None:
-        return None
+def _rotation(record: dict) -> str:
+    """A rotation record in words: its matrix, and R2."""
     return f"{record.get('matrix', 'unknown matrix')}{', R2' if record.get('heads') else ''}"
 
 

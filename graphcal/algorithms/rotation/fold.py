@@ -95,8 +95,13 @@ def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> R
         raise GraphcalError(f"the {METADATA_KEY} record's transform type, seed or rotations are not graphcal's "
                             f"({shown(repr(kind))}, {shown(repr(seed))}, {shown(repr(rotations))})")
     report = rotate(model, base_dir, seed=seed, heads="R2" in rotations, kind=kind)
-    model.metadata_props.add(key=METADATA_KEY, value=json.dumps(report.as_dict(), sort_keys=True))
+    write_record(model, report)
     return report
+
+
+def write_record(model: onnx.ModelProto, report: Rotation) -> None:
+    """Record in ``model``'s metadata what :func:`rotate` folded into it (``graphcal.rotation``)."""
+    model.metadata_props.add(key=METADATA_KEY, value=json.dumps(report.as_dict(), sort_keys=True))
 
 
 def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True,
@@ -229,8 +234,9 @@ def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits,
         if n != 2 or len(lookups) != 1 or len(readers) != 1 or readers[0].target.weight_path:
             continue
         t = readers[0].target
-        stored = weight(t).astype(np.float64)
-        rotated = _cast(q.T @ stored if t.layout == "in_out" else stored @ q, weight(t))
+        stored = weight(t)  # read once: lm_head's table is the model's largest weight
+        wide = stored.astype(np.float64)
+        rotated = _cast(q.T @ wide if t.layout == "in_out" else wide @ q, stored)
         e = weight(lookups[0])
         want = e.astype(np.float64) @ q
         path = [nodes[name] for name in lookups[0].weight_path]
