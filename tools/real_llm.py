@@ -18,11 +18,15 @@ Each step is skipped when its outputs exist (delete them to redo it); nothing he
 2. ``calib.txt`` / ``eval.txt``: disjoint English prose, one paragraph a line: Python's standard library
    docstrings (calibration) and the licence texts in /usr/share/common-licenses (held-out), as
    :mod:`tools.lib.text` finds them, taken for just enough tokens to fill the windows below.
+   ``eval_docs.txt``: a second held-out text in the calibration text's own domain: docstrings of other
+   standard library modules (tools.lib.text.HELDOUT_MODULES), no paragraph sharing a 12-word run with the
+   calibration modules' docstrings. The licence texts measure a quantized model on text unlike its
+   calibration; this one on text like it.
 3. ``graphcal/``: ``graphcal export hf -o graphcal --text calib.txt --seq 256 --pack --num-samples 64``:
    ``model.onnx`` (opset 17, weights inline, 652 MB: the tied embedding is stored twice, as the Gather's
    ``model.embed_tokens.weight`` [49152, 576] and lm_head's constant-folded [576, 49152] MatMul weight; inputs
    input_ids, attention_mask; output logits) and its ``calib.npz``.
-4. ``calib.npz`` (64 x 256) and ``eval.npz`` (32 x 256): the texts packed into full 256-token windows
+4. ``calib.npz`` (64 x 256), ``eval.npz`` and ``eval_docs.npz`` (32 x 256 each): the texts packed into full 256-token windows
    (the end-of-sequence token between paragraphs, no padding) exactly as ``graphcal export --pack`` does,
    for the exported model's inputs; calib.npz equals graphcal/calib.npz.
 5. ``genai_fp32/`` (and with ``--int4`` ``genai_int4/``: ``-p int4`` with the builder's defaults, block 32,
@@ -165,6 +169,23 @@ def write_texts(hf: Path, calib: Path, heldout: Path) -> None:
     heldout.write_text("\n".join(eval_lines) + "\n")
 
 
+def write_docs_heldout(hf: Path, calib: Path, out: Path) -> None:
+    """The in-domain held-out text: docstrings, as the calibration text, of standard library modules the
+    calibration never reads (tools.lib.text.HELDOUT_MODULES); no paragraph of calib.txt, and no paragraph
+    sharing a 12-word run with it."""
+    import transformers
+
+    from tools.lib.text import HELDOUT_MODULES, for_tokens, stdlib_text
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True)
+    calib_lines = [line for line in calib.read_text().splitlines() if line.strip()]
+    seen = shingles(calib_lines) | shingles(stdlib_text())
+    found = [p for p in stdlib_text(HELDOUT_MODULES) if not shingles([p]) & seen]
+    lines = for_tokens(found, tokenizer, EVAL_SAMPLES * SEQ)
+    log(f"text: {len(lines)} in-domain held-out paragraphs (of {len(found)} from {len(HELDOUT_MODULES)} other modules)")
+    out.write_text("\n".join(lines) + "\n")
+
+
 def shingles(lines: list[str], n: int = 12) -> set[tuple[str, ...]]:
     """Every run of ``n`` consecutive words (lower-cased) in ``lines``."""
     runs = set()
@@ -291,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{calib_npz} differs from graphcal export's {exported.parent / 'calib.npz'}")
     if not eval_npz.is_file():
         write_npz(hf, exported, eval_txt, eval_npz, EVAL_SAMPLES)
+    docs_txt, docs_npz = work / "eval_docs.txt", work / "eval_docs.npz"
+    if not docs_txt.is_file():
+        write_docs_heldout(hf, calib_txt, docs_txt)
+    if not docs_npz.is_file():
+        write_npz(hf, exported, docs_txt, docs_npz, EVAL_SAMPLES)
 
     models = {"graphcal": exported}
     skipped = {}
@@ -321,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "paths": {str(p.relative_to(work)): round(size_mb(p), 1) for p in
-                  [hf, calib_txt, eval_txt, exported, calib_npz, eval_npz, *(work / n for n in models if n != "graphcal")]},
-        "text": {"calib": text_stats(hf, calib_txt), "eval": text_stats(hf, eval_txt)},
+                  [hf, calib_txt, eval_txt, docs_txt, exported, calib_npz, eval_npz, docs_npz, *(work / n for n in models if n != "graphcal")]},
+        "text": {"calib": text_stats(hf, calib_txt), "eval": text_stats(hf, eval_txt),
+                 "eval_docs": text_stats(hf, docs_txt)},
         "perplexity": {n: round(done[n]["perplexity"], 3) for n in models if n in done},
         "skipped": skipped,
         "baseline": json.loads(base_json.read_text()) if base_json.exists() else None,

@@ -29,6 +29,18 @@ STDLIB_MODULES = [
     "tokenize", "trace", "traceback", "types", "typing", "unittest", "urllib.parse", "urllib.request", "uuid",
     "warnings", "weakref", "xml.dom.minidom", "zipfile",
 ]
+#: other standard library modules, none in STDLIB_MODULES: the real LLM's in-domain held-out text
+#: (docstrings, as the calibration text, from modules the calibration never reads)
+HELDOUT_MODULES = [
+    "ast", "base64", "binascii", "bz2", "cmd", "code", "codecs", "colorsys", "compileall", "contextvars", "copyreg",
+    "ctypes", "dbm", "dis", "doctest", "email.utils", "email.parser", "filecmp", "fileinput", "fnmatch", "graphlib",
+    "gzip", "hashlib", "html", "html.parser", "linecache", "lzma", "mimetypes", "modulefinder", "netrc",
+    "plistlib", "platform", "poplib", "py_compile", "quopri", "reprlib", "rlcompleter", "runpy", "sqlite3.dbapi2",
+    "ssl", "stat", "symtable", "sysconfig", "tabnanny", "tomllib", "turtle", "unittest.mock", "urllib.error",
+    "urllib.robotparser", "wave", "webbrowser", "wsgiref.simple_server", "wsgiref.util", "xml.etree.ElementTree",
+    "xml.sax", "xmlrpc.client", "xmlrpc.server", "zipapp", "zipimport", "zoneinfo",
+]
+HELDOUT_MODULES = [m for m in HELDOUT_MODULES if m not in STDLIB_MODULES]
 LICENSES = Path("/usr/share/common-licenses")
 
 
@@ -76,12 +88,13 @@ def for_tokens(paragraphs: list[str], tokenizer, tokens: int) -> list[str]:
     raise SystemExit(f"found only {sum(lengths):,} tokens of text, need {tokens:,}")
 
 
-def stdlib_text() -> list[str]:
-    """Paragraphs of Python's standard library docstrings (modules, public classes and functions)."""
+def stdlib_text(modules: list[str] | None = None) -> list[str]:
+    """Paragraphs of Python's standard library docstrings (modules, public classes and functions) of
+    ``modules`` (default STDLIB_MODULES, the calibration text)."""
     paragraphs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in STDLIB_MODULES:
+        for name in STDLIB_MODULES if modules is None else modules:
             try:
                 module = importlib.import_module(name)
             except ImportError:
