@@ -67,6 +67,7 @@ class ChannelScales:
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # linear smooth target -> s to divide rows by
     method: ScaleMethod = ScaleMethod.SMOOTHQUANT  # which algorithm made them (its metadata_props key)
     record: dict | None = None  # what the metadata records (None: SmoothQuant's settings, from the run)
+    clips: dict[str, torch.Tensor] = field(default_factory=dict)  # target -> AWQ's clip bound per row and group
 
     def __post_init__(self):
         for m in self.mappings:
@@ -100,17 +101,23 @@ class ChannelScales:
 
     def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
         """A target's torch [out, in] weight, smoothed: input columns times s, output rows over s
-        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype)."""
-        if t.name not in self.columns and t.name not in self.rows:
+        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype),
+        then clamped to AWQ's clip bounds where ``--awq-clip`` chose them."""
+        if t.name not in self.columns and t.name not in self.rows and t.name not in self.clips:
             return w
         dtype = w.dtype
         for s in self.columns.get(t.name, []):
             w = (w * s[None, :]).to(dtype)
         for s in self.rows.get(t.name, []):
             w = (w / s[:, None]).to(dtype)
-        if w.is_floating_point() and not all_finite(w):  # (the weight pass refuses a weight non-finite before)
+        scaled = t.name in self.columns or t.name in self.rows
+        if scaled and w.is_floating_point() and not all_finite(w):  # (the weight pass refuses one non-finite before)
             m = next(m for m in self.mappings if t.name in m.balance or t.name == m.candidate.linear)
             refuse_nonfinite(m, self.method, w, f"{t.name}'s weight scaled by s ({str(dtype).removeprefix('torch.')})")
+        if t.name in self.clips:
+            from graphcal.algorithms.awq.clip import clip  # lazy: only runs that clip load compressed-tensors' math
+
+            w = clip(w, self.clips[t.name])
         return w
 
     def column_scale(self, t: Target) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ from types import MappingProxyType
 
 import onnx
 
+from graphcal.algorithms.awq.clip import clip_rows
 from graphcal.algorithms.rotation.fold import Rotation
 from graphcal.algorithms.rotation.fold import rotate as rotate_stream
 from graphcal.algorithms.rotation.fold import write_record as write_rotation_record
@@ -85,6 +86,7 @@ class RunPlan:
     found_lookups: tuple[Target, ...] = ()  # every embedding lookup, in graph order
     ties: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # lookup -> the chosen lm_head whose stored weight it reads
     rotation: Rotation | None = None  # --rotate: what the rotation folded (the model is the rotated one)
+    awq_clip: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # --awq-clip: layer -> first row
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -220,6 +222,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
         unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
         lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), rotation=rotation,
+        awq_clip=MappingProxyType(clip_rows(model, chosen, schemes) if awq is not None and config.awq.clip else {}),
     )
 
 

@@ -125,6 +125,11 @@ CONFIG_OPTIONS = (
                  help="AWQ: score each grid point's parent (the attention, or gate/up's MLP) on about N samples "
                       "spread over the data instead of all of them (llm-compressor's); the means and one-layer "
                       "parents still use every token. Cost: the parents run 1 + n_grid times on N samples."),
+    click.option("--awq-clip/--no-awq-clip", default=None,
+                 help="AWQ: after the scales, clip each layer's weights per row and group where that lowers the "
+                      "layer's output error (the original AWQ's clip search, scored on every token from the input's "
+                      "Gram matrix; q and k left out; integer channel or group weights). Off by default, as in "
+                      "llm-compressor."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "

@@ -57,6 +57,7 @@ class Options:
     duo_scaling: str | None = None  # AWQ: "true", "false" or "both"
     n_grid: int | None = None  # AWQ
     awq_samples: int | None = None  # AWQ: the samples each parent is scored on (None: all)
+    awq_clip: bool | None = None  # AWQ: the original AWQ's clip search per layer and group (graphcal's extension)
     group_size: int | None = None  # every group/tensor_group weight scheme's group size
     scheme_for: tuple[str, ...] | None = None  # "TARGET=SCHEME": one more config group each
     lm_head: bool | None = None  # quantize lm_head: "lm_head" leaves the ignore list
@@ -106,7 +107,8 @@ def _algorithms(config: RunConfig, options: Options) -> None:
     """GPTQ and AWQ settings from --algorithm and its knobs (they override a recipe's modifiers)."""
     gptq_knobs = {"block_size": options.block_size, "dampening_frac": options.dampening_frac,
                   "actorder": options.actorder, "order": options.gptq_order}
-    awq_knobs = {"duo_scaling": options.duo_scaling, "n_grid": options.n_grid, "search_samples": options.awq_samples}
+    awq_knobs = {"duo_scaling": options.duo_scaling, "n_grid": options.n_grid, "search_samples": options.awq_samples,
+                 "clip": options.awq_clip}
     if options.algorithm is not None:
         if options.algorithm not in ALGORITHMS:
             raise UsageError(f"--algorithm takes one of {', '.join(ALGORITHMS)}, got {shown(str(options.algorithm))!r}")
@@ -117,7 +119,7 @@ def _algorithms(config: RunConfig, options: Options) -> None:
     for knobs, have, flag in ((gptq_knobs, config.gptq, "gptq"), (awq_knobs, config.awq, "awq")):
         given = [k for k, v in knobs.items() if v is not None]
         if given and have is None:
-            flags = {"order": "gptq-order", "search_samples": "awq-samples"}
+            flags = {"order": "gptq-order", "search_samples": "awq-samples", "clip": "awq-clip"}
             names = ", ".join("--" + flags.get(k, k.replace("_", "-")) for k in given)
             raise UsageError(f"{names} {'needs' if len(given) == 1 else 'need'} --algorithm {flag} (or a recipe with "
                              f"its {'GPTQModifier' if flag == 'gptq' else 'AWQModifier'})")

@@ -87,6 +87,7 @@ class AWQSettings:
     duo_scaling: bool | str = True  # True, False or "both"
     n_grid: int = 20
     search_samples: int | None = None  # run the parents on about this many samples (None: all, llm-compressor's)
+    clip: bool = False  # the original AWQ's weight clip search after the scales (llm-compressor 0.14 has none)
 
 
 ROTATIONS = ("R1", "R2")  # the rotations graphcal folds into the weights (SpinQuant's names; R3/R4 are online)

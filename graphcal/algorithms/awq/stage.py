@@ -86,6 +86,9 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
             reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
         plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
     used = search_batches(calib, settings.search_samples)  # the batches every multi-layer parent is scored on
+    clip_from = run.awq_clip  # target -> the first row AWQ's clip search may change (empty: no --awq-clip)
+    clips: dict[str, torch.Tensor] = {}
+    clipped: list[dict] = []
     scales: dict[str, torch.Tensor] = {}
     done = ChannelScales([], {}, method=ScaleMethod.AWQ)
     records = []
@@ -93,14 +96,16 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
     with bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
             here = [p for p in plans if p.block == k]
-            taps = list(dict.fromkeys(x for p in here for x in p.reads))
+            clip_here = [t for t in block.targets if t.name in clip_from]
+            taps = list(dict.fromkeys([*(x for p in here for x in p.reads), *(t.activation for t in clip_here)]))
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
-            if not here and not outputs:
+            if not here and not clip_here and not outputs:
                 continue
             values = walk.run_block(k, list(dict.fromkeys([*taps, *outputs])),
                                     what=f"AWQ's cached inputs of {block.name}")
             walk.keep(k, {n: values[n] for n in outputs})
             cached = {n: values[n] for n in taps}
+            grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
             del values
             for p in here:
                 m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
@@ -111,6 +116,8 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                     stats.update(value)
                     if gram is not None:
                         gram.update(value)
+                if gram is not None:
+                    grams[x] = gram
                 weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
                            for t in balance}
                 args = {t.name: run.schemes[t.name].weights for t in balance
@@ -138,12 +145,47 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                                 "ratio": result.grid[result.best_index][0]})
                 log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
                          result.best_error, result.grid[result.best_index][0])
-            del cached
+            for t in clip_here:  # after every scale of the block: each layer clipped as the weight pass will see it
+                found = _clip(run, done, t, clip_from[t.name], grams, cached)
+                if found is not None:
+                    clips[t.name], entry = found
+                    clipped.append(entry)
+            del cached, grams
     record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid,
               "search_samples": settings.search_samples, "mappings": records}
-    smoothed = ChannelScales(done.mappings, scales, method=ScaleMethod.AWQ, record=record)  # its metadata_key records it
-    log.info("AWQ: %d of %d mappings scaled", len(records), len(mappings))
+    if settings.clip:
+        record["clip"] = clipped
+    smoothed = ChannelScales(done.mappings, scales, method=ScaleMethod.AWQ, record=record,  # its metadata_key records it
+                             clips=clips)
+    log.info("AWQ: %d of %d mappings scaled%s", len(records), len(mappings),
+             f", {len(clips)} layer(s) clipped" if settings.clip else "")
     return smoothed
+
+
+def _clip(run: RunPlan, done: ChannelScales, t: Target, first_row: int, grams: dict[str, Gram],
+          cached: dict) -> tuple[torch.Tensor, dict] | None:
+    """AWQ's clip bounds of ``t`` (graphcal.algorithms.awq.clip.search) on its input as the block's
+    scales leave it (``x / s``: the Gram matrix ``diag(1/s) G diag(1/s)``), and what the record keeps."""
+    from graphcal.algorithms.awq.clip import search as clip_search
+
+    gram = grams.get(t.activation)
+    if gram is None:
+        gram = grams[t.activation] = Gram()
+        for value in cached[t.activation]:
+            gram.update(torch.from_numpy(value))
+    if gram.sum is None or not torch.isfinite(gram.sum).all():
+        return None
+    g = done.smooth_hessian(t, gram.sum)
+    w = done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
+    found = clip_search(w, run.schemes[t.name].weights, g, first_row)
+    if found is None:
+        return None
+    bound, before, after = found
+    peak = w.float().abs().reshape(bound.shape[0], bound.shape[1], -1).amax(dim=-1)
+    shrunk = float((bound < peak).float().mean())
+    log.info("AWQ clip %s: error %.4g -> %.4g (%.0f%% of groups clipped)", t.name, before, after, 100 * shrunk)
+    return bound, {"layer": t.name, "initial_error": before / gram.count, "best_error": after / gram.count,
+                   "groups_clipped": shrunk}
 
 
 def search_batches(calib: Calibration, samples: int | None) -> list[int]:

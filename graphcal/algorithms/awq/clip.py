@@ -1,0 +1,119 @@
+"""AWQ's weight clipping: the original AWQ's clip search (llm-compressor 0.14's AWQModifier has none).
+
+    per quantized layer (after its scales are chosen; q and k left out: their output goes through
+    the attention's softmax, where an output MSE says little, as the original AWQ leaves them):
+      for each shrink r in 1, 0.95, ..., 0.55 (``N_GRID`` 20, ``MAX_SHRINK`` 0.5):
+        W_r = clamp(W, -r * max|W_g|, r * max|W_g|) per row and quantization group g
+        error[row, g] = d_g G_gg d_gᵀ,  d = Q(W_r) - W  (Q: a memoryless min-max grid of W_r)
+      --> per row and group, the bound with the least error (the first on ties; r = 1 changes nothing)
+
+The error is what the original AWQ computes on sampled tokens as the mean of
+``(x_g · (Q(W_r)_g - W_g))²``, the group's share of the layer's output error, here exactly from
+every token through the input's Gram matrix G (``sum over tokens of x xᵀ``, its diagonal blocks).
+The weight pass then sees the clamped weight, so its observer (min-max by default) puts the grid on
+the chosen bound, and GPTQ, after AWQ, rounds the clamped weight.
+
+Integer weights in channel or group strategy only (a float grid or a per-tensor one has no
+per-group range to clip). :func:`clip_rows` picks the layers from the graph (the plan calls it);
+the rest is torch math.
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+from graphcal.graph.residual import head_pairs
+from graphcal.observers import Observer
+from graphcal.types import enum_value
+
+N_GRID = 20
+MAX_SHRINK = 0.5
+SEARCH_OBSERVER = "memoryless_minmax"
+
+
+def group_size(args: QuantizationArgs | None, columns: int) -> int | None:
+    """The columns one clip bound covers (a group, or the whole row), or None where clipping does not apply."""
+    if args is None or enum_value(args.type) != "int":
+        return None
+    strategy = enum_value(args.strategy)
+    if strategy == "channel":
+        return columns
+    if strategy == "group" and args.group_size and columns % int(args.group_size) == 0:
+        return int(args.group_size)
+    return None
+
+
+QK_LEAVES = ("q_proj", "k_proj", "query", "key", "q_a_proj", "kv_a_proj_with_mqa")  # feed attention scores
+
+
+def clip_rows(model, targets, schemes) -> dict[str, int]:
+    """Of ``targets`` (with their ``schemes``) in ``model``, the ones AWQ's clip search takes, each with
+    the first row it may change: every layer with integer channel or group weights but q and k (whose
+    error the softmax reshapes); of a packed q/k/v projection before onnxruntime's GroupQueryAttention
+    only the value rows. A packed projection of another form is left whole."""
+    packed = {p.qkv.name: (p.num_heads + p.kv_heads) * p.head_dim for p in head_pairs(model)}
+    out = {}
+    for t in targets:
+        scheme = schemes.get(t.name)
+        if scheme is None or group_size(scheme.weights, t.in_features) is None:
+            continue
+        leaf = t.name.rpartition(".")[2]
+        if t.name in packed:
+            out[t.name] = packed[t.name]
+        elif leaf not in QK_LEAVES and "qkv" not in leaf.lower():
+            out[t.name] = 0
+    return out
+
+
+def _fake_quantize(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    search = args.model_copy(update={"observer": SEARCH_OBSERVER, "observer_kwargs": {}, "actorder": None}, deep=True)
+    observer = Observer.load_from_registry(SEARCH_OBSERVER, base_name="weight", args=search)
+    observer(w)
+    q = observer.get_qparams()
+    return fake_quantize(w, q["scale"], q["zero_point"], search, global_scale=q["global_scale"])
+
+
+def _errors(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``d_g G_gg d_gᵀ`` per row and group; ``d`` [out, groups, size], ``blocks`` [groups, size, size]."""
+    return (torch.einsum("ogi,gij->ogj", d, blocks) * d).sum(dim=-1, dtype=torch.float64)
+
+
+def clip(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``w`` [out, in] clamped to ±bound per row and group (``bound`` [out, groups]), in its dtype."""
+    out, columns = w.shape
+    groups = bound.shape[1]
+    b = bound.to(w.device, torch.float32)[:, :, None]
+    grouped = w.float().reshape(out, groups, columns // groups)
+    return torch.maximum(torch.minimum(grouped, b), -b).reshape(out, columns).to(w.dtype)
+
+
+def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_row: int = 0,
+           n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> tuple[torch.Tensor, float, float] | None:
+    """The clip bound of each row and group of ``w`` [out, in] (rows before ``first_row`` keep their
+    full range), against the input's Gram matrix ``gram`` [in, in]; with the summed output error
+    before and after (over G's tokens, unnormalised). None where ``args`` leave nothing to clip."""
+    out, columns = w.shape
+    size = group_size(args, columns)
+    if size is None or not 0 <= first_row < out:
+        return None
+    groups = columns // size
+    g = gram.to(torch.float32)
+    blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(groups)])
+    wf = w.float()
+    peak = wf.abs().reshape(out, groups, size).amax(dim=-1)  # [out, groups]
+    best = peak.clone()
+    least = None
+    for step in range(int(max_shrink * n_grid)):
+        bound = peak * (1 - step / n_grid)
+        trial = _fake_quantize(clip(wf, bound), args).float()
+        err = _errors((trial - wf).reshape(out, groups, size), blocks)
+        if least is None:
+            least, before = err.clone(), err
+            continue
+        better = err < least
+        better[:first_row] = False
+        least = torch.where(better, err, least)
+        best = torch.where(better, bound, best)
+    return best, float(before.sum()), float(least.sum())

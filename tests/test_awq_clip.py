@@ -1,0 +1,188 @@
+"""AWQ's clip search (graphcal.algorithms.awq.clip, ``--awq-clip``) against the original AWQ's.
+
+The reference is the original AWQ's clip search written out here as it states it, on tokens:
+each group's partial output ``x_g · w_g`` over every token, the candidate bound ``max|w_g| * (1 - i/20)``
+for i < 10, the clamped weight rounded on compressed-tensors' own grid (``calculate_qparams`` of its
+min and max, ``fake_quantize``), and per row and group the bound whose partial output moves least
+(mean square over tokens; the first on ties). graphcal scores the same from the Gram matrix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+from onnx import numpy_helper
+
+from graphcal.algorithms.awq import clip as awq_clip
+from graphcal.cli import cli
+
+
+def _inputs(tokens: int, columns: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, columns, generator=g, dtype=torch.float64)
+    x[:, ::7] *= 8  # outlier channels, as an LLM's activations have
+    return x
+
+
+def _weight(rows: int, columns: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, columns, generator=g) * 0.05
+    w[torch.rand(rows, columns, generator=g) < 0.01] *= 12  # a few large weights set each group's range
+    return w
+
+
+def _reference(w: torch.Tensor, x: torch.Tensor, args: QuantizationArgs, size: int) -> torch.Tensor:
+    """The original AWQ's clip search on tokens, on compressed-tensors' grid: the bound per row and group."""
+    rows, columns = w.shape
+    groups = columns // size
+    wg = w.float().reshape(rows, 1, groups, size)  # the bounds and the clamp in the weight's fp32 (a
+    xg = x.double().reshape(1, -1, groups, size)  # clamped value sits on a rounding tie of the grid)
+    original = (xg * wg.double()).sum(dim=-1)  # [rows, tokens, groups]
+    peak = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, groups, 1]
+    best, least = peak.clone(), None
+    for i in range(10):
+        bound = peak * (1 - i / 20)
+        clamped = torch.clamp(wg, -bound, bound).reshape(rows, groups, size)
+        low = torch.minimum(clamped.amin(dim=-1), torch.zeros(()))
+        high = torch.maximum(clamped.amax(dim=-1), torch.zeros(()))
+        scale, zero = calculate_qparams(low.float(), high.float(), args)
+        q = fake_quantize(clamped.reshape(rows, columns).float(), scale, zero, args)
+        err = ((xg * q.double().reshape(rows, 1, groups, size)).sum(dim=-1) - original).pow(2).mean(dim=1)
+        err = err.reshape(rows, 1, groups, 1)
+        if least is None:
+            least = err
+            continue
+        better = err < least
+        least = torch.where(better, err, least)
+        best = torch.where(better, bound, best)
+    return best.reshape(rows, groups)
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    return (x.T @ x).float()
+
+
+@pytest.mark.parametrize("symmetric, size", [(True, 32), (False, 32), (True, 128)])
+def test_the_bounds_are_the_original_awqs(symmetric, size):
+    w, x = _weight(48, 128, 1), _inputs(2048, 128, 2)
+    strategy = "channel" if size == 128 else "group"
+    args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy=strategy,
+                            group_size=size if strategy == "group" else None)
+    bound, before, after = awq_clip.search(w, args, _gram(x))
+    want = _reference(w, x, args, size)
+    assert bound.shape == want.shape
+    equal = torch.isclose(bound, want, rtol=1e-6, atol=0)
+    assert equal.all(), f"{int((~equal).sum())} of {equal.numel()} bounds differ"
+    assert (bound < w.abs().reshape(48, -1, size).amax(-1)).any()  # it clips somewhere
+    assert after < before
+
+
+def test_rows_before_the_first_are_kept_whole():
+    w, x = _weight(64, 64, 3), _inputs(1024, 64, 4)
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=32)
+    bound, _, _ = awq_clip.search(w, args, _gram(x), first_row=40)
+    peak = w.abs().reshape(64, 2, 32).amax(-1)
+    assert torch.equal(bound[:40], peak[:40])
+    assert (bound[40:] < peak[40:]).any()
+    clipped = awq_clip.clip(w, bound)
+    assert torch.equal(clipped[:40], w[:40])
+    assert clipped.abs().reshape(64, 2, 32).amax(-1).le(bound + 1e-7).all()
+
+
+@pytest.mark.parametrize("args", [
+    QuantizationArgs(num_bits=8, type="float", strategy="channel"),
+    QuantizationArgs(num_bits=4, strategy="tensor"),
+    QuantizationArgs(num_bits=4, strategy="group", group_size=48),  # does not divide 64 columns
+])
+def test_nothing_to_clip(args):
+    assert awq_clip.search(_weight(8, 64, 5), args, torch.eye(64)) is None
+
+
+def _cli(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _record(folder):
+    model = onnx.load(str(folder / "model.onnx"))
+    return json.loads(next(p.value for p in model.metadata_props if p.key == "graphcal.awq"))
+
+
+def _dequantized(folder) -> dict[str, np.ndarray]:
+    """Each quantized layer's weight as the written Q/DQ graph gives it (onnx.reference)."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = onnx.load(str(folder / "model.onnx"))
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits and inits[node.input[0]].ndim == 2:
+            sub = onnx.helper.make_model(onnx.helper.make_graph(
+                [node], "dq", [], [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)],
+                [onnx.numpy_helper.from_array(inits[i], i) for i in node.input if i]),
+                opset_imports=model.opset_import)
+            out[node.input[0]] = ReferenceEvaluator(sub).run(None, {})[0]
+    return out
+
+
+def test_awq_clip_end_to_end(llama_dir, tmp_path):
+    """--awq-clip: every layer but q and k is clipped (the record says so), q and k are written exactly
+    as AWQ without it writes them, and the clipped model's per-layer error on the data is lower."""
+    flags = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq",
+             "--target", "qdq", "-q"]
+    plain, clipped = tmp_path / "plain", tmp_path / "clipped"
+    assert _cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
+    result = _cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped)
+    assert result.exit_code == 0, result.output
+    record = _record(clipped)
+    layers = {c["layer"].rsplit(".", 1)[1] for c in record["clip"]}
+    assert layers == {"v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(c["best_error"] < c["initial_error"] and c["groups_clipped"] > 0 for c in record["clip"])
+    assert "clip" not in _record(plain)
+    a, b = _dequantized(plain), _dequantized(clipped)
+    assert a.keys() == b.keys()
+    same = {k for k in a if np.array_equal(a[k], b[k])}
+    assert same and all("q_proj" in k or "k_proj" in k for k in same), same
+    for k in a.keys() - same:  # the others clipped: no group's range grows, some shrink
+        size = 32
+        pa = np.abs(a[k]).reshape(-1, size).max(axis=1) if a[k].shape[1] % size == 0 else None
+        assert pa is not None
+        pb = np.abs(b[k]).reshape(-1, size).max(axis=1)
+        assert (pb < pa).any()
+
+
+def test_awq_clip_needs_awq(llama_dir):
+    result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--awq-clip")
+    assert result.exit_code == 2 and "--awq-clip needs --algorithm awq" in result.output, result.output
+
+
+def test_a_packed_qkv_is_clipped_in_its_value_rows_only(builder_model, tmp_path):
+    """The builder's packed qkv_proj (before GroupQueryAttention): its q and k outputs are written as
+    AWQ without the clip writes them, its v outputs clipped; the folder still generates in
+    onnxruntime-genai's loop."""
+    from tests.genai_models import STEPS, generate
+
+    folder, calib = builder_model
+    flags = ["--data", calib, "--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq", "--target", "qdq",
+             "-q"]
+    plain, clipped = tmp_path / "plain", tmp_path / "clipped"
+    assert _cli("run", folder / "model.onnx", *flags, "-o", plain).exit_code == 0
+    result = _cli("run", folder / "model.onnx", *flags, "--awq-clip", "-o", clipped)
+    assert result.exit_code == 0, result.output
+    a, b = _dequantized(plain), _dequantized(clipped)
+    qkv = [k for k in a if "qkv_proj" in k]
+    assert qkv
+    for k in qkv:  # [in, out]: of its 128 outputs, q the first 64 (4 heads x 16), k 32, v the last 32
+        assert a[k].shape[1] == 128
+        assert np.array_equal(a[k][:, :96], b[k][:, :96])
+        assert not np.array_equal(a[k][:, 96:], b[k][:, 96:])
+    assert any(c["layer"].endswith("qkv_proj") for c in _record(clipped)["clip"])
+    tokens, _ = generate(clipped)
+    assert len(tokens) == STEPS
