@@ -158,6 +158,35 @@ def test_awq_clip_end_to_end(llama_dir, tmp_path):
         assert (pb < pa).any()
 
 
+def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir, tmp_path):
+    """awq+gptq --awq-clip: each clipped layer's grid (its written scales) ends inside the one
+    awq+gptq writes without the clip, q and k's grids are the same; the weight pass's observer sees
+    the clamped weight while the weight it rounds stays whole."""
+    from safetensors.numpy import load_file
+
+    from graphcal.algorithms.channel_scales import ChannelScales
+
+    flags = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32", "--algorithm",
+             "awq+gptq", "--target", "qdq", "-q"]
+    plain, clipped = tmp_path / "plain", tmp_path / "clipped"
+    assert _cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
+    assert _cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped).exit_code == 0
+    a, b = load_file(str(plain / "qparams.safetensors")), load_file(str(clipped / "qparams.safetensors"))
+    for name in a:
+        if not name.endswith("weight_scale"):
+            continue
+        if "q_proj" in name or "k_proj" in name:
+            np.testing.assert_array_equal(a[name], b[name])
+        else:
+            assert (b[name] <= a[name] * (1 + 1e-6)).all() and (b[name] < a[name]).any(), name
+    # the weight pass observes the clamped weight and rounds the one it was given
+    t = type("T", (), {"name": "layer"})()
+    scales = ChannelScales([], {}, clips={"layer": torch.tensor([[0.5, 1.0]])})
+    w = torch.tensor([[0.9, -0.2, 2.0, -3.0]])
+    assert torch.equal(scales.weight(t, w), w)
+    assert torch.equal(scales.observed(t, w), torch.tensor([[0.5, -0.2, 1.0, -1.0]]))
+
+
 def test_awq_clip_needs_awq(llama_dir):
     result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--awq-clip")
     assert result.exit_code == 2 and "--awq-clip needs --algorithm awq" in result.output, result.output

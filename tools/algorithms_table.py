@@ -79,6 +79,8 @@ CONFIGS = {  # key: (label, graphcal run flags; None: the fp32 inference baselin
     "awq": ("--algorithm awq", ["--algorithm", "awq"]),
     "awq-imatrix": ("--algorithm awq --observer imatrix_mse", ["--algorithm", "awq", "--observer", "imatrix_mse"]),
     "awq+gptq": ("--algorithm awq+gptq", ["--algorithm", "awq+gptq"]),
+    "awq-clip": ("--algorithm awq --awq-clip", ["--algorithm", "awq", "--awq-clip"]),
+    "awq+gptq-clip": ("--algorithm awq+gptq --awq-clip", ["--algorithm", "awq+gptq", "--awq-clip"]),
 }
 GOAL_EACH, GOAL_BEST = 0.5, 0.33
 

@@ -1,14 +1,14 @@
 """AWQ's cost and accuracy against plain inference over the same data, each run in its own child.
 
-    python -m tools.awq_cost MODEL CALIB_NPZ --eval EVAL_NPZ [--samples 64] [--batch 8]
+    python -m tools.awq_cost MODEL CALIB_NPZ --eval EVAL_NPZ [--eval EVAL2_NPZ] [--samples 64] [--batch 8]
         [--config NAME=FLAGS ...] [--out DIR]
 
 First plain onnxruntime over the calibration data (tools/infer_baseline.py: the model's KV-cache
 inputs filled as graphcal fills them), then ``graphcal run MODEL --data CALIB FLAGS`` for each
-config, each through tools.peak_rss (wall time, peak host memory); with ``--eval``, the perplexity
-of each written model (tools/lib/perplexity.py). Prints a markdown table and one JSON line.
+config, each through tools.peak_rss (wall time, peak host memory); with ``--eval`` (repeatable), the
+perplexity of each written model over each held-out set (tools/lib/perplexity.py). Prints a markdown table and one JSON line.
 The defaults are the real-LLM issue's: W4A16 groups of 64, AWQ without duo scaling, its parents
-scored on every sample, on 16 and on 8.
+scored on every sample, on 16 and on 8, and with the clip search (``--awq-clip``) on 16 and on 8.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CONFIGS = {
     "AWQ, all samples": f"{BASE} --algorithm awq --duo-scaling false",
     "AWQ --awq-samples 16": f"{BASE} --algorithm awq --duo-scaling false --awq-samples 16",
     "AWQ --awq-samples 8": f"{BASE} --algorithm awq --duo-scaling false --awq-samples 8",
+    "AWQ --awq-samples 16 --awq-clip": f"{BASE} --algorithm awq --duo-scaling false --awq-samples 16 --awq-clip",
+    "AWQ --awq-samples 8 --awq-clip": f"{BASE} --algorithm awq --duo-scaling false --awq-samples 8 --awq-clip",
 }
 
 
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path)
     p.add_argument("calib", type=Path)
-    p.add_argument("--eval", type=Path, default=None, help="held-out token data: perplexity of each written model")
+    p.add_argument("--eval", type=Path, action="append", default=[],
+                   help="held-out token data: perplexity of each written model (repeatable)")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--config", action="append", default=None, metavar="NAME=FLAGS",
@@ -59,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {run['stderr'][-2000:]}", file=sys.stderr)
             return 1
         row = {"run": f"graphcal {flags}", "seconds": run["wall_s"], "peak_mb": run["peak_rss_mb"]}
-        if args.eval is not None:
-            row["perplexity"] = perplexity(out / "model.onnx", args.eval)["perplexity"]
+        row["perplexity"] = {e.stem: perplexity(out / "model.onnx", e)["perplexity"] for e in args.eval}
         rows.append(row)
-    print("| run | wall time (s) | vs inference | peak host memory (MB) | perplexity |")
-    print("|---|---|---|---|---|")
+    names = [e.stem for e in args.eval]
+    print("| run | wall time (s) | vs inference | peak host memory (MB) |" + "".join(f" perplexity ({n}) |" for n in names))
+    print("|---|---|---|---|" + "---|" * len(names))
     for r in rows:
-        ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else ""
-        print(f"| {r['run']} | {r['seconds']:.1f} | {r['seconds'] / rows[0]['seconds']:.2f}x | {r['peak_mb']:.0f} | {ppl} |")
+        ppl = "".join(f" {r['perplexity'][n]:.2f} |" if "perplexity" in r else " |" for n in names)
+        print(f"| {r['run']} | {r['seconds']:.1f} | {r['seconds'] / rows[0]['seconds']:.2f}x | {r['peak_mb']:.0f} |{ppl}")
     print(json.dumps(rows))
     return 0
 

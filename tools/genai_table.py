@@ -1,6 +1,6 @@
 """Builder int4 against graphcal's int4 on the builder's own fp32 model: perplexity and size.
 
-    python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq]
+    python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq ...]
                                 [--scheme W4A16] [--whole [--mix MB [--mix-fallback W8A16:64:rtn]]]
                                 [--rotate R1] [--json OUT]
 
@@ -10,7 +10,8 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
 - fp32: the builder's fp32 model (``genai_fp32/``);
 - the builder's int4 (``-p int4``, block 32, its default method) and ``k_quant_mixed`` (int8 lm_head
   and llama.cpp's "mixed layers"), built here offline into ``genai_int4/`` and ``genai_kq_mixed/``;
-- graphcal ``--scheme`` (W4A16) with round-to-nearest, ``--algorithm gptq`` and ``--algorithm awq``, run on
+- graphcal ``--scheme`` (W4A16) with each of ``--methods`` (:data:`METHODS`: round-to-nearest, ``--algorithm
+  gptq``, ``awq``, ``awq+gptq``, and AWQ with its clip search alone or before GPTQ), run on
   ``genai_fp32/model.onnx`` with calib.npz's token ids only (graphcal fills the KV cache), written as
   drop-in genai folders into ``graphcal_<method>_g<group>/``; with ``--whole`` the whole model as the
   builder's int4 quantizes it: lm_head too (``--lm-head``) and the tied embedding sharing its table
@@ -69,13 +70,24 @@ def _graphcal(work: Path, method: str, group: int, scheme: str = "W4A16",
                    "--scheme", scheme, "--group-size", str(group), "-o", str(folder), "-q"]
         if whole:
             command += ["--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits"]
-        if method != "rtn":
-            command += ["--algorithm", method]
+        command += METHODS[method]
         command += ["--rotate", rotate] if rotate else []
         start = time.perf_counter()
         subprocess.run(command, check=True, cwd=REPO)
         seconds = time.perf_counter() - start
     return folder, seconds
+
+
+#: --methods: each method's graphcal run flags (the -clip ones: AWQ without duo scaling, its parents scored on
+#: 16 samples, and its clip search; docs/accuracy.md "AWQ on a real LLM")
+METHODS = {
+    "rtn": [],
+    "gptq": ["--algorithm", "gptq"],
+    "awq": ["--algorithm", "awq"],
+    "awq+gptq": ["--algorithm", "awq+gptq"],
+    "awq-clip": ["--algorithm", "awq", "--duo-scaling", "false", "--awq-samples", "16", "--awq-clip"],
+    "awq+gptq-clip": ["--algorithm", "awq+gptq", "--duo-scaling", "false", "--awq-samples", "16", "--awq-clip"],
+}
 
 
 def _suffix(rotate: str | None) -> str:
@@ -102,8 +114,7 @@ def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samp
         command = [sys.executable, "-m", "graphcal", "run", str(work / "genai_fp32" / "model.onnx"), "--data",
                    str(work / "calib_ids.npz"), "--scheme", scheme, "--group-size", str(group), "-o", str(folder),
                    "-q", "--lm-head", "--scheme-for", f"Embedding={scheme}", "--matmulnbits", *flags]
-        if method != "rtn":
-            command += ["--algorithm", method]
+        command += METHODS[method]
         command += ["--rotate", rotate] if rotate else []
         subprocess.run(command, check=True, cwd=REPO)
         (folder / "mix.json").write_text(report)
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / "work" / "smollm")
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"])
+    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq", "awq"], choices=list(METHODS))
     parser.add_argument("--scheme", default="W4A16")
     parser.add_argument("--whole", action="store_true", help="lm_head and the tied embedding quantized too")
     parser.add_argument("--mix", type=float, default=None, metavar="MB",

@@ -101,24 +101,29 @@ class ChannelScales:
 
     def weight(self, t: Target, w: torch.Tensor) -> torch.Tensor:
         """A target's torch [out, in] weight, smoothed: input columns times s, output rows over s
-        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype),
-        then clamped to AWQ's clip bounds where ``--awq-clip`` chose them."""
-        if t.name not in self.columns and t.name not in self.rows and t.name not in self.clips:
+        (in llm-compressor's order: each mapping in turn, the result cast back to the weight's dtype)."""
+        if t.name not in self.columns and t.name not in self.rows:
             return w
         dtype = w.dtype
         for s in self.columns.get(t.name, []):
             w = (w * s[None, :]).to(dtype)
         for s in self.rows.get(t.name, []):
             w = (w / s[:, None]).to(dtype)
-        scaled = t.name in self.columns or t.name in self.rows
-        if scaled and w.is_floating_point() and not all_finite(w):  # (the weight pass refuses one non-finite before)
+        if w.is_floating_point() and not all_finite(w):  # (the weight pass refuses a weight non-finite before)
             m = next(m for m in self.mappings if t.name in m.balance or t.name == m.candidate.linear)
             refuse_nonfinite(m, self.method, w, f"{t.name}'s weight scaled by s ({str(dtype).removeprefix('torch.')})")
-        if t.name in self.clips:
-            from graphcal.algorithms.awq.clip import clip  # lazy: only runs that clip load compressed-tensors' math
-
-            w = clip(w, self.clips[t.name])
         return w
+
+    def observed(self, t: Target, w: torch.Tensor) -> torch.Tensor:
+        """What the weight observer sees of ``t``'s smoothed weight ``w``: ``w`` clamped to AWQ's clip
+        bounds where ``--awq-clip`` chose them (so the grid ends at the bound), else ``w``. The weight
+        itself is rounded unclamped on that grid: to nearest that saturates at the bound as the clamp
+        would, and GPTQ carries what saturates into the columns after."""
+        if t.name not in self.clips:
+            return w
+        from graphcal.algorithms.awq.clip import clip  # lazy: only runs that clip load compressed-tensors' math
+
+        return clip(w, self.clips[t.name])
 
     def column_scale(self, t: Target) -> torch.Tensor | None:
         """What ``t``'s input columns are multiplied by (the product of its mappings' s; None: nothing)."""

@@ -119,7 +119,8 @@ def observe_unit(plan: RunPlan, observers: ObserverSet, unit: list[Target], weig
     for t in unit:
         if t.name in weights:
             try:
-                observers.weight_observers[t.name](weights[t.name].to(device))
+                seen = smoothed.observed(t, weights[t.name]) if smoothed is not None else weights[t.name]
+                observers.weight_observers[t.name](seen.to(device))
             except ValueError as e:  # e.g. a group size that does not divide in_features
                 raise GraphcalError(f"{t.name} weight [{t.out_features}, {t.in_features}]: {e}") from e
     group = [g for g in plan.groups if set(g.members) == set(weights)]

@@ -10,8 +10,10 @@
 The error is what the original AWQ computes on sampled tokens as the mean of
 ``(x_g · (Q(W_r)_g - W_g))²``, the group's share of the layer's output error, here exactly from
 every token through the input's Gram matrix G (``sum over tokens of x xᵀ``, its diagonal blocks).
-The weight pass then sees the clamped weight, so its observer (min-max by default) puts the grid on
-the chosen bound, and GPTQ, after AWQ, rounds the clamped weight.
+The bounds set the grid, not the weight: the weight pass's observer sees the clamped weight (so a
+min-max grid ends at the bound) and the unclamped weight is rounded on it. Rounded to nearest, what
+lies past the bound saturates exactly as the clamp would; GPTQ (``awq+gptq``) also carries that
+part of the error into the columns it has not rounded yet, where clamping first would lose it.
 
 Integer weights in channel or group strategy only (a float grid or a per-tensor one has no
 per-group range to clip). :func:`clip_rows` picks the layers from the graph (the plan calls it);
