@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcal.algorithms.awq.clip import search as clip_search
 from graphcal.algorithms.awq.math import AbsMean, Gram, LayerLoss, ParentLoss, search
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.calibration.activations import PassResult, run_activation_pass
@@ -166,8 +167,6 @@ def _clip(run: RunPlan, done: ChannelScales, t: Target, first_row: int, grams: d
           cached: dict) -> tuple[torch.Tensor, dict] | None:
     """AWQ's clip bounds of ``t`` (graphcal.algorithms.awq.clip.search) on its input as the block's
     scales leave it (``x / s``: the Gram matrix ``diag(1/s) G diag(1/s)``), and what the record keeps."""
-    from graphcal.algorithms.awq.clip import search as clip_search
-
     gram = grams.get(t.activation)
     if gram is None:
         gram = grams[t.activation] = Gram()
