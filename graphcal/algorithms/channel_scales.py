@@ -21,6 +21,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from graphcal.algorithms.awq.clip import clip
 from graphcal.calibration.plan import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
@@ -119,11 +120,7 @@ class ChannelScales:
         bounds where ``--awq-clip`` chose them (so the grid ends at the bound), else ``w``. The weight
         itself is rounded unclamped on that grid: to nearest that saturates at the bound as the clamp
         would, and GPTQ carries what saturates into the columns after."""
-        if t.name not in self.clips:
-            return w
-        from graphcal.algorithms.awq.clip import clip  # lazy: only runs that clip load compressed-tensors' math
-
-        return clip(w, self.clips[t.name])
+        return clip(w, self.clips[t.name]) if t.name in self.clips else w
 
     def column_scale(self, t: Target) -> torch.Tensor | None:
         """What ``t``'s input columns are multiplied by (the product of its mappings' s; None: nothing)."""

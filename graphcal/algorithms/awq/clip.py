@@ -26,13 +26,13 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
+from graphcal.algorithms.awq.math import SEARCH_OBSERVER, search_args
 from graphcal.graph.residual import head_pairs
 from graphcal.observers import Observer
 from graphcal.types import enum_value
 
 N_GRID = 20
 MAX_SHRINK = 0.5
-SEARCH_OBSERVER = "memoryless_minmax"
 
 
 def group_size(args: QuantizationArgs | None, columns: int) -> int | None:
@@ -70,7 +70,8 @@ def clip_rows(model, targets, schemes) -> dict[str, int]:
 
 
 def _fake_quantize(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
-    search = args.model_copy(update={"observer": SEARCH_OBSERVER, "observer_kwargs": {}, "actorder": None}, deep=True)
+    """``w`` rounded on a memoryless min-max grid of itself (AWQ's search grid), whatever the scheme's observer."""
+    search = search_args(args)
     observer = Observer.load_from_registry(SEARCH_OBSERVER, base_name="weight", args=search)
     observer(w)
     q = observer.get_qparams()

@@ -188,7 +188,7 @@ def divide(param: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _search_args(args: QuantizationArgs) -> QuantizationArgs:
+def search_args(args: QuantizationArgs) -> QuantizationArgs:
     """The scheme's args with the search's observer (its own observer kwargs would not fit it)."""
     return args.model_copy(update={"observer": SEARCH_OBSERVER, "observer_kwargs": {}}, deep=True)
 
@@ -207,7 +207,7 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
         if args.get(name) is None:
             continue
         scaled[name] = apply(w, s)
-        observers[name] = Observer.load_from_registry(SEARCH_OBSERVER, base_name="weight", args=_search_args(args[name]))
+        observers[name] = Observer.load_from_registry(SEARCH_OBSERVER, base_name="weight", args=search_args(args[name]))
     for group in fused_global_scale:
         members = [observers[n] for n in group if n in observers]
         if len(members) > 1 and all(enum_value(o.args.strategy) == "tensor_group" for o in members):
