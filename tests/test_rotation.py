@@ -13,14 +13,20 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+import torch
 from click.testing import CliRunner
+from compressed_tensors.transform import TransformConfig, apply_transform_config
+from compressed_tensors.transform.factory.matrix_multiply import RandomMatrixFactory
 from onnx import numpy_helper
+from torch.nn import Parameter
 
 from graphcal.algorithms.rotation.fold import METADATA_KEY, rotate
 from graphcal.algorithms.rotation.hadamard import hadamard, orthogonal
 from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import load_model, save_model, unchecked_ops
+from graphcal.graph.targets import find_targets
+from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.runtime import run_model
 
 
@@ -76,6 +82,78 @@ def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path, kind, 
     embed = next(t for t in rotated.graph.initializer if t.name.startswith("model.embed_tokens.rotated"))
     before = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "model.embed_tokens.weight"))
     np.testing.assert_allclose(numpy_helper.to_array(embed), before @ orthogonal(128, 0, kind)[0], atol=1e-6)
+
+
+def _as_torch_modules(model: onnx.ModelProto, folder) -> dict[str, np.ndarray]:
+    """{module name: weight as torch lays it out}: Linear [out, in], the embedding table [vocab, hidden]."""
+    inits, nodes = {t.name: t for t in model.graph.initializer}, {n.name: n for n in model.graph.node}
+    out = {t.name: weight_as_consumed(inits[t.weight], [nodes[n] for n in t.weight_path], inits, str(folder))
+           for t in find_targets(model)[0]}
+    out = {name: w.T for name, w in out.items()}  # torch's exporter writes x W: [in, out]
+    lookup = next(n for n in model.graph.node if n.op_type == "Gather")
+    out["model.embed_tokens"] = numpy_helper.to_array(inits[lookup.input[0]])
+    return out
+
+
+R1_RECIPE = """
+quant_stage:
+  quant_modifiers:
+    SpinQuantModifier: {rotations: [R1], transform_type: %s}
+    QuantizationModifier: {targets: [Linear], ignore: [lm_head], scheme: W8A16}
+"""
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "random-matrix"])
+def test_compressed_tensors_applying_the_recorded_transform_config_gives_the_rotated_weights(
+        llama_dir, tmp_path, monkeypatch, kind):
+    """A rotated run records compressed-tensors' transform_config. compressed-tensors itself applies
+    it (its factories fuse weight transforms into torch modules) to the unrotated weights, and gets
+    the weights graphcal rotated. Hadamard: compressed-tensors builds its own matrix of order 128
+    (Sylvester's, as graphcal's). random-matrix: its factory draws a matrix of its own, so it is
+    handed graphcal's orthogonal one, and its transposes and inverses check the locations and
+    ``inverse`` flags where a symmetric Hadamard matrix could not. The shipped model's norm scales
+    are ones: the config folds none."""
+    recipe = tmp_path / "r1.yaml"
+    recipe.write_text(R1_RECIPE % kind)
+    out = tmp_path / "out"
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                  "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((out / "quantization_config.json").read_text())["transform_config"]
+    config = TransformConfig.model_validate(recorded)
+    assert list(config.config_groups) == ["R1"] and config.config_groups["R1"].type == kind
+    before = load_model(llama_dir / "model.onnx")
+    rotated = load_model(llama_dir / "model.onnx")
+    rotate(rotated, str(llama_dir), heads=False, kind=kind)
+    want = _as_torch_modules(rotated, llama_dir)
+    q = torch.tensor(orthogonal(128, 0, kind)[0])
+    monkeypatch.setattr(RandomMatrixFactory, "_create_weight", lambda self, size, device, precision: Parameter(q))
+    root = torch.nn.Module()
+    for name, w in _as_torch_modules(before, llama_dir).items():
+        *path, leaf = name.split(".")
+        parent = root
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        module = (torch.nn.Embedding(*w.shape) if name == "model.embed_tokens"
+                  else torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
+        module.weight.data = torch.tensor(w)
+        parent.add_module(leaf, module)
+    apply_transform_config(root, config)
+    modules = dict(root.named_modules())
+    assert len(want) == 16
+    for name, w in want.items():
+        np.testing.assert_allclose(modules[name].weight.detach().numpy(), w, rtol=0, atol=1e-6 * np.abs(w).max(),
+                                   err_msg=name)
+
+
+def test_a_run_without_a_rotation_records_an_empty_transform_config(llama_dir, tmp_path):
+    """As compressed-tensors writes it for a model with no transform."""
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A16",
+                  "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "quantization_config.json").read_text())["transform_config"] == {}
 
 
 def _tied_with_random_scales(folder, dest, rng):
@@ -261,6 +339,10 @@ def test_a_spinquant_recipe_folds_its_rotations_as_rotate_does(tied_builder_mode
         written = onnx.load(out / "model.onnx", load_external_data=False)
         record = json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))
         assert record["matrix"] == matrix and record["heads"] == 2, record
+        # R2 turns only the packed qkv_proj's value columns, which compressed-tensors cannot say: R1 alone
+        groups = json.loads((out / "quantization_config.json").read_text())["transform_config"]["config_groups"]
+        assert list(groups) == ["R1"] and groups["R1"]["type"] == kind
+        assert {a["location"] for a in groups["R1"]["apply"]} == {"weight_input", "weight_output"}
 
 
 @pytest.mark.parametrize("body, message", [

@@ -28,6 +28,7 @@ import torch
 from graphcal.algorithms.awq.stage import AWQ
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.algorithms.gptq.stage import rounding_for
+from graphcal.algorithms.rotation.fold import transform_config
 from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import ObserverSet
@@ -205,7 +206,8 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
 
 def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: list[str], kv_items: list[QuantizedKV]):
     """The function that writes a run's three files into a (temporary) folder."""
-    qc_data = build_quantization_config(run.config, items, ignored, kv_items)[1]
+    transform = transform_config(run.rotation) if run.rotation is not None else None
+    qc_data = build_quantization_config(run.config, items, ignored, kv_items, transform)[1]
     tensors = qparam_tensors(items, kv_items)
 
     def write(tmp: Path) -> list[Path]:

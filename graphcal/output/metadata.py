@@ -20,9 +20,10 @@ QPARAMS_FILE = "qparams.safetensors"
 
 
 def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], ignored: list[str],
-                              kv_items: list[QuantizedKV] = ()):
+                              kv_items: list[QuantizedKV] = (), transform: dict | None = None):
     """A compressed-tensors QuantizationConfig for what was quantized (status "frozen"); the
-    kv_cache_scheme is recorded when key/value states were quantized."""
+    kv_cache_scheme is recorded when key/value states were quantized, and ``transform`` (a
+    TransformConfig's JSON, ``{}`` for none, as compressed-tensors writes it) as its transform_config."""
     import compressed_tensors  # lazy: compressed-tensors takes seconds to import; only this path needs it
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
@@ -45,6 +46,7 @@ def build_quantization_config(config: RunConfig, items: list[QuantizedTarget], i
     )
     data = qc.model_dump(mode="json")
     data["version"] = compressed_tensors.__version__
+    data["transform_config"] = transform or {}
     return qc, data
 
 

@@ -49,7 +49,8 @@ class Rotation:
 
     hidden: int
     matrix: str  # how Q was made ("Hadamard 576", "random orthogonal 100 (seed 0)")
-    rotated: list[str] = field(default_factory=list)  # module names of the weights rotated
+    writes: list[str] = field(default_factory=list)  # Q on their output side: embedding tables, o_proj, down_proj
+    reads: list[str] = field(default_factory=list)  # Q^T on their input side: q/k/v (qkv_proj), gate/up, lm_head
     norms: int = 0  # norm scales folded into the weights after them
     untied: list[str] = field(default_factory=list)  # initializers that had several readers, now one copy each
     kept_tied: list[str] = field(default_factory=list)  # tables still shared by a lookup and lm_head
@@ -61,6 +62,11 @@ class Rotation:
     kind: str = "hadamard"  # SpinQuant's transform type the matrices were made by
     seed: int = 0
     rotations: list[str] = field(default_factory=lambda: ["R1"])  # what was asked: R1, or R1 and R2
+
+    @property
+    def rotated(self) -> list[str]:
+        """Module names of every weight rotated."""
+        return self.writes + self.reads
 
     def as_dict(self) -> dict:
         """The model's ``graphcal.rotation`` metadata."""
@@ -82,6 +88,21 @@ def rotation_record(model: onnx.ModelProto) -> dict | None:
     if not isinstance(record, dict):
         raise GraphcalError(f"the model's {METADATA_KEY} metadata is not a JSON object")
     return record
+
+
+def transform_config(report: Rotation) -> dict:
+    """compressed-tensors' ``transform_config`` for what :func:`rotate` folded, as llm-compressor's
+    SpinQuantModifier writes it: group ``R1``, the matrix on the output side (``weight_output``) of
+    the weights writing the stream and, inverted, on the input side (``weight_input``) of those
+    reading it, over the whole hidden width. Both are weight locations, which compressed-tensors
+    applies offline and loaders never apply again. R2 on a packed qkv_proj turns its value columns
+    only, which a transform on a module's whole output cannot say: ``graphcal.rotation`` records it."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme  # lazy: seconds to import
+
+    r1 = TransformScheme(type=report.kind, precision="float64", apply=[
+        TransformArgs(targets=report.writes, location="weight_output"),
+        TransformArgs(targets=report.reads, location="weight_input", inverse=True)])
+    return TransformConfig(config_groups={"R1": r1}).model_dump(mode="json")
 
 
 def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> Rotation:
@@ -199,7 +220,8 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             report.kept_tied.append(t.weight)
             report.scale_nodes += _keep_tie(graph, names, nodes[t.node], t, kept[t.weight], kept_scales[t.weight], q)
     drop_dead_paths(graph, old)
-    report.rotated = [t.name for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]]
+    report.writes = [t.name for t in [*stream.lookups, *stream.writers]]
+    report.reads = [r.target.name for r in stream.readers]
     report.norms = len(stream.scales)
     report.bytes_after = _bytes(graph)
     return report
