@@ -172,3 +172,36 @@ def _basic():
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.log_severity_level = 3
     return opts
+
+
+def test_awq_and_its_clip_search_on_the_gpu_match_the_cpu(llama_dir, tmp_path):
+    """AWQ with --awq-clip on CUDA: the parents rerun there and the clip errors come from Gram
+    matrices there. The same mappings and clipped layers as on the CPU, the errors each search
+    reduces within the CUDA kernels' rounding, and a model as close to fp32 (eval, onnxruntime)."""
+    import json
+
+    import onnx
+    from click.testing import CliRunner
+
+    from graphcal.cli import cli
+
+    records, sqnr = {}, {}
+    for device in ("cuda", "cpu"):
+        out = tmp_path / device
+        result = CliRunner().invoke(cli, [str(a) for a in (
+            "run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16",
+            "--group-size", "32", "--algorithm", "awq", "--awq-clip", "--device", device, "-o", out, "-q")])
+        assert result.exit_code == 0, result.output
+        model = onnx.load(str(out / "model.onnx"))
+        records[device] = json.loads(next(p.value for p in model.metadata_props if p.key == "graphcal.awq"))
+        result = CliRunner().invoke(cli, [str(a) for a in ("eval", llama_dir / "model.onnx", out / "model.onnx",
+                                                           "--data", llama_dir / "heldout.npz", "--json")])
+        assert result.exit_code == 0, result.output
+        sqnr[device] = json.loads(result.output)["outputs"][0]["sqnr_db"]
+    cuda, cpu = records["cuda"], records["cpu"]
+    assert [m["balance"] for m in cuda["mappings"]] == [m["balance"] for m in cpu["mappings"]]
+    assert [c["layer"] for c in cuda["clip"]] == [c["layer"] for c in cpu["clip"]] and cpu["clip"]
+    for got, want in zip(cuda["mappings"] + cuda["clip"], cpu["mappings"] + cpu["clip"]):
+        assert got["initial_error"] == pytest.approx(want["initial_error"], rel=2e-2)
+        assert got["best_error"] <= got["initial_error"]
+    assert sqnr["cuda"] > sqnr["cpu"] - 1.0, sqnr
