@@ -24,10 +24,12 @@ from graphcal.algorithms.rotation.fold import METADATA_KEY, rotate
 from graphcal.algorithms.rotation.hadamard import hadamard, orthogonal
 from graphcal.cli import cli
 from graphcal.errors import GraphcalError
+from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import load_model, save_model, unchecked_ops
 from graphcal.graph.targets import find_targets
 from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.runtime import run_model
+from tests.conftest import MODELS
 
 
 def _cli(*args):
@@ -75,6 +77,9 @@ def test_a_torch_export_rotated_computes_what_it_did(llama_dir, tmp_path, kind, 
     assert report.matrix == matrix and report.norms == 5 and report.untied == []
     # the embedding, 2 x (o_proj, down_proj) writing, 2 x (q, k, v, gate, up) and lm_head reading
     assert len(report.rotated) == 1 + 4 + 11
+    # R2 too: each v_proj's 2 value heads and its o_proj's rows for the 4 query heads (grouped-query attention)
+    assert report.heads == 2 and report.head_writes == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1)]
+    assert report.head_dim == 32 and report.head_matrix == matrix.replace("128", "32")
     feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
     want = run_model(original, feeds, ["logits"])["logits"]
     got = run_model(rotated, feeds, ["logits"])["logits"]
@@ -95,10 +100,10 @@ def _as_torch_modules(model: onnx.ModelProto, folder) -> dict[str, np.ndarray]:
     return out
 
 
-R1_RECIPE = """
+R1_R2_RECIPE = """
 quant_stage:
   quant_modifiers:
-    SpinQuantModifier: {rotations: [R1], transform_type: %s}
+    SpinQuantModifier: {rotations: [R1, R2], transform_type: %s}
     QuantizationModifier: {targets: [Linear], ignore: [lm_head], scheme: W8A16}
 """
 
@@ -108,26 +113,28 @@ def test_compressed_tensors_applying_the_recorded_transform_config_gives_the_rot
         llama_dir, tmp_path, monkeypatch, kind):
     """A rotated run records compressed-tensors' transform_config. compressed-tensors itself applies
     it (its factories fuse weight transforms into torch modules) to the unrotated weights, and gets
-    the weights graphcal rotated. Hadamard: compressed-tensors builds its own matrix of order 128
-    (Sylvester's, as graphcal's). random-matrix: its factory draws a matrix of its own, so it is
-    handed graphcal's orthogonal one, and its transposes and inverses check the locations and
+    the weights graphcal rotated: R1 over the hidden width and R2 per value head (v_proj's 2 heads,
+    o_proj's 4 query heads). Hadamard: compressed-tensors builds its own matrices of orders 128 and
+    32 (Sylvester's, as graphcal's). random-matrix: its factory draws matrices of its own, so it is
+    handed graphcal's orthogonal ones, and its transposes and inverses check the locations and
     ``inverse`` flags where a symmetric Hadamard matrix could not. The shipped model's norm scales
     are ones: the config folds none."""
-    recipe = tmp_path / "r1.yaml"
-    recipe.write_text(R1_RECIPE % kind)
+    recipe = tmp_path / "r1r2.yaml"
+    recipe.write_text(R1_R2_RECIPE % kind)
     out = tmp_path / "out"
     result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
                   "-o", out, "-q")
     assert result.exit_code == 0, result.output
     recorded = json.loads((out / "quantization_config.json").read_text())["transform_config"]
     config = TransformConfig.model_validate(recorded)
-    assert list(config.config_groups) == ["R1"] and config.config_groups["R1"].type == kind
+    assert list(config.config_groups) == ["R1", "R2"] and {g.type for g in config.config_groups.values()} == {kind}
+    assert config.config_groups["R2"].head_dim == 32
     before = load_model(llama_dir / "model.onnx")
     rotated = load_model(llama_dir / "model.onnx")
-    rotate(rotated, str(llama_dir), heads=False, kind=kind)
+    rotate(rotated, str(llama_dir), kind=kind)
     want = _as_torch_modules(rotated, llama_dir)
-    q = torch.tensor(orthogonal(128, 0, kind)[0])
-    monkeypatch.setattr(RandomMatrixFactory, "_create_weight", lambda self, size, device, precision: Parameter(q))
+    monkeypatch.setattr(RandomMatrixFactory, "_create_weight", lambda self, size, device, precision: Parameter(
+        torch.tensor(orthogonal(size, 0, kind)[0])))
     root = torch.nn.Module()
     for name, w in _as_torch_modules(before, llama_dir).items():
         *path, leaf = name.split(".")
@@ -431,3 +438,34 @@ def test_a_stranger_s_rotation_record_is_checked_before_it_is_used(llama_dir, tm
     result = _cli("eval", llama_dir / "model.onnx", tmp_path / "q" / "model.onnx", "--data", llama_dir / "calib.npz")
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("error: the graphcal.rotation record")
+
+
+def test_value_states_read_elsewhere_leave_that_attention_s_heads_unturned(llama_dir, tmp_path):
+    """R2 on a torch export only where the value states reach nothing but the attention: layer 0's
+    made a graph output too is left (R1 only there), layer 1's heads turn, and the logits and that
+    output are what they were."""
+    model = load_model(llama_dir / "model.onnx")
+    state = find_kv_states(model)[0][0]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(state.value, onnx.TensorProto.FLOAT, ["b", 2, "s", 32]))
+    original = tmp_path / "original.onnx"
+    save_model(model, original)
+    rotated = load_model(original)
+    report = rotate(rotated, str(tmp_path))
+    assert report.heads == 1 and report.head_writes == ["model.layers.1.self_attn.v_proj"]
+    feeds = {k: v[:4] for k, v in np.load(llama_dir / "heldout.npz").items()}
+    want = run_model(original, feeds, ["logits", state.value])
+    got = run_model(rotated, feeds, ["logits", state.value])
+    for name in ("logits", state.value):
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5 * np.abs(want[name]).max(), rtol=0)
+
+
+def test_r2_asked_where_no_attention_is_recognised_says_only_r1_was_folded(tmp_path):
+    """Optimum's export with a KV cache writes its attention in a form graphcal does not recognise
+    (find_kv_states reports it): --rotate folds R1 and says that R2 was not."""
+    folder = MODELS / "tiny-llama-optimum"
+    result = _cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", "W8A16", "--rotate",
+                  "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "warning: --rotate R2: no attention's value and output projections were recognised" in result.output
+    groups = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["transform_config"]["config_groups"]
+    assert list(groups) == ["R1"]

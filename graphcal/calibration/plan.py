@@ -213,6 +213,10 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         warnings.append(f"--rotate: {', '.join(rotation.untied)} had several readers that take different rotations, "
                         f"so each has its own copy now (+{(rotation.bytes_after - rotation.bytes_before) / 1e6:.1f} MB "
                         "in float before quantization): a tied table is stored twice")
+    if rotation is not None and "R2" in rotation.rotations and not rotation.heads:
+        warnings.append("--rotate R2: no attention's value and output projections were recognised (onnxruntime's "
+                        "GroupQueryAttention over a packed qkv_proj, or a torch export's attention in plain ops), "
+                        "so only R1 was folded")
     return RunPlan(
         model_path=model_path, held=_Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),

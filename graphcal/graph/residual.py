@@ -28,7 +28,7 @@ import onnx
 from onnx import helper
 
 from graphcal.errors import GraphcalError
-from graphcal.graph.index import SHAPE_OPS, GraphIndex
+from graphcal.graph.index import SHAPE_OPS
 from graphcal.graph.scaling.find import _Values
 from graphcal.graph.targets import find_lookups, find_targets
 from graphcal.types import Target
@@ -287,46 +287,3 @@ class _Walk:
                 if node.op_type not in ("ReduceMean", "ReduceSum") and node.op_type not in SHAPE_OPS:
                     raise GraphcalError(f"{node.op_type} {node.name} reads the squared residual stream {sq!r}; "
                                         "rotating it would change the model")
-
-
-@dataclass
-class HeadPair:
-    """A packed q/k/v projection and the output projection after onnxruntime's GroupQueryAttention:
-    the value heads' columns of ``qkv`` and the matching rows of ``out`` can turn by one per-head
-    rotation (SpinQuant's R2), since attention only mixes a value head's rows, never its columns."""
-
-    qkv: Target
-    out: Target
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-
-
-def head_pairs(model: onnx.ModelProto) -> list[HeadPair]:
-    """Every (packed qkv_proj, o_proj) around a GroupQueryAttention that reads the packed projection
-    alone (no separate key and value inputs) and whose output only o_proj reads; others are left."""
-    index = GraphIndex(model.graph)
-    by_node = {t.node: t for t in find_targets(model)[0]}
-    pairs = []
-    for node in model.graph.node:
-        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if any(len(node.input) > k and node.input[k] for k in (1, 2)):
-            continue  # separate key and value inputs: not the packed form
-        producer = index.producer_node(node.input[0])
-        qkv = by_node.get(producer.name) if producer is not None and producer.output[0] == node.input[0] else None
-        readers = [n for n in index.value_readers(node.output[0]) if n.op_type not in SHAPE_OPS]
-        if qkv is None or len(index.value_readers(node.input[0])) != 1 or len(readers) != 1:
-            continue
-        out = by_node.get(readers[0].name)
-        if out is None or readers[0].input[0] != node.output[0] or qkv.layout != "in_out" or out.layout != "in_out":
-            continue
-        heads, kv_heads = int(attrs.get("num_heads", 0)), int(attrs.get("kv_num_heads", 0))
-        if heads <= 0 or kv_heads <= 0 or qkv.out_features % (heads + 2 * kv_heads):
-            continue
-        head_dim = qkv.out_features // (heads + 2 * kv_heads)
-        if out.in_features != heads * head_dim:
-            continue
-        pairs.append(HeadPair(qkv, out, heads, kv_heads, head_dim))
-    return pairs

@@ -27,7 +27,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
 from graphcal.algorithms.awq.math import SEARCH_OBSERVER, search_args
-from graphcal.graph.residual import head_pairs
+from graphcal.graph.heads import head_pairs
 from graphcal.observers import Observer
 from graphcal.types import enum_value
 
@@ -55,7 +55,7 @@ def clip_rows(model, targets, schemes) -> dict[str, int]:
     the first row it may change: every layer with integer channel or group weights but q and k (whose
     error the softmax reshapes); of a packed q/k/v projection before onnxruntime's GroupQueryAttention
     only the value rows. A packed projection of another form is left whole."""
-    packed = {p.qkv.name: (p.num_heads + p.kv_heads) * p.head_dim for p in head_pairs(model)}
+    packed = {p.value.name: p.first for p in head_pairs(model) if p.packed}
     out = {}
     for t in targets:
         scheme = schemes.get(t.name)

@@ -36,7 +36,8 @@ from graphcal.algorithms.rotation.hadamard import KINDS, orthogonal
 from graphcal.errors import GraphcalError, shown
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, replace_input
 from graphcal.graph.external import expected_bytes
-from graphcal.graph.residual import head_pairs, residual_stream
+from graphcal.graph.heads import head_pairs
+from graphcal.graph.residual import residual_stream
 from graphcal.graph.scaling.find import _Values
 from graphcal.graph.weight_path import weight_as_consumed
 
@@ -59,6 +60,9 @@ class Rotation:
     bytes_after: int = 0
     heads: int = 0  # attention blocks whose value and output heads were turned too (R2)
     head_matrix: str = ""  # how R2's matrix was made
+    head_writes: list[str] = field(default_factory=list)  # R2 on their output side: v_proj of their own
+    head_reads: list[str] = field(default_factory=list)  # R2's inverse on their input side: the o_proj after them
+    head_dim: int = 0  # R2's block: the attention head size
     kind: str = "hadamard"  # SpinQuant's transform type the matrices were made by
     seed: int = 0
     rotations: list[str] = field(default_factory=lambda: ["R1"])  # what was asked: R1, or R1 and R2
@@ -94,15 +98,21 @@ def transform_config(report: Rotation) -> dict:
     """compressed-tensors' ``transform_config`` for what :func:`rotate` folded, as llm-compressor's
     SpinQuantModifier writes it: group ``R1``, the matrix on the output side (``weight_output``) of
     the weights writing the stream and, inverted, on the input side (``weight_input``) of those
-    reading it, over the whole hidden width. Both are weight locations, which compressed-tensors
-    applies offline and loaders never apply again. R2 on a packed qkv_proj turns its value columns
-    only, which a transform on a module's whole output cannot say: ``graphcal.rotation`` records it."""
+    reading it, over the whole hidden width; group ``R2``, a head_dim block on each v_proj's output
+    side and, inverted, on its o_proj's input side. All are weight locations, which
+    compressed-tensors applies offline and loaders never apply again. R2 on a packed qkv_proj turns
+    its value columns only, which a transform on a module's whole output cannot say:
+    ``graphcal.rotation`` alone records it."""
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme  # lazy: seconds to import
 
-    r1 = TransformScheme(type=report.kind, precision="float64", apply=[
+    groups = {"R1": TransformScheme(type=report.kind, precision="float64", apply=[
         TransformArgs(targets=report.writes, location="weight_output"),
-        TransformArgs(targets=report.reads, location="weight_input", inverse=True)])
-    return TransformConfig(config_groups={"R1": r1}).model_dump(mode="json")
+        TransformArgs(targets=report.reads, location="weight_input", inverse=True)])}
+    if report.head_writes:
+        groups["R2"] = TransformScheme(type=report.kind, precision="float64", head_dim=report.head_dim, apply=[
+            TransformArgs(targets=report.head_writes, location="weight_output"),
+            TransformArgs(targets=report.head_reads, location="weight_input", inverse=True)])
+    return TransformConfig(config_groups=groups).model_dump(mode="json")
 
 
 def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> Rotation:
@@ -115,7 +125,8 @@ def rotate_like(model: onnx.ModelProto, base_dir: str | None, record: dict) -> R
             or rotations not in (["R1"], ["R1", "R2"])):
         raise GraphcalError(f"the {METADATA_KEY} record's transform type, seed or rotations are not graphcal's "
                             f"({shown(repr(kind))}, {shown(repr(seed))}, {shown(repr(rotations))})")
-    report = rotate(model, base_dir, seed=seed, heads="R2" in rotations, kind=kind)
+    heads = "R2" in rotations and record.get("heads") != 0  # a model whose heads went unturned (older graphcal)
+    report = rotate(model, base_dir, seed=seed, heads=heads, kind=kind)
     write_record(model, report)
     return report
 
@@ -193,22 +204,25 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         put(node, k, f"{node_name}.unit_scale", np.ones_like(g))
     for pair in head_pairs(model) if heads else []:  # R2: each value head's columns and o_proj's rows for it, by one H
         h, how_heads = orthogonal(pair.head_dim, seed, kind)
-        qkv, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
-                    for t in (pair.qkv, pair.out))
-        w = qkv[3].astype(np.float64)
-        first = (pair.num_heads + pair.kv_heads) * pair.head_dim
+        value, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
+                      for t in (pair.value, pair.out))
+        w = value[3].astype(np.float64)
         for j in range(pair.kv_heads):
-            cols = slice(first + j * pair.head_dim, first + (j + 1) * pair.head_dim)
+            cols = slice(pair.first + j * pair.head_dim, pair.first + (j + 1) * pair.head_dim)
             w[:, cols] = w[:, cols] @ h
-        qkv[3] = _cast(w, qkv[3])
+        value[3] = _cast(w, value[3])
         w = out[3].astype(np.float64)
         for i in range(pair.num_heads):
             rows = slice(i * pair.head_dim, (i + 1) * pair.head_dim)
             w[rows, :] = h.T @ w[rows, :]
         out[3] = _cast(w, out[3])
-        edits[(pair.qkv.node, 1)], edits[(pair.out.node, 1)] = qkv, out
+        edits[(pair.value.node, 1)], edits[(pair.out.node, 1)] = value, out
         report.heads += 1
         report.head_matrix = how_heads
+        if not pair.packed:
+            report.head_writes.append(pair.value.name)
+            report.head_reads.append(pair.out.name)
+            report.head_dim = pair.head_dim
     old = set()
     for node, k, base, value in edits.values():
         old.add(node.input[k])
