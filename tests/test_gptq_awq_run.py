@@ -507,3 +507,29 @@ def test_actorder_from_the_command_line_overrides_the_recipes(tmp_path):
     assert args(_config(recipe, tmp_path, actorder="none")) is None
     assert args(_config(GPTQ_W4_RECIPE, tmp_path)) is None
     assert _config(GPTQ_W4_RECIPE, tmp_path, gptq_order="one-pass").gptq.order == "one-pass"
+
+
+def test_whole_model_awq_keeps_a_tied_table_tied(tied_builder_model, tmp_path):
+    """A builder model with its table tied to lm_head, quantized whole: AWQ leaves out the final
+    norm's mapping into lm_head (llm-compressor's mappings never scale lm_head), so the lookup still
+    reads lm_head's MatMulNBits bytes and one table is stored. With the table left in float, that
+    mapping is searched as before."""
+    folder, calib = tied_builder_model
+    records = {}
+    for name, extra in (("whole", ["--scheme-for", "Embedding=W4A16"]), ("head", [])):
+        out = tmp_path / name
+        result = CliRunner().invoke(cli, [str(a) for a in (
+            "run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32", "--lm-head",
+            "--matmulnbits", "--algorithm", "awq", "-o", out, *extra)])
+        assert result.exit_code == 0, result.output
+        assert "both tables are stored" not in result.output
+        written = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        records[name] = json.loads(next(p.value for p in written.metadata_props if p.key == "graphcal.awq"))
+        if name == "whole":
+            gather = next(n for n in written.graph.node if n.op_type == "GatherBlockQuantized")
+            lm_head = next(n for n in written.graph.node if n.name == "/lm_head/MatMul")
+            reshape = next(n for n in written.graph.node if n.output[0] == gather.input[0])
+            assert lm_head.op_type == "MatMulNBits" and reshape.input[0] == lm_head.input[1]  # one int4 table
+    into_head = [[m for m in records[n]["mappings"] if "lm_head" in m["balance"]] for n in ("whole", "head")]
+    assert into_head[0] == [] and len(into_head[1]) == 1
+    assert len(records["whole"]["mappings"]) == len(records["head"]["mappings"]) - 1 > 0

@@ -197,7 +197,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
             warnings.append("SmoothQuant: nothing to smooth" + (
                 f" with --smoothquant {config.smoothing.scope}; graphcal inspect --smoothquant mul lists what each "
                 "scope would smooth" if config.smoothing.mappings is None and config.smoothing.scope != "mul" else ""))
-    awq = _awq(model, found, chosen, config, str(model_path.parent))
+    awq = _awq(model, found, chosen, lookups, schemes, target_runtime, matmulnbits, config, str(model_path.parent))
     if awq is not None:
         warnings += awq.notes if config.awq.mappings is not None else []
         if not awq.mappings:
@@ -298,14 +298,25 @@ def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConf
     return resolution
 
 
-def _awq(model, found: list[Target], chosen: list[Target], config: RunConfig, base_dir: str | None):
+def _awq(model, found: list[Target], chosen: list[Target], lookups: list[Target], schemes, target_runtime, matmulnbits,
+         config: RunConfig, base_dir: str | None):
     """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or linear
-    layer before them (no node added), by structure or by llm-compressor's names; None without AWQ."""
+    layer before them (no node added), by structure or by llm-compressor's names; None without AWQ.
+    Found by structure, a mapping into an lm_head that a quantized lookup reads as its table is
+    left out (llm-compressor's mappings never scale lm_head): scaled, the table would be stored twice."""
 
     settings = config.awq
     if settings is None:
         return None
     resolution = resolve(candidates(model, found, base_dir), chosen, "all", settings.mappings, what="AWQ")
+    if settings.mappings is None and lookups:
+        by_name = {t.name: t for t in chosen}
+        tied = {head for lookup, head in find_ties(model, lookups, chosen, base_dir).items()
+                if not _share_problem(schemes[lookup], schemes[head], by_name[head], target_runtime, matmulnbits, set())}
+        for m in [m for m in resolution.mappings if tied & set(m.balance)]:
+            resolution.mappings.remove(m)
+            log.info("AWQ: %s left out: %s is tied to a quantized lookup, which reads its weight (one table stored)",
+                     m.describe(), ", ".join(sorted(tied & set(m.balance))))
     log.info("AWQ: %d mappings to search", len(resolution.mappings))
     return resolution
 
