@@ -402,3 +402,18 @@ def test_search_ignores_the_schemes_observer():
     mse = QuantizationArgs(num_bits=4, strategy="channel", observer="memoryless_mse", observer_kwargs={"maxshrink": 0.5})
     plain = QuantizationArgs(num_bits=4, strategy="channel")
     assert torch.equal(awq.quantize_scaled({"a": w}, {"a": mse}, s)["a"], awq.quantize_scaled({"a": w}, {"a": plain}, s)["a"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scaling_in_the_weights_dtype_is_the_fp64_product_rounded_once(dtype):
+    """apply (W * s) and the division back (Q / s) run in the weight's dtype when s has it: bit for
+    bit what fp64 then one rounding gives, over weights and scales spanning 12 decades."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 512, generator=gen) * torch.logspace(-4, 2, 512)).to(dtype)
+    s = (torch.rand(512, generator=gen) * 50 + 1e-3).to(dtype)
+    assert torch.equal(awq.apply(w, s), (w.double() * s.double()[None, :]).to(dtype))
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=64, symmetric=True)
+    got = awq.quantize_scaled({"w": w}, {"w": args}, s)["w"]
+    scaled = (w.double() * s.double()[None, :]).to(dtype)
+    again = awq.quantize_scaled({"w": scaled}, {"w": args}, torch.ones(512, dtype=dtype))["w"]  # Q(W s), unscaled
+    assert torch.equal(got, (again.double() / s.double()[None, :]).to(dtype))

@@ -170,7 +170,16 @@ def apply(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """A balance weight ``[out, in]`` with its input columns times s: fp64, rounded once to its dtype."""
     if weight.dim() != 2 or weight.shape[1] != s.numel():
         raise ValueError(f"AWQ apply: weight {tuple(weight.shape)} does not take {s.numel()} scales")
+    if _same_float(weight, s):  # the product in the dtype is the fp64 one rounded once (_same_float)
+        return weight * s.to(weight.device)[None, :]
     return (weight.double() * s.double().to(weight.device)[None, :]).to(weight.dtype)
+
+
+def _same_float(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both in one float dtype of at most fp32: there one product or quotient is bit for bit the fp64
+    one rounded once to that dtype (fp64 carries 53 bits, at least twice the dtype's 24 plus 2, so the
+    double rounding is innocuous), at a fraction of the conversions' cost."""
+    return a.dtype == b.dtype and a.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 def divide(param: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -218,7 +227,10 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
     for name, obs in observers.items():
         q = obs.get_qparams()
         fq = fake_quantize(scaled[name], q["scale"], q["zero_point"], obs.args, global_scale=q["global_scale"])
-        out[name] = (fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
+        if _same_float(fq, s) and fq.dtype == weights[name].dtype:  # as in apply: bit for bit the fp64 quotient
+            out[name] = fq / s.to(fq.device)[None, :]
+        else:
+            out[name] = (fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
     return out
 
 
