@@ -469,3 +469,20 @@ def test_r2_asked_where_no_attention_is_recognised_says_only_r1_was_folded(tmp_p
     assert "warning: --rotate R2: no attention's value and output projections were recognised" in result.output
     groups = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["transform_config"]["config_groups"]
     assert list(groups) == ["R1"]
+
+
+def test_inspect_and_run_say_what_the_rotation_folds(llama_dir, tmp_path):
+    """inspect --rotate (text and JSON) and run name the matrices, the weights and norms folded, and
+    the attentions whose heads R2 turned."""
+    args = [llama_dir / "model.onnx", "--scheme", "W4A16", "--rotate"]
+    result = _cli("inspect", *args)
+    assert result.exit_code == 0, result.output
+    line = ("(Hadamard 128; R1,R2): 16 weights and 5 norm scales folded; R2 on 2 attention(s) (Hadamard 32)")
+    assert f"rotation {line}" in result.output
+    result = _cli("inspect", *args, "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)["rotation"]
+    assert record["heads"] == 2 and record["rotations"] == ["R1", "R2"] and record["weights"] == 16
+    result = _cli("run", *args, "--data", llama_dir / "calib.npz", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert f"rotated the residual stream first {line}" in result.output

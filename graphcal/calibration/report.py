@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from graphcal.algorithms.rotation.fold import summary as rotation_summary
 from graphcal.calibration.plan import RunPlan, plan
 from graphcal.config import RunConfig
 from graphcal.graph.blocks import blocks
@@ -56,6 +57,7 @@ class Inspection:
     blocks: list[str] = field(default_factory=list)  # GPTQ's sequential order: the layer blocks, in order
     lookups: list[TargetRow] = field(default_factory=list)  # every embedding lookup (Gather over a weight)
     ties: dict[str, str] = field(default_factory=dict)  # lookup -> the lm_head whose quantized weight it reads
+    rotation: dict | None = None  # --rotate: what was folded (algorithms.rotation.fold.Rotation.as_dict)
 
     @property
     def quantized(self) -> list[str]:
@@ -89,6 +91,7 @@ def from_plan(run: RunPlan) -> Inspection:
         blocks=_blocks(run),
         lookups=[_row(t, t in run.lookups, run.config) for t in run.found_lookups],
         ties=dict(run.ties),
+        rotation=run.rotation.as_dict() if run.rotation is not None else None,
     )
 
 
@@ -171,6 +174,7 @@ def to_dict(report: Inspection) -> dict:
                           "activation": m.candidate.activation} for m in report.awq.mappings],
             "not_scaled": list(report.awq.notes), "blocks": report.blocks, "clip": dict(report.awq_clip),
         },
+        "rotation": report.rotation,
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
         "size": {
             "input_bytes": report.input_size,
@@ -213,6 +217,8 @@ def format_text(report: Inspection) -> str:
     if report.config.kv_cache is not None:
         lines.append(f"kv cache {len(report.kv_states)} attention module(s): "
                      + (", ".join(k.name for k in report.kv_states) or "none found"))
+    if report.rotation is not None:
+        lines.append(f"rotation ({rotation_summary(report.rotation)}")
     if report.smoothing is not None:
         sq = report.config.smoothing
         strength = "auto (searched per mapping)" if sq.search else f"{sq.strength:g}"

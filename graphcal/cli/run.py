@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from graphcal.algorithms.rotation.fold import summary as rotation_summary
 from graphcal.cli.guard import guarded
 from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
 
@@ -69,13 +70,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
                    f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
                    "norms, biases, scales)")
     if result.rotation is not None:
-        r = result.rotation
-        click.echo(f"rotated the residual stream first ({r['matrix']}; {','.join(r['rotations'])}): {r['weights']} "
-                   f"weights and {r['norms']} norm scales folded"
-                   + (f"; {len(r['kept_tied'])} table kept tied to lm_head" if r["kept_tied"] else "")
-                   + (f" (a {r['hidden']}x{r['hidden']} float MatMul before lm_head takes the final norm's scale)"
-                      if r["scale_nodes"] else "")
-                   + (f"; untied: {', '.join(r['untied'])}" if r["untied"] else ""))
+        click.echo(f"rotated the residual stream first ({rotation_summary(result.rotation)}")
     if result.smoothed:
         click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.awq:

@@ -80,6 +80,17 @@ class Rotation:
                 "rotations": self.rotations}
 
 
+def summary(record: dict) -> str:
+    """One line on what a rotation folded (its ``as_dict`` record), as run and inspect print it."""
+    return (f"{record['matrix']}; {','.join(record['rotations'])}): {record['weights']} weights and "
+            f"{record['norms']} norm scales folded"
+            + (f"; R2 on {record['heads']} attention(s) ({record['head_matrix']})" if record["heads"] else "")
+            + (f"; {len(record['kept_tied'])} table kept tied to lm_head" if record["kept_tied"] else "")
+            + (f" (a {record['hidden']}x{record['hidden']} float MatMul before lm_head takes the final norm's scale)"
+               if record["scale_nodes"] else "")
+            + (f"; untied: {', '.join(record['untied'])}" if record["untied"] else ""))
+
+
 def rotation_record(model: onnx.ModelProto) -> dict | None:
     """The ``graphcal.rotation`` metadata graphcal wrote into ``model``, None without one."""
     text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
