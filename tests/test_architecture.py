@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "graphcal"
 
 #: modules that know nothing of stages, commands or outputs (their imports stay below them)
 LEAVES = ("graphcal.graph", "graphcal.observers", "graphcal.algorithms.smoothquant.math",
-          "graphcal.algorithms.awq.math", "graphcal.algorithms.gptq.math", "graphcal.algorithms.gptq.hessian",
+          "graphcal.algorithms.awq.math", "graphcal.algorithms.awq.gram",
+          "graphcal.algorithms.gptq.math", "graphcal.algorithms.gptq.hessian",
           "graphcal.types", "graphcal.errors", "graphcal.limits")
 #: what a leaf may never import: the stages, the pipeline, the commands and what they write
 ABOVE = ("graphcal.calibration", "graphcal.cli", "graphcal.evaluation", "graphcal.bench", "graphcal.export",

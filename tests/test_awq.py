@@ -19,6 +19,7 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from graphcal.algorithms.awq import math as awq
+from graphcal.algorithms.awq.gram import Gram, LayerLoss
 from tests.helpers import ALGORITHM_VECTORS, ulps_apart
 
 VECTORS = ALGORITHM_VECTORS
@@ -88,10 +89,10 @@ def run_case(case: dict, gram: bool = False, **search_kwargs) -> dict:
         names = {b: f"{PREFIX}mlp.{b}_proj" for b in balance}
         objective = lambda ws, parent=parent: parent({b: ws[names[b]] for b in balance})  # noqa: E731
         if gram and balance == ("down",):  # graphcal's stage: a one-layer parent scored from its input's Gram matrix
-            moments = awq.Gram()
+            moments = Gram()
             for x in inputs:
                 moments.update(x)
-            objective = awq.LayerLoss(moments)
+            objective = LayerLoss(moments)
         result = awq.search(stats.value(), {names[b]: w[b] for b in balance}, {names[b]: qargs for b in balance},
                             objective, duo_scaling=a["duo_scaling"], n_grid=a["n_grid"], **search_kwargs)
         out["mappings"].append({"stats": stats, "result": result})
@@ -174,14 +175,14 @@ def test_the_layer_loss_is_the_mse_of_the_layers_outputs():
     xs = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]
     w = {"a": torch.randn(4, 8), "b": torch.randn(6, 8)}
     trial = {"a": w["a"] + 0.01 * torch.randn(4, 8), "b": w["b"]}
-    g = awq.Gram()
+    g = Gram()
     for x in xs:
         g.update(x)
-    objective = awq.LayerLoss(g)
+    objective = LayerLoss(g)
     assert objective.prepare(w) is None and objective(w) == 0.0
     both = [torch.cat([F.linear(x, ws["a"]), F.linear(x, ws["b"])], dim=-1) for ws in (w, trial) for x in xs]
     assert objective(trial) == pytest.approx(awq.loss(both[:2], both[2:]), rel=1e-5)
-    assert awq.LayerLoss(awq.Gram()).prepare(w) == "saw no token"
+    assert LayerLoss(Gram()).prepare(w) == "saw no token"
 
 
 @pytest.mark.parametrize("index", range(len(case_ids())), ids=case_ids())

@@ -14,7 +14,7 @@
 The parent is the caller's business: ``search`` takes a callable that runs it on every cached
 calibration batch with the balance weights replaced and yields each batch's output (on the ONNX
 side, a sub-graph under onnxruntime; in the tests, a torch block), wrapped as :class:`ParentLoss`;
-or, for a parent that is one linear layer, :class:`LayerLoss`, the same MSE from the input's Gram
+or, for a parent that is one linear layer, ``gram.LayerLoss``, the same MSE from the input's Gram
 matrix with no run at all. Nothing here knows about graphs.
 
 Source: ``shared/reference/algorithms.md`` §4 (statistics §4.3, grid search and application §4.4) and
@@ -34,6 +34,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
+from graphcal.algorithms.awq.gram import LayerLoss
 from graphcal.observers import Observer, share_global_scale
 from graphcal.types import enum_value
 
@@ -42,6 +43,9 @@ log = logging.getLogger("graphcal")
 MINIMUM_SCALE = 1e-4  # the clamp of a candidate scale, and the epsilon added to w_mean^(1-ratio)
 CHUNK_EPSILON = 1e-6  # added to each quantization chunk's max |W| in weight_mean
 SEARCH_OBSERVER = "memoryless_minmax"  # forced during the search, whatever the scheme's observer
+#: dtypes where one * or / of two values is bit for bit the fp64 result rounded once (fp64's 53 bits are at
+#: least twice theirs plus 2, so the double rounding is innocuous): computed there, sparing two conversions
+ONE_ROUNDING = (torch.float32, torch.float16, torch.bfloat16)
 
 #: what ``parent`` takes and yields: balance name -> torch [out, in] weight; one output per cached batch
 Parent = Callable[[dict[str, torch.Tensor]], Iterable[torch.Tensor]]
@@ -170,16 +174,9 @@ def apply(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """A balance weight ``[out, in]`` with its input columns times s: fp64, rounded once to its dtype."""
     if weight.dim() != 2 or weight.shape[1] != s.numel():
         raise ValueError(f"AWQ apply: weight {tuple(weight.shape)} does not take {s.numel()} scales")
-    if _same_float(weight, s):  # the product in the dtype is the fp64 one rounded once (_same_float)
+    if weight.dtype == s.dtype and s.dtype in ONE_ROUNDING:
         return weight * s.to(weight.device)[None, :]
     return (weight.double() * s.double().to(weight.device)[None, :]).to(weight.dtype)
-
-
-def _same_float(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Both in one float dtype of at most fp32: there one product or quotient is bit for bit the fp64
-    one rounded once to that dtype (fp64 carries 53 bits, at least twice the dtype's 24 plus 2, so the
-    double rounding is innocuous), at a fraction of the conversions' cost."""
-    return a.dtype == b.dtype and a.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 def divide(param: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -227,10 +224,9 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
     for name, obs in observers.items():
         q = obs.get_qparams()
         fq = fake_quantize(scaled[name], q["scale"], q["zero_point"], obs.args, global_scale=q["global_scale"])
-        if _same_float(fq, s) and fq.dtype == weights[name].dtype:  # as in apply: bit for bit the fp64 quotient
-            out[name] = fq / s.to(fq.device)[None, :]
-        else:
-            out[name] = (fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
+        exact = s.dtype == fq.dtype == weights[name].dtype and s.dtype in ONE_ROUNDING
+        out[name] = fq / s.to(fq.device)[None, :] if exact else (
+            fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
     return out
 
 
@@ -271,51 +267,6 @@ class ParentLoss:
 
     def __call__(self, trial: dict[str, torch.Tensor]) -> float:
         return loss(self.references, _outputs(self.parent, trial))
-
-
-class Gram:
-    """``sum over tokens of x x^T`` and the token count: all a linear layer's output MSE under a weight change needs."""
-
-    def __init__(self) -> None:
-        self.sum: torch.Tensor | None = None
-        self.count = 0
-
-    def update(self, x: torch.Tensor) -> None:
-        flat = x.reshape(-1, x.shape[-1]).float()
-        part = (flat.T @ flat).double()  # each batch's product in fp32 (a GEMM), the sum over batches in fp64
-        self.sum = part if self.sum is None else self.sum + part
-        self.count += flat.shape[0]
-
-
-class LayerLoss:
-    """graphcal's fast objective: the MSE of the balance layers' own outputs (all of them, side by
-    side), ``sum_l tr((W'_l - W_l) G (W'_l - W_l)^T) / (tokens * rows)`` from the input's Gram
-    matrix G: exact for those outputs, and one [rows, in] x [in, in] product per candidate instead
-    of a run of the parent over every token."""
-
-    def __init__(self, gram: Gram):
-        self.gram, self.original, self._g = gram, None, None
-
-    def prepare(self, weights: dict[str, torch.Tensor]) -> str | None:
-        if self.gram.sum is None or self.gram.count == 0:
-            return "saw no token"
-        if not torch.isfinite(self.gram.sum).all():
-            return "gives non-finite inputs"
-        self.original = dict(weights)
-        self._g = self.gram.sum.float()
-        return None
-
-    def __call__(self, trial: dict[str, torch.Tensor]) -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        rows = 0
-        for name, w in self.original.items():
-            rows += w.shape[0]
-            t = trial.get(name, w)
-            if t is w:
-                continue
-            d = (t.float() - w.float()).to(self._g.device)
-            total += ((d @ self._g) * d).sum(dtype=torch.float64).cpu()
-        return (total / (self.gram.count * rows)).item()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@
         attention's output, gate/up -> down_proj's output) run 1 + n_grid times on the cached
         inputs of every batch (or of --awq-samples' batches, spread evenly), the balance weights fed
         as Q(W * s) / s for each candidate s; a parent that is the layer itself (down_proj, o_proj)
-        is not run: its output's MSE is tr(dW G dW^T) from the input's Gram matrix G (math.LayerLoss)
+        is not run: its output's MSE is tr(dW G dW^T) from the input's Gram matrix G (gram.LayerLoss)
         --> the s whose parent output is nearest the float one (graphcal.algorithms.awq.math.search)
     --> ChannelScales (graphcal.algorithms.channel_scales): the weight pass multiplies each balance weight's columns by s
         (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from graphcal.algorithms.awq.clip import search as clip_search
-from graphcal.algorithms.awq.math import AbsMean, Gram, LayerLoss, ParentLoss, search
+from graphcal.algorithms.awq.gram import Gram, LayerLoss
+from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
