@@ -197,7 +197,8 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
             warnings.append("SmoothQuant: nothing to smooth" + (
                 f" with --smoothquant {config.smoothing.scope}; graphcal inspect --smoothquant mul lists what each "
                 "scope would smooth" if config.smoothing.mappings is None and config.smoothing.scope != "mul" else ""))
-    awq = _awq(model, found, chosen, lookups, schemes, target_runtime, matmulnbits, config, str(model_path.parent))
+    tied = find_ties(model, lookups, chosen, str(model_path.parent)) if lookups else {}  # lookup -> chosen lm_head
+    awq = _awq(model, found, chosen, tied, schemes, target_runtime, matmulnbits, config, str(model_path.parent))
     if awq is not None:
         warnings += awq.notes if config.awq.mappings is not None else []
         if not awq.mappings:
@@ -206,7 +207,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     groups, fusion_warnings = find_fused_groups(chosen)
     if any(enum_value(s.weights.strategy) == "tensor_group" for s in schemes.values() if s.weights is not None):
         warnings += fusion_warnings  # fused groups matter only where they share a global scale
-    ties, tie_notes = _ties(model, found, chosen, lookups, schemes, target_runtime, matmulnbits, smoothing, awq,
+    ties, tie_notes = _ties(model, found, chosen, lookups, tied, schemes, target_runtime, matmulnbits, smoothing, awq,
                             str(model_path.parent))
     warnings += tie_notes
     if rotation is not None and rotation.untied:
@@ -230,10 +231,10 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     )
 
 
-def _ties(model, found: list[Target], chosen: list[Target], lookups: list[Target], schemes, target_runtime,
-          matmulnbits, smoothing, awq, base_dir: str) -> tuple[dict[str, str], list[str]]:
-    """Which chosen lookups read the quantized weight of the lm_head they are tied to (graph.ties),
-    and a note for each tie that is stored twice, and why."""
+def _ties(model, found: list[Target], chosen: list[Target], lookups: list[Target], tied: dict[str, str], schemes,
+          target_runtime, matmulnbits, smoothing, awq, base_dir: str) -> tuple[dict[str, str], list[str]]:
+    """Which chosen lookups read the quantized weight of the lm_head they are tied to (``tied``:
+    graph.ties over the chosen targets), and a note for each tie that is stored twice, and why."""
     if not lookups:
         return {}, []
     notes = []
@@ -249,7 +250,7 @@ def _ties(model, found: list[Target], chosen: list[Target], lookups: list[Target
                 scaled.add(m.candidate.linear)
     ties = {}
     by_name = {t.name: t for t in chosen}
-    for lookup, head in find_ties(model, lookups, chosen, base_dir).items():
+    for lookup, head in tied.items():
         problem = _share_problem(schemes[lookup], schemes[head], by_name[head], target_runtime, matmulnbits, scaled)
         if problem:
             notes.append(f"{lookup} is tied to {head}, but {problem}: both tables are stored")
@@ -298,7 +299,7 @@ def _smoothing(model, found: list[Target], chosen: list[Target], config: RunConf
     return resolution
 
 
-def _awq(model, found: list[Target], chosen: list[Target], lookups: list[Target], schemes, target_runtime, matmulnbits,
+def _awq(model, found: list[Target], chosen: list[Target], tied: dict[str, str], schemes, target_runtime, matmulnbits,
          config: RunConfig, base_dir: str | None):
     """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or linear
     layer before them (no node added), by structure or by llm-compressor's names; None without AWQ.
@@ -309,14 +310,14 @@ def _awq(model, found: list[Target], chosen: list[Target], lookups: list[Target]
     if settings is None:
         return None
     resolution = resolve(candidates(model, found, base_dir), chosen, "all", settings.mappings, what="AWQ")
-    if settings.mappings is None and lookups:
+    if settings.mappings is None and tied:
         by_name = {t.name: t for t in chosen}
-        tied = {head for lookup, head in find_ties(model, lookups, chosen, base_dir).items()
-                if not _share_problem(schemes[lookup], schemes[head], by_name[head], target_runtime, matmulnbits, set())}
-        for m in [m for m in resolution.mappings if tied & set(m.balance)]:
+        shared = {head for lookup, head in tied.items()
+                  if not _share_problem(schemes[lookup], schemes[head], by_name[head], target_runtime, matmulnbits, set())}
+        for m in [m for m in resolution.mappings if shared & set(m.balance)]:
             resolution.mappings.remove(m)
             log.info("AWQ: %s left out: %s is tied to a quantized lookup, which reads its weight (one table stored)",
-                     m.describe(), ", ".join(sorted(tied & set(m.balance))))
+                     m.describe(), ", ".join(sorted(shared & set(m.balance))))
     log.info("AWQ: %d mappings to search", len(resolution.mappings))
     return resolution
 

@@ -47,9 +47,9 @@ def head_pairs(model: onnx.ModelProto) -> list[HeadPair]:
     GroupQueryAttention reading a packed qkv_proj alone, and in torch exports (attention in plain
     ops, :func:`graphcal.graph.attention.find_kv_states`) where the value path is the one the
     exporter writes; others are left."""
-    index = GraphIndex(model.graph)
+    values = _Values(model)  # one index of the graph for both forms (and the constants of the exporter's shapes)
     by_node = {t.node: t for t in find_targets(model)[0]}
-    return _packed_pairs(model, index, by_node) + _export_pairs(model, by_node)
+    return _packed_pairs(model, values, by_node) + _export_pairs(model, values, by_node)
 
 
 def _packed_pairs(model: onnx.ModelProto, index: GraphIndex, by_node: dict[str, Target]) -> list[HeadPair]:
@@ -81,13 +81,12 @@ def _packed_pairs(model: onnx.ModelProto, index: GraphIndex, by_node: dict[str, 
 _HEADS_FIRST = [0, 2, 1, 3]  # [batch, seq, heads, head_dim] <-> [batch, heads, seq, head_dim]
 
 
-def _export_pairs(model: onnx.ModelProto, by_node: dict[str, Target]) -> list[HeadPair]:
+def _export_pairs(model: onnx.ModelProto, values: _Values, by_node: dict[str, Target]) -> list[HeadPair]:
     """The torch exporter's attention: ``v_proj -> Reshape [.., .., -1, head_dim] -> Transpose ->``
     the value states ``-> repeat_kv -> MatMul(probs, .) -> Transpose -> Reshape -> o_proj``. Each
     step keeps head_dim as the last axis (repeat_kv's Reshape keeps the states' own last dimension),
     so a head_dim rotation of v_proj's columns comes out of the context MatMul and reaches o_proj's
     rows for every query head; the value states and the context are read by nothing else."""
-    values = _Values(model)
     pairs = []
     for state in find_kv_states(model)[0]:
         pair = _export_pair(values, by_node, state)
@@ -105,8 +104,8 @@ def _export_pair(values: _Values, by_node: dict[str, Target], state) -> HeadPair
         return (node is not None and node.op_type == "Transpose"
                 and next((list(a.ints) for a in node.attribute if a.name == "perm"), None) == _HEADS_FIRST)
 
-    split = values.producer_node(values.producer_node(state.value).input[0]) if transposes_heads(
-        values.producer_node(state.value)) else None
+    to_heads = values.producer_node(state.value)
+    split = values.producer_node(to_heads.input[0]) if transposes_heads(to_heads) else None
     if split is None or split.op_type != "Reshape":
         return None
     head_dim = _last_shape_constant(values, split.input[1])
