@@ -40,30 +40,42 @@ def _weight(rows: int, columns: int, seed: int) -> torch.Tensor:
 
 
 def _reference(w: torch.Tensor, x: torch.Tensor, args: QuantizationArgs, size: int) -> torch.Tensor:
-    """The original AWQ's clip search on tokens, on compressed-tensors' grid: the bound per row and group."""
+    """The clip search on tokens, on compressed-tensors' grid: the (low, high) bound per row and group.
+
+    Symmetric: the original AWQ's ``±max|w_g| * (1 - i/20)``. Asymmetric: the high end shrunk by the
+    same factors (the low end kept), then the low end with the chosen high end."""
     rows, columns = w.shape
     groups = columns // size
     wg = w.float().reshape(rows, 1, groups, size)  # the bounds and the clamp in the weight's fp32 (a
     xg = x.double().reshape(1, -1, groups, size)  # clamped value sits on a rounding tie of the grid)
     original = (xg * wg.double()).sum(dim=-1)  # [rows, tokens, groups]
-    peak = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, groups, 1]
-    best, least = peak.clone(), None
-    for i in range(10):
-        bound = peak * (1 - i / 20)
-        clamped = torch.clamp(wg, -bound, bound).reshape(rows, groups, size)
+
+    def error(lo, hi):
+        clamped = torch.maximum(torch.minimum(wg, hi), lo).reshape(rows, groups, size)
         low = torch.minimum(clamped.amin(dim=-1), torch.zeros(()))
         high = torch.maximum(clamped.amax(dim=-1), torch.zeros(()))
         scale, zero = calculate_qparams(low.float(), high.float(), args)
         q = fake_quantize(clamped.reshape(rows, columns).float(), scale, zero, args)
         err = ((xg * q.double().reshape(rows, 1, groups, size)).sum(dim=-1) - original).pow(2).mean(dim=1)
-        err = err.reshape(rows, 1, groups, 1)
-        if least is None:
-            least = err
-            continue
-        better = err < least
-        least = torch.where(better, err, least)
-        best = torch.where(better, bound, best)
-    return best.reshape(rows, groups)
+        return err.reshape(rows, 1, groups, 1)
+
+    if args.symmetric:
+        peak = wg.abs().amax(dim=-1, keepdim=True)  # [rows, 1, groups, 1]
+        lo, hi, ends = -peak, peak, [("both", peak)]
+    else:
+        lo = wg.amin(dim=-1, keepdim=True).clamp(max=0)
+        hi = wg.amax(dim=-1, keepdim=True).clamp(min=0)
+        ends = [("high", hi), ("low", lo)]
+    least = error(lo, hi)
+    for end, full in ends:
+        for i in range(1, 10):
+            r = full * (1 - i / 20)
+            trial = {"both": (-r, r), "high": (lo, r), "low": (r, hi)}[end]
+            err = error(*trial)
+            better = err < least
+            least = torch.where(better, err, least)
+            lo, hi = torch.where(better, trial[0], lo), torch.where(better, trial[1], hi)
+    return torch.stack([lo, hi], dim=-1).reshape(rows, groups, 2)
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -76,25 +88,35 @@ def test_the_bounds_are_the_original_awqs(symmetric, size):
     strategy = "channel" if size == 128 else "group"
     args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy=strategy,
                             group_size=size if strategy == "group" else None)
-    bound, before, after = awq_clip.search(w, args, _gram(x))
+    found = awq_clip.search(w, args, _gram(x))
     want = _reference(w, x, args, size)
-    assert bound.shape == want.shape
-    equal = torch.isclose(bound, want, rtol=1e-6, atol=0)
+    assert found.bound.shape == want.shape
+    equal = torch.isclose(found.bound, want, rtol=1e-6, atol=0)
     assert equal.all(), f"{int((~equal).sum())} of {equal.numel()} bounds differ"
-    assert (bound < w.abs().reshape(48, -1, size).amax(-1)).any()  # it clips somewhere
-    assert after < before
+    grouped = w.reshape(48, -1, size)
+    high, low = found.bound[..., 1], found.bound[..., 0]
+    shrunk = high < grouped.amax(-1) if not symmetric else high < grouped.abs().amax(-1)
+    assert shrunk.any()  # it clips somewhere
+    if symmetric:
+        assert torch.equal(low, -high)
+    else:  # each end on its own: some groups lose only their low end
+        low_only = (low > grouped.amin(-1)) & (high == grouped.amax(-1))
+        assert low_only.any()
+        shrunk = shrunk | (low > grouped.amin(-1))
+    assert found.shrunk == pytest.approx(float(shrunk.float().mean()))
+    assert found.after < found.before
 
 
 def test_rows_before_the_first_are_kept_whole():
     w, x = _weight(64, 64, 3), _inputs(1024, 64, 4)
     args = QuantizationArgs(num_bits=4, symmetric=True, strategy="group", group_size=32)
-    bound, _, _ = awq_clip.search(w, args, _gram(x), first_row=40)
+    bound = awq_clip.search(w, args, _gram(x), first_row=40).bound
     peak = w.abs().reshape(64, 2, 32).amax(-1)
-    assert torch.equal(bound[:40], peak[:40])
-    assert (bound[40:] < peak[40:]).any()
+    assert torch.equal(bound[:40, :, 1], peak[:40]) and torch.equal(bound[..., 0], -bound[..., 1])
+    assert (bound[40:, :, 1] < peak[40:]).any()
     clipped = awq_clip.clip(w, bound)
     assert torch.equal(clipped[:40], w[:40])
-    assert clipped.abs().reshape(64, 2, 32).amax(-1).le(bound + 1e-7).all()
+    assert clipped.abs().reshape(64, 2, 32).amax(-1).le(bound[..., 1] + 1e-7).all()
 
 
 @pytest.mark.parametrize("args", [
@@ -132,10 +154,14 @@ def _dequantized(folder) -> dict[str, np.ndarray]:
     return out
 
 
-def test_awq_clip_end_to_end(llama_dir, tmp_path):
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
+def test_awq_clip_end_to_end(llama_dir, tmp_path, scheme):
     """--awq-clip: every layer but q and k is clipped (the record says so), q and k are written exactly
-    as AWQ without it writes them, and the clipped model's per-layer error on the data is lower."""
-    flags = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq",
+    as AWQ without it writes them, and the clipped layers' grids narrow (on the asymmetric grid each
+    end is searched on its own: test_the_bounds_are_the_original_awqs)."""
+    from safetensors.numpy import load_file
+
+    flags = ["--data", llama_dir / "calib.npz", "--scheme", scheme, "--group-size", "32", "--algorithm", "awq",
              "--target", "qdq", "-q"]
     plain, clipped = tmp_path / "plain", tmp_path / "clipped"
     assert _cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
@@ -150,12 +176,12 @@ def test_awq_clip_end_to_end(llama_dir, tmp_path):
     assert a.keys() == b.keys()
     same = {k for k in a if np.array_equal(a[k], b[k])}
     assert same and all("q_proj" in k or "k_proj" in k for k in same), same
-    for k in a.keys() - same:  # the others clipped: no group's range grows, some shrink
-        size = 32
-        pa = np.abs(a[k]).reshape(-1, size).max(axis=1) if a[k].shape[1] % size == 0 else None
-        assert pa is not None
-        pb = np.abs(b[k]).reshape(-1, size).max(axis=1)
-        assert (pb < pa).any()
+    qa, qb = (load_file(str(f / "qparams.safetensors")) for f in (plain, clipped))
+    for k in (k for k in qa if k.endswith("weight_scale")):  # a clipped group's grid only narrows
+        if "q_proj" in k or "k_proj" in k:
+            np.testing.assert_array_equal(qa[k], qb[k])
+        else:
+            assert (qb[k] <= qa[k] * (1 + 1e-6)).all() and (qb[k] < qa[k]).any(), k
 
 
 def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir, tmp_path):
@@ -181,10 +207,10 @@ def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir,
             assert (b[name] <= a[name] * (1 + 1e-6)).all() and (b[name] < a[name]).any(), name
     # the weight pass observes the clamped weight and rounds the one it was given
     t = type("T", (), {"name": "layer"})()
-    scales = ChannelScales([], {}, clips={"layer": torch.tensor([[0.5, 1.0]])})
+    scales = ChannelScales([], {}, clips={"layer": torch.tensor([[[-0.5, 0.5], [-1.0, 1.5]]])})
     w = torch.tensor([[0.9, -0.2, 2.0, -3.0]])
     assert torch.equal(scales.weight(t, w), w)
-    assert torch.equal(scales.observed(t, w), torch.tensor([[0.5, -0.2, 1.0, -1.0]]))
+    assert torch.equal(scales.observed(t, w), torch.tensor([[0.5, -0.2, 1.5, -1.0]]))
 
 
 def test_awq_clip_needs_awq(llama_dir):

@@ -6,6 +6,9 @@
         W_r = clamp(W, -r * max|W_g|, r * max|W_g|) per row and quantization group g
         error[row, g] = d_g G_gg d_gᵀ,  d = Q(W_r) - W  (Q: a memoryless min-max grid of W_r)
       --> per row and group, the bound with the least error (the first on ties; r = 1 changes nothing)
+    on an asymmetric grid (range from the group's least value to its greatest, zero point) each end
+    is shrunk on its own, graphcal's extension: the high end through the same r with the low end
+    kept, then the low end with the chosen high end (a ±bound there would only ever cut the wider end)
 
 The error is what the original AWQ computes on sampled tokens as the mean of
 ``(x_g · (Q(W_r)_g - W_g))²``, the group's share of the layer's output error, here exactly from
@@ -21,6 +24,8 @@ the rest is torch math.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from compressed_tensors.quantization import QuantizationArgs
@@ -84,19 +89,36 @@ def _errors(d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def clip(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """``w`` [out, in] clamped to ±bound per row and group (``bound`` [out, groups]), in its dtype."""
+    """``w`` [out, in] clamped per row and group to ``bound`` [out, groups, 2] (each group's low and
+    high bound), in its dtype."""
     out, columns = w.shape
     groups = bound.shape[1]
-    b = bound.to(w.device, torch.float32)[:, :, None]
+    b = bound.to(w.device, torch.float32)
     grouped = w.float().reshape(out, groups, columns // groups)
-    return torch.maximum(torch.minimum(grouped, b), -b).reshape(out, columns).to(w.dtype)
+    return torch.maximum(torch.minimum(grouped, b[:, :, 1:]), b[:, :, :1]).reshape(out, columns).to(w.dtype)
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """What :func:`search` found: the bounds, the summed output error before and after (over the
+    Gram matrix's tokens, unnormalised), and the share of groups whose range it shrank."""
+
+    bound: torch.Tensor  # [out, groups, 2]: each group's low and high bound
+    before: float
+    after: float
+    shrunk: float
 
 
 def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_row: int = 0,
-           n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> tuple[torch.Tensor, float, float] | None:
-    """The clip bound of each row and group of ``w`` [out, in] (rows before ``first_row`` keep their
-    full range), against the input's Gram matrix ``gram`` [in, in]; with the summed output error
-    before and after (over G's tokens, unnormalised). None where ``args`` leave nothing to clip."""
+           n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> Clipped | None:
+    """The clip bounds of each row and group of ``w`` [out, in] (rows before ``first_row`` keep their
+    full range), against the input's Gram matrix ``gram`` [in, in]. None where ``args`` leave nothing
+    to clip.
+
+    Symmetric grids: the bound ``±r * max|W_g|`` (the original AWQ's). Asymmetric grids, whose range
+    runs from the group's least value to its greatest, shrink each end on its own: the high end first
+    (the low one kept), then the low end with the high one chosen; each end through the same shrinks r.
+    """
     out, columns = w.shape
     size = group_size(args, columns)
     if size is None or not 0 <= first_row < out:
@@ -105,18 +127,33 @@ def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_ro
     g = gram.to(torch.float32)
     blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(groups)])
     wf = w.float()
-    peak = wf.abs().reshape(out, groups, size).amax(dim=-1)  # [out, groups]
-    best = peak.clone()
-    least = None
-    for step in range(int(max_shrink * n_grid)):
-        bound = peak * (1 - step / n_grid)
+    grouped = wf.reshape(out, groups, size)
+    if args.symmetric is False:
+        ends = [(1, grouped.amax(dim=-1).clamp(min=0)), (0, grouped.amin(dim=-1).clamp(max=0))]
+        full = torch.stack([ends[1][1], ends[0][1]], dim=-1)
+    else:
+        peak = grouped.abs().amax(dim=-1)
+        ends = [(None, peak)]
+        full = torch.stack([-peak, peak], dim=-1)
+
+    def error(bound: torch.Tensor) -> torch.Tensor:
         trial = _fake_quantize(clip(wf, bound), args).float()
-        err = _errors((trial - wf).reshape(out, groups, size), blocks)
-        if least is None:
-            least, before = err.clone(), err
-            continue
-        better = err < least
-        better[:first_row] = False
-        least = torch.where(better, err, least)
-        best = torch.where(better, bound, best)
-    return best, float(before.sum()), float(least.sum())
+        return _errors((trial - wf).reshape(out, groups, size), blocks)
+
+    best = full.clone()
+    least = before = error(best)
+    for side, end in ends:
+        for step in range(1, int(max_shrink * n_grid)):
+            r = end * (1 - step / n_grid)
+            trial = best.clone()
+            if side is None:
+                trial[..., 0], trial[..., 1] = -r, r
+            else:
+                trial[..., side] = r
+            err = error(trial)
+            better = err < least
+            better[:first_row] = False
+            least = torch.where(better, err, least)
+            best = torch.where(better[..., None], trial, best)
+    shrunk = float((best != full).any(dim=-1).float().mean())
+    return Clipped(best, float(before.sum()), float(least.sum()), shrunk)

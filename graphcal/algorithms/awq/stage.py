@@ -180,12 +180,10 @@ def _clip(run: RunPlan, done: ChannelScales, t: Target, first_row: int, grams: d
     found = clip_search(w, run.schemes[t.name].weights, g, first_row)
     if found is None:
         return None
-    bound, before, after = found
-    peak = w.float().abs().reshape(bound.shape[0], bound.shape[1], -1).amax(dim=-1)
-    shrunk = float((bound < peak).float().mean())
-    log.info("AWQ clip %s: error %.4g -> %.4g (%.0f%% of groups clipped)", t.name, before, after, 100 * shrunk)
-    return bound, {"layer": t.name, "initial_error": before / gram.count, "best_error": after / gram.count,
-                   "groups_clipped": shrunk}
+    log.info("AWQ clip %s: error %.4g -> %.4g (%.0f%% of groups clipped)", t.name, found.before, found.after,
+             100 * found.shrunk)
+    return found.bound, {"layer": t.name, "initial_error": found.before / gram.count,
+                         "best_error": found.after / gram.count, "groups_clipped": found.shrunk}
 
 
 def search_batches(calib: Calibration, samples: int | None) -> list[int]:
