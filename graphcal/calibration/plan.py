@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 import onnx
 
-from graphcal.algorithms.awq.clip import clip_rows
+from graphcal.algorithms.awq.clip import clip_layers
 from graphcal.algorithms.rotation.fold import Rotation
 from graphcal.algorithms.rotation.fold import rotate as rotate_stream
 from graphcal.algorithms.rotation.fold import write_record as write_rotation_record
@@ -86,7 +86,7 @@ class RunPlan:
     found_lookups: tuple[Target, ...] = ()  # every embedding lookup, in graph order
     ties: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # lookup -> the chosen lm_head whose stored weight it reads
     rotation: Rotation | None = None  # --rotate: what the rotation folded (the model is the rotated one)
-    awq_clip: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # --awq-clip: layer -> first row
+    awq_clip: tuple[str, ...] = ()  # --awq-clip: the layers AWQ's clip search takes
 
     @property
     def model(self) -> onnx.ModelProto:
@@ -227,7 +227,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
         unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
         lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), rotation=rotation,
-        awq_clip=MappingProxyType(clip_rows(model, chosen, schemes) if awq is not None and config.awq.clip else {}),
+        awq_clip=clip_layers(chosen, schemes) if awq is not None and config.awq.clip else (),
     )
 
 

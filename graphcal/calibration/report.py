@@ -53,7 +53,7 @@ class Inspection:
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
     smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
     awq: object | None = None  # graph.smooth.Resolution of AWQ's mappings (None: no AWQ asked for)
-    awq_clip: dict = field(default_factory=dict)  # --awq-clip: layer -> the first row its search may change
+    awq_clip: list[str] = field(default_factory=list)  # --awq-clip: the layers its search takes
     blocks: list[str] = field(default_factory=list)  # GPTQ's sequential order: the layer blocks, in order
     lookups: list[TargetRow] = field(default_factory=list)  # every embedding lookup (Gather over a weight)
     ties: dict[str, str] = field(default_factory=dict)  # lookup -> the lm_head whose quantized weight it reads
@@ -87,7 +87,7 @@ def from_plan(run: RunPlan) -> Inspection:
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
         target_runtime=str(run.target_runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
-        awq_clip=dict(run.awq_clip),
+        awq_clip=list(run.awq_clip),
         blocks=_blocks(run),
         lookups=[_row(t, t in run.lookups, run.config) for t in run.found_lookups],
         ties=dict(run.ties),
@@ -172,7 +172,7 @@ def to_dict(report: Inspection) -> dict:
             "duo_scaling": report.config.awq.duo_scaling, "n_grid": report.config.awq.n_grid,
             "mappings": [{"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
                           "activation": m.candidate.activation} for m in report.awq.mappings],
-            "not_scaled": list(report.awq.notes), "blocks": report.blocks, "clip": dict(report.awq_clip),
+            "not_scaled": list(report.awq.notes), "blocks": report.blocks, "clip": list(report.awq_clip),
         },
         "rotation": report.rotation,
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
@@ -238,9 +238,7 @@ def format_text(report: Inspection) -> str:
         lines += [f"  {m.describe()}" for m in report.awq.mappings]
         lines += [f"  {n}" for n in report.awq.notes]
         if report.awq_clip:
-            packed = sum(1 for r in report.awq_clip.values() if r)
-            lines.append(f"  clip search (--awq-clip) on {len(report.awq_clip)} layer(s), q and k left out"
-                         + (f" ({packed} packed q/k/v: value rows only)" if packed else "") + ": "
+            lines.append(f"  clip search (--awq-clip) on {len(report.awq_clip)} layer(s): "
                          + ", ".join(list(report.awq_clip)[:3]) + (" ..." if len(report.awq_clip) > 3 else ""))
     lines.append(f"ignored  {', '.join(f'{r.target.name} ({r.reason})' for r in report.rows if not r.quantized) or 'none'}")
     lines.append(f"opset    model {report.model_opset}, scheme needs {report.required_opset}, "

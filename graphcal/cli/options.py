@@ -128,7 +128,8 @@ CONFIG_OPTIONS = (
     click.option("--awq-clip/--no-awq-clip", default=None,
                  help="AWQ: after the scales, clip each layer's weights per row and group where that lowers the "
                       "layer's output error (the original AWQ's clip search, scored on every token from the input's "
-                      "Gram matrix; q and k left out; integer channel or group weights). Off by default, as in "
+                      "Gram matrix; each end of an asymmetric grid on its own; q and k included; integer channel or "
+                      "group weights). Off by default, as in "
                       "llm-compressor."),
     click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
                  metavar="[LEVEL]",

@@ -1,7 +1,7 @@
 """AWQ's weight clipping: the original AWQ's clip search (llm-compressor 0.14's AWQModifier has none).
 
-    per quantized layer (after its scales are chosen; q and k left out: their output goes through
-    the attention's softmax, where an output MSE says little, as the original AWQ leaves them):
+    per quantized layer (after its scales are chosen; q and k too, which the original leaves out,
+    see docs/gptq_awq.md):
       for each shrink r in 1, 0.95, ..., 0.55 (``N_GRID`` 20, ``MAX_SHRINK`` 0.5):
         W_r = clamp(W, -r * max|W_g|, r * max|W_g|) per row and quantization group g
         error[row, g] = d_g G_gg d_gᵀ,  d = Q(W_r) - W  (Q: a memoryless min-max grid of W_r)
@@ -19,8 +19,8 @@ lies past the bound saturates exactly as the clamp would; GPTQ (``awq+gptq``) al
 part of the error into the columns it has not rounded yet, where clamping first would lose it.
 
 Integer weights in channel or group strategy only (a float grid or a per-tensor one has no
-per-group range to clip). :func:`clip_rows` picks the layers from the graph (the plan calls it);
-the rest is torch math.
+per-group range to clip). :func:`clip_layers` picks the layers (the plan calls it); the rest is
+torch math.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
 from graphcal.algorithms.awq.math import SEARCH_OBSERVER, search_args
-from graphcal.graph.heads import head_pairs
 from graphcal.observers import Observer
 from graphcal.types import enum_value
 
@@ -52,26 +51,11 @@ def group_size(args: QuantizationArgs | None, columns: int) -> int | None:
     return None
 
 
-QK_LEAVES = ("q_proj", "k_proj", "query", "key", "q_a_proj", "kv_a_proj_with_mqa")  # feed attention scores
-
-
-def clip_rows(model, targets, schemes) -> dict[str, int]:
-    """Of ``targets`` (with their ``schemes``) in ``model``, the ones AWQ's clip search takes, each with
-    the first row it may change: every layer with integer channel or group weights but q and k (whose
-    error the softmax reshapes); of a packed q/k/v projection before onnxruntime's GroupQueryAttention
-    only the value rows. A packed projection of another form is left whole."""
-    packed = {p.value.name: p.first for p in head_pairs(model) if p.packed}
-    out = {}
-    for t in targets:
-        scheme = schemes.get(t.name)
-        if scheme is None or group_size(scheme.weights, t.in_features) is None:
-            continue
-        leaf = t.name.rpartition(".")[2]
-        if t.name in packed:
-            out[t.name] = packed[t.name]
-        elif leaf not in QK_LEAVES and "qkv" not in leaf.lower():
-            out[t.name] = 0
-    return out
+def clip_layers(targets, schemes) -> tuple[str, ...]:
+    """Of ``targets`` (with their ``schemes``), the ones AWQ's clip search takes: every layer with
+    integer channel or group weights, q and k (and a packed q/k/v) included."""
+    return tuple(t.name for t in targets if t.name in schemes
+                 and group_size(schemes[t.name].weights, t.in_features) is not None)
 
 
 def _fake_quantize(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
@@ -109,11 +93,10 @@ class Clipped:
     shrunk: float
 
 
-def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_row: int = 0,
-           n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> Clipped | None:
-    """The clip bounds of each row and group of ``w`` [out, in] (rows before ``first_row`` keep their
-    full range), against the input's Gram matrix ``gram`` [in, in]. None where ``args`` leave nothing
-    to clip.
+def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, n_grid: int = N_GRID,
+           max_shrink: float = MAX_SHRINK) -> Clipped | None:
+    """The clip bounds of each row and group of ``w`` [out, in] against the input's Gram matrix
+    ``gram`` [in, in]. None where ``args`` leave nothing to clip.
 
     Symmetric grids: the bound ``±r * max|W_g|`` (the original AWQ's). Asymmetric grids, whose range
     runs from the group's least value to its greatest, shrink each end on its own: the high end first
@@ -121,7 +104,7 @@ def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_ro
     """
     out, columns = w.shape
     size = group_size(args, columns)
-    if size is None or not 0 <= first_row < out:
+    if size is None:
         return None
     groups = columns // size
     g = gram.to(torch.float32)
@@ -152,7 +135,6 @@ def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, first_ro
                 trial[..., side] = r
             err = error(trial)
             better = err < least
-            better[:first_row] = False
             least = torch.where(better, err, least)
             best = torch.where(better[..., None], trial, best)
     shrunk = float((best != full).any(dim=-1).float().mean())

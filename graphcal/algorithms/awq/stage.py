@@ -88,7 +88,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
             reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
         plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
     used = search_batches(calib, settings.search_samples)  # the batches every multi-layer parent is scored on
-    clip_from = run.awq_clip  # target -> the first row AWQ's clip search may change (empty: no --awq-clip)
+    clipping = set(run.awq_clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
     clips: dict[str, torch.Tensor] = {}
     clipped: list[dict] = []
     scales: dict[str, torch.Tensor] = {}
@@ -98,7 +98,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
     with bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
             here = [p for p in plans if p.block == k]
-            clip_here = [t for t in block.targets if t.name in clip_from]
+            clip_here = [t for t in block.targets if t.name in clipping]
             taps = list(dict.fromkeys([*(x for p in here for x in p.reads), *(t.activation for t in clip_here)]))
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
             if not here and not clip_here and not outputs:
@@ -148,7 +148,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
                 log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
                          result.best_error, result.grid[result.best_index][0])
             for t in clip_here:  # after every scale of the block: each layer clipped as the weight pass will see it
-                found = _clip(run, done, t, clip_from[t.name], grams, cached)
+                found = _clip(run, done, t, grams, cached)
                 if found is not None:
                     clips[t.name], entry = found
                     clipped.append(entry)
@@ -164,7 +164,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
     return smoothed
 
 
-def _clip(run: RunPlan, done: ChannelScales, t: Target, first_row: int, grams: dict[str, Gram],
+def _clip(run: RunPlan, done: ChannelScales, t: Target, grams: dict[str, Gram],
           cached: dict) -> tuple[torch.Tensor, dict] | None:
     """AWQ's clip bounds of ``t`` (graphcal.algorithms.awq.clip.search) on its input as the block's
     scales leave it (``x / s``: the Gram matrix ``diag(1/s) G diag(1/s)``), and what the record keeps."""
@@ -177,7 +177,7 @@ def _clip(run: RunPlan, done: ChannelScales, t: Target, first_row: int, grams: d
         return None
     g = done.smooth_hessian(t, gram.sum)
     w = done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
-    found = clip_search(w, run.schemes[t.name].weights, g, first_row)
+    found = clip_search(w, run.schemes[t.name].weights, g)
     if found is None:
         return None
     log.info("AWQ clip %s: error %.4g -> %.4g (%.0f%% of groups clipped)", t.name, found.before, found.after,
