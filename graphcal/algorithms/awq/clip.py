@@ -111,13 +111,14 @@ def search(w: torch.Tensor, args: QuantizationArgs, gram: torch.Tensor, n_grid: 
     blocks = torch.stack([g[k * size:(k + 1) * size, k * size:(k + 1) * size] for k in range(groups)])
     wf = w.float()
     grouped = wf.reshape(out, groups, size)
-    if args.symmetric is False:
-        ends = [(1, grouped.amax(dim=-1).clamp(min=0)), (0, grouped.amin(dim=-1).clamp(max=0))]
-        full = torch.stack([ends[1][1], ends[0][1]], dim=-1)
-    else:
-        peak = grouped.abs().amax(dim=-1)
-        ends = [(None, peak)]
-        full = torch.stack([-peak, peak], dim=-1)
+    if args.symmetric is False:  # each end on its own: the high one (index 1), then the low one (0)
+        low, high = grouped.amin(dim=-1).clamp(max=0), grouped.amax(dim=-1).clamp(min=0)
+        ends = [(1, high), (0, low)]
+    else:  # both ends together: ±r * peak
+        high = grouped.abs().amax(dim=-1)
+        low = -high
+        ends = [(None, high)]
+    full = torch.stack([low, high], dim=-1)
 
     def error(bound: torch.Tensor) -> torch.Tensor:
         trial = _fake_quantize(clip(wf, bound), args).float()

@@ -47,6 +47,11 @@ SEARCH_OBSERVER = "memoryless_minmax"  # forced during the search, whatever the 
 #: least twice theirs plus 2, so the double rounding is innocuous): computed there, sparing two conversions
 ONE_ROUNDING = (torch.float32, torch.float16, torch.bfloat16)
 
+
+def _one_rounding(*dtypes: torch.dtype) -> bool:
+    """All of ``dtypes`` one dtype of ONE_ROUNDING: one * or / there is the fp64 result rounded once."""
+    return len(set(dtypes)) == 1 and dtypes[0] in ONE_ROUNDING
+
 #: what ``parent`` takes and yields: balance name -> torch [out, in] weight; one output per cached batch
 Parent = Callable[[dict[str, torch.Tensor]], Iterable[torch.Tensor]]
 
@@ -174,7 +179,7 @@ def apply(weight: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """A balance weight ``[out, in]`` with its input columns times s: fp64, rounded once to its dtype."""
     if weight.dim() != 2 or weight.shape[1] != s.numel():
         raise ValueError(f"AWQ apply: weight {tuple(weight.shape)} does not take {s.numel()} scales")
-    if weight.dtype == s.dtype and s.dtype in ONE_ROUNDING:
+    if _one_rounding(weight.dtype, s.dtype):
         return weight * s.to(weight.device)[None, :]
     return (weight.double() * s.double().to(weight.device)[None, :]).to(weight.dtype)
 
@@ -224,9 +229,10 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
     for name, obs in observers.items():
         q = obs.get_qparams()
         fq = fake_quantize(scaled[name], q["scale"], q["zero_point"], obs.args, global_scale=q["global_scale"])
-        exact = s.dtype == fq.dtype == weights[name].dtype and s.dtype in ONE_ROUNDING
-        out[name] = fq / s.to(fq.device)[None, :] if exact else (
-            fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
+        if _one_rounding(s.dtype, fq.dtype, weights[name].dtype):
+            out[name] = fq / s.to(fq.device)[None, :]
+        else:
+            out[name] = (fq.double() / s.double().to(fq.device)[None, :]).to(weights[name].dtype)
     return out
 
 
