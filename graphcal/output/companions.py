@@ -7,7 +7,10 @@ regular file inside the input's folder of at most 64 MB. They are found before a
 (:func:`find_companions`: a bad one is refused then; genai_config.json is read and parsed then, with
 graphcal.data.fill's checks) and copied as the output is written (:func:`copy_companions`, read
 again with the same checks). genai_config.json changes only where
-graphcal's model requires it: the decoder's ``filename`` names graphcal's model file.
+graphcal's model requires it, the decoder's ``filename`` naming graphcal's model file, and where it
+would make onnxruntime-genai load code or write files (graphcal.data.genai_native: a
+``custom_ops_library``, provider options naming libraries or paths, session config entries, ...):
+that is dropped, never copied, and a note names it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphcal.data.fill import GENAI_CONFIG, genai_section, parse_genai_config, read_genai_config_bytes
+from graphcal.data.genai_native import strip_native
 from graphcal.errors import GraphcalError
 from graphcal.limits import file_kind, inside_folder, read_regular
 
@@ -36,6 +40,7 @@ class Companions:
 
     files: tuple[Path, ...] = ()  # copied as they are when the output is written (read again, checked again)
     genai_config: bytes | None = None  # genai_config.json as -o receives it, read and parsed already
+    notes: tuple[str, ...] = ()  # what was left out of -o's genai_config.json, and why (the run's warnings)
 
 
 def find_companions(model_path: str | os.PathLike, model_file: str) -> Companions:
@@ -59,8 +64,8 @@ def find_companions(model_path: str | os.PathLike, model_file: str) -> Companion
                                 f"{MAX_COMPANION_BYTES:,} into -o")
         found.append(path)
     raw = read_genai_config_bytes(folder)
-    config = None if raw is None else _genai_config(raw, folder / GENAI_CONFIG, model_file)
-    return Companions(tuple(found), config)
+    config, notes = (None, ()) if raw is None else _genai_config(raw, folder / GENAI_CONFIG, model_file)
+    return Companions(tuple(found), config, notes)
 
 
 def copy_companions(companions: Companions, into: Path) -> list[Path]:
@@ -75,11 +80,18 @@ def copy_companions(companions: Companions, into: Path) -> list[Path]:
     return written
 
 
-def _genai_config(raw: bytes, path: Path, model_file: str) -> bytes:
-    """The config as it was, or with the decoder's filename set to ``model_file`` where it named another."""
-    config = parse_genai_config(raw, path)
-    decoder = genai_section(config, "model", "decoder")  # the parsed config's own dict: set in place below
-    if decoder.get("filename", model_file) == model_file:
-        return raw
-    decoder["filename"] = model_file
-    return (json.dumps(config, indent=4) + "\n").encode("utf-8")
+def _genai_config(raw: bytes, path: Path, model_file: str) -> tuple[bytes, tuple[str, ...]]:
+    """(the config as it was, or with the decoder's filename set to ``model_file`` where it named another
+    and without what would load code or write files; a note naming what was dropped, if anything)."""
+    stripped = strip_native(parse_genai_config(raw, path))  # keeps no custom_ops_library
+    config = stripped.config
+    decoder = genai_section(config, "model", "decoder")  # the stripped config's own dict: set in place below
+    notes = () if not stripped.dropped else (
+        f"{path}: left out of -o's {GENAI_CONFIG}, as it would make onnxruntime-genai load code or touch files "
+        f"graphcal did not check: {stripped.describe()}",)
+    renamed = decoder.get("filename", model_file) != model_file
+    if not renamed and not stripped.dropped:
+        return raw, notes
+    if renamed:
+        decoder["filename"] = model_file
+    return (json.dumps(config, indent=4) + "\n").encode("utf-8"), notes
