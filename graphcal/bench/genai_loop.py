@@ -16,10 +16,21 @@ generation of each model first (none with ``--warmup 0``); then the rounds, the 
 models flipped every round (graphcal.bench.timing.round_order). Where onnxruntime-genai is not
 installed, a folder is not a genai folder, or a model does not load or run in it, the loop is
 skipped with the reason in one line.
+
+onnxruntime-genai never opens the model's folder itself: it opens a folder graphcal makes (:func:`stage`)
+holding graphcal's copy of genai_config.json, without what would make onnxruntime-genai load code or
+write files (graphcal.data.genai_native: a ``custom_ops_library``, provider options naming libraries,
+session config entries, ...; a note names what was dropped), and a link to each regular file inside
+the model's folder. ``--allow-custom-ops PATH`` keeps a ``custom_ops_library`` that is the file PATH
+names (checked before anything is timed: :func:`check_allowed_library`); it is copied into that
+folder, where onnxruntime-genai looks for it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -29,7 +40,9 @@ from graphcal.bench.report import MODELS, GenaiLoop, LoopTiming
 from graphcal.bench.session import CUDA
 from graphcal.bench.timing import round_order
 from graphcal.data.fill import GENAI_CONFIG, genai_context, genai_section, read_genai_config
-from graphcal.errors import GraphcalError, first_line, shown
+from graphcal.data.genai_native import strip_native
+from graphcal.errors import GraphcalError, UsageError, first_line, shown
+from graphcal.limits import open_regular
 
 
 class _Skip(Exception):
@@ -37,14 +50,16 @@ class _Skip(Exception):
 
 
 def genai_loop(paths: dict[str, Path], prompt: np.ndarray, new_tokens: int, rounds: int, warmup: int,
-               provider: str) -> GenaiLoop:
+               provider: str, workdir: Path, library: Path | None = None) -> GenaiLoop:
     """Both models of ``paths`` (label -> model file) in onnxruntime-genai's loop, ``new_tokens``
-    generated after ``prompt`` (token ids, [1, length]) on ``provider``; ``skipped`` says why not."""
+    generated after ``prompt`` (token ids, [1, length]) on ``provider``; ``skipped`` says why not.
+    Each model's folder is staged in ``workdir`` (:func:`stage`; ``library``: --allow-custom-ops)."""
     loop = GenaiLoop(int(prompt.shape[1]), new_tokens, rounds, provider="cuda" if provider == CUDA else "cpu")
     try:
         og = _import()
         loop.version = getattr(og, "__version__", None)
-        context = min(_check_folder(paths[label]) for label in MODELS)
+        configs = {label: _check_folder(paths[label]) for label in MODELS}
+        context = min(_context(config) for config in configs.values())
         if prompt.shape[1] + new_tokens > context:
             keep = context - new_tokens
             if keep < 1:
@@ -53,7 +68,14 @@ def genai_loop(paths: dict[str, Path], prompt: np.ndarray, new_tokens: int, roun
             prompt = prompt[:, :keep]
             loop.prompt_tokens = keep
         prompt = np.ascontiguousarray(prompt, dtype=np.int32)
-        models = {label: _load(og, paths[label], provider) for label in MODELS}
+        staged = {}
+        for label in MODELS:
+            try:
+                staged[label], note = stage(paths[label], configs[label], workdir / f"genai-{label}", library)
+            except OSError as e:
+                raise _Skip(f"could not stage {paths[label].parent} for onnxruntime-genai: {e.strerror or e}") from None
+            loop.notes += [note] if note else []
+        models = {label: _load(og, staged[label], paths[label], provider) for label in MODELS}
         timings = {label: LoopTiming([], [], []) for label in MODELS}
         for _ in range(min(warmup, 1)):
             for label in MODELS:
@@ -81,8 +103,8 @@ def _import():
     return og
 
 
-def _check_folder(path: Path) -> int | float:
-    """``path``'s folder is a genai folder that runs ``path``: its context length (inf when unsaid)."""
+def _check_folder(path: Path) -> dict:
+    """``path``'s folder is a genai folder that runs ``path``: its parsed genai_config.json."""
     folder = path.parent
     try:
         config = read_genai_config(folder)
@@ -93,13 +115,84 @@ def _check_folder(path: Path) -> int | float:
     filename = genai_section(config, "model", "decoder").get("filename")
     if filename != path.name:
         raise _Skip(f"{folder / GENAI_CONFIG} runs {shown(repr(filename))}, not {path.name}")
+    return config
+
+
+def _context(config: dict) -> int | float:
+    """A genai_config's context length (inf when unsaid)."""
     context = genai_context(config)
     return float("inf") if context is None else context[1]
 
 
-def _load(og, path: Path, provider: str):
+def check_allowed_library(paths: dict[str, Path], library: Path) -> None:
+    """``--allow-custom-ops library``: a regular file, and the one every ``custom_ops_library`` of the
+    models' genai_config.json names (at least one must); else a one-line usage error, before anything runs."""
+    with open_regular(library, "--allow-custom-ops library", UsageError):
+        pass
+    named = 0
+    for label in MODELS:
+        folder = paths[label].parent
+        try:
+            config = read_genai_config(folder)
+        except GraphcalError:
+            continue  # the loop says why it cannot run this folder
+        for where, value in strip_native(config or {}).libraries:
+            named += 1
+            if not _same_file(folder, value, library):
+                raise UsageError(f"--allow-custom-ops {library}: {folder / GENAI_CONFIG}'s {where} names "
+                                 f"{shown(repr(value))}, another library; graphcal loads only the one the flag names")
+    if not named:
+        raise UsageError(f"--allow-custom-ops {library}: neither model's {GENAI_CONFIG} names a custom_ops_library")
+
+
+def _same_file(folder: Path, value: str, library: Path) -> bool:
+    """Whether a config's ``custom_ops_library`` value (relative: to the model's folder) is the file ``library``."""
     try:
-        config = og.Config(str(path.parent))
+        return os.path.samefile(folder / value, library)  # an absolute value replaces the folder
+    except (OSError, ValueError):
+        return False
+
+
+def stage(path: Path, config: dict, into: Path, library: Path | None) -> tuple[Path, str | None]:
+    """The folder onnxruntime-genai opens for the model file ``path``: ``into``, holding graphcal's copy of
+    ``config`` (the folder's parsed genai_config.json) without what would load code or write files, and a
+    link to each regular file inside ``path``'s folder (none leads out of it). A ``custom_ops_library``
+    that is the file ``library`` names is kept, the library copied in. Returns (``into / path.name``, a
+    note naming what was dropped, or None)."""
+    folder = path.parent
+    into.mkdir()
+    copied: list[str] = []
+
+    def keep(value: str) -> str | None:
+        if library is None or not _same_file(folder, value, library):
+            return None
+        if not copied:
+            with open_regular(library, "--allow-custom-ops library", UsageError) as src, \
+                    open(into / library.name, "xb") as dst:
+                shutil.copyfileobj(src, dst)
+            copied.append(library.name)
+        return copied[0]  # relative: onnxruntime-genai finds it in the folder it opens
+
+    stripped = strip_native(config, keep)
+    (into / GENAI_CONFIG).write_text(json.dumps(stripped.config, indent=4))
+    root = os.path.realpath(folder)
+    with os.scandir(folder) as entries:
+        names = sorted(e.name for e in entries if e.name != GENAI_CONFIG and e.name not in copied)
+    for name in names:
+        real = os.path.realpath(folder / name)
+        if os.path.commonpath([root, real]) == root and real != root and os.path.isfile(real):
+            os.symlink(real, into / name)
+    note = None if not stripped.dropped else (
+        f"onnxruntime-genai's loop: not handed what {folder / GENAI_CONFIG} sets to make onnxruntime-genai load code "
+        f"or touch files: {stripped.describe()}"
+        + (" (--allow-custom-ops PATH loads a custom_ops_library it names)" if stripped.libraries and library is None
+           else ""))
+    return into / path.name, note
+
+
+def _load(og, staged: Path, path: Path, provider: str):
+    try:
+        config = og.Config(str(staged.parent))
         config.clear_providers()  # onnxruntime-genai's CPU provider, unless bench runs on CUDA
         if provider == CUDA:
             config.append_provider("cuda")

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from graphcal.bench.decode import first_sample, plan, step_feeds, takes_kv_cache
-from graphcal.bench.genai_loop import genai_loop
+from graphcal.bench.genai_loop import check_allowed_library, genai_loop
 from graphcal.bench.kernels import kernels
 from graphcal.bench.memory import measure_memory, probe_model
 from graphcal.bench.report import MODELS, BenchReport, GenaiLoop, ModelFacts, Shape, Timing
@@ -37,13 +37,15 @@ log = logging.getLogger("graphcal")
 
 def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, batch_size: int | None = None,
           device: str = "auto", warmup: int = 3, rounds: int = 20, decode: bool = True,
-          memory: bool = True, past: int | None = None, genai_tokens: int = 32, genai_rounds: int = 3) -> BenchReport:
+          memory: bool = True, past: int | None = None, genai_tokens: int = 32, genai_rounds: int = 3,
+          allow_custom_ops: str | os.PathLike | None = None) -> BenchReport:
     """Time ``quantized`` against ``reference`` on ``data``'s first batch and a decode shape, and
     report sizes, peak memory and the kernel behind every weight MatMul/Gemm. See graphcal.bench's doc.
 
     For a KV-cache model, ``past`` is the decode step's past length (default: the first sample's
     length minus 1) and ``genai_tokens`` the tokens onnxruntime-genai's loop generates in each of
-    ``genai_rounds`` rounds (0: the loop is not run)."""
+    ``genai_rounds`` rounds (0: the loop is not run). onnxruntime-genai loads no library a genai_config.json
+    names but ``allow_custom_ops``, where the config names that file (graphcal.bench.genai_loop)."""
     if rounds < 1 or warmup < 0:
         raise UsageError(f"rounds must be at least 1 and warmup at least 0 (got {rounds} and {warmup})")
     if (past is not None and past < 1) or genai_tokens < 0 or genai_rounds < 1:
@@ -58,6 +60,9 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
             pass
 
     paths = {"reference": Path(reference), "quantized": Path(quantized)}
+    library = Path(allow_custom_ops) if allow_custom_ops is not None else None
+    if library is not None:
+        check_allowed_library(paths, library)  # before anything is loaded or timed
     log.info("loading %s and %s", paths["reference"], paths["quantized"])
     ref_model, ref_files = load_model_info(paths["reference"], lazy=True)
     quant_model, quant_files = load_model_info(paths["quantized"], lazy=True)
@@ -136,7 +141,8 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
 
         loop = None
         if kv_cache:
-            loop = _genai_loop(paths, prefill_feeds, decode_plan, genai_tokens, genai_rounds, warmup, active)
+            loop = _genai_loop(paths, prefill_feeds, decode_plan, genai_tokens, genai_rounds, warmup, active, tmp,
+                               library)
 
         for label in MODELS:
             log.info("reading the kernels onnxruntime runs for %s", paths[label])
@@ -154,6 +160,7 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
             memory_skipped = "--no-memory"
 
     notes = list(calib.notes)  # the inputs filled for the data (a KV-cache model's past tensors, ...)
+    notes += loop.notes if loop is not None else []  # what onnxruntime-genai was not handed
     if active != CUDA and any(layer.kind == "integer" and "MatMulNBits" not in layer.kernel
                                for layer in facts["quantized"].layers):
         notes += [INT8_SATURATION_NOTE] if int8_gemm_saturates() else []
@@ -182,9 +189,9 @@ def _decode_feeds(shape: Shape, feeds: dict, sessions: dict, decode_plan, inputs
 
 
 def _genai_loop(paths: dict[str, Path], prefill_feeds: dict[str, np.ndarray], decode_plan, tokens: int, rounds: int,
-                warmup: int, provider: str) -> GenaiLoop:
+                warmup: int, provider: str, workdir: Path, library: Path | None) -> GenaiLoop:
     """onnxruntime-genai's loop on both models, prompted with the decode step's past (the first
-    sample's first P tokens; the whole sample when no step can be planned)."""
+    sample's first P tokens; the whole sample when no step can be planned), each folder staged in ``workdir``."""
     if decode_plan is not None:
         prompt = decode_plan.tokens[:, :decode_plan.past]
     elif "input_ids" in prefill_feeds:
@@ -197,7 +204,7 @@ def _genai_loop(paths: dict[str, Path], prefill_feeds: dict[str, np.ndarray], de
         return GenaiLoop(int(prompt.shape[1]), tokens, rounds,
                          skipped="the data holds no input_ids (onnxruntime-genai's loop is prompted with token ids)")
     log.info("timing onnxruntime-genai's generate loop: %d prompt tokens, %d new", prompt.shape[1], tokens)
-    return genai_loop(paths, prompt, tokens, rounds, warmup, provider)
+    return genai_loop(paths, prompt, tokens, rounds, warmup, provider, workdir, library)
 
 
 def _same_inputs(ref: list[InputSpec], quant: list[InputSpec], paths: dict[str, Path]) -> None:

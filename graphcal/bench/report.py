@@ -104,6 +104,7 @@ class GenaiLoop:
     reference: LoopTiming | None = None
     quantized: LoopTiming | None = None
     skipped: str | None = None
+    notes: list[str] = field(default_factory=list)  # what the loop's models were not handed (bench's notes)
 
     def _ratio(self, attr: str) -> float | None:
         if self.reference is None or self.quantized is None:

@@ -218,6 +218,8 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         warnings.append("--rotate R2: no attention's value and output projections were recognised (onnxruntime's "
                         "GroupQueryAttention over a packed qkv_proj, or a torch export's attention in plain ops), "
                         "so only R1 was folded")
+    companions = find_companions(model_path, MODEL_FILE)
+    warnings += companions.notes  # what -o's genai_config.json leaves out (code to load, files to touch)
     return RunPlan(
         model_path=model_path, held=_Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
@@ -225,7 +227,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,
         size=MappingProxyType(size_parts(model, model_path, items, data_files, lookup_items, ties)),
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms), smoothing=smoothing, awq=awq,
-        unchecked=unchecked_ops(model), companions=find_companions(model_path, MODEL_FILE),
+        unchecked=unchecked_ops(model), companions=companions,
         lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), rotation=rotation,
         awq_clip=clip_layers(chosen, schemes) if awq is not None and config.awq.clip else (),
     )

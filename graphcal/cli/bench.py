@@ -35,12 +35,16 @@ from graphcal.cli.options import DEBUG_OPTION
                    "first P tokens (0: skip the loop).")
 @click.option("--genai-rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed generations of each model in onnxruntime-genai's loop, the order flipped every round.")
+@click.option("--allow-custom-ops", "allow_custom_ops", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="LIBRARY",
+              help="onnxruntime-genai's loop: load this custom ops library, which the folders' genai_config.json "
+                   "must name as custom_ops_library. Without it, no library a model folder names is loaded.")
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory measurement (a fresh process per model).")
 @click.option("--layers", "-v", "layers", is_flag=True, help="Also list the kernel of every layer in the text output.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
 def bench_command(reference, quantized, data, batch_size, device, rounds, warmup, no_decode, past, genai_tokens,
-                  genai_rounds, no_memory, layers, as_json, debug):
+                  genai_rounds, allow_custom_ops, no_memory, layers, as_json, debug):
     """Time QUANTIZED against its fp32 REFERENCE in onnxruntime at its default settings
     (ORT_ENABLE_ALL), and show which kernel onnxruntime really runs for every weight MatMul/Gemm.
 
@@ -54,7 +58,10 @@ def bench_command(reference, quantized, data, batch_size, device, rounds, warmup
     token over a real past of P tokens (--past; default the first sample's length minus 1), the
     past made by each model's own prefill; time per step and tokens/s. Where both folders are
     onnxruntime-genai folders (genai_config.json) and onnxruntime-genai is installed, its own
-    greedy generate loop is timed too: time to first token and decode tokens/s.
+    greedy generate loop is timed too: time to first token and decode tokens/s. onnxruntime-genai is
+    handed graphcal's copy of each genai_config.json, without what would load code or write files
+    (a custom_ops_library, provider options naming libraries, ...; a note names it) unless
+    --allow-custom-ops names the library.
 
     \b
     Example:
@@ -64,5 +71,6 @@ def bench_command(reference, quantized, data, batch_size, device, rounds, warmup
 
     report = guarded(lambda: bench(reference, quantized, data, batch_size=batch_size, device=device, warmup=warmup,
                                    rounds=rounds, decode=not no_decode, memory=not no_memory, past=past,
-                                   genai_tokens=genai_tokens, genai_rounds=genai_rounds), debug)
+                                   genai_tokens=genai_tokens, genai_rounds=genai_rounds,
+                                   allow_custom_ops=allow_custom_ops), debug)
     click.echo(json.dumps(report.as_dict(), sort_keys=True) if as_json else format_text(report, layers=layers))

@@ -2,9 +2,10 @@
 output stays otherwise, and nothing graphcal did not write is ever deleted.
 
 - :func:`reserve_output` checks ``-o`` (:mod:`graphcal.output.folder`), takes the lock beside it
-  (:mod:`graphcal.output.lock`) and, holding it, removes the temporary folders (``.NAME.tmp-*``,
-  ``.NAME.old-*``) that killed runs left beside ``-o``, recognised by their marker file or
-  manifest; others are named in a warning.
+  (:mod:`graphcal.output.lock`; where a killed run left its lock file, a warning says at once, on
+  stderr, which run that was and the likely cause) and, holding it, removes the temporary folders
+  (``.NAME.tmp-*``, ``.NAME.old-*``) that killed runs left beside ``-o``, recognised by their marker
+  file or manifest; others are named in a warning.
 - :meth:`OutputSlot.write` writes the files into a temporary folder beside ``-o`` (its marker
   written first), adds the manifest (:mod:`graphcal.output.manifest`), then swaps it in with two
   renames; a failed swap puts the previous output back. A killed run leaves the old output or the
@@ -23,6 +24,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -120,6 +122,9 @@ class OutputSlot:
             except OSError as e:  # e.g. ENOLCK on a network file system without locks
                 self.warnings.append(f"could not lock -o {self.label} ({e.strerror or e}): "
                                      "a concurrent run on it would not be noticed")
+        if self._lock is not None and self._lock.stale:
+            # said at once, not with the run's warnings at its end: this run may be killed for the same reason
+            print(f"warning: {self._lock.stale}", file=sys.stderr, flush=True)
         if self._lock is not None and self.path.is_dir():
             refuse_foreign(self.path, self.label)  # again: a run that held the lock may just have written
         self._clear_leftovers()
