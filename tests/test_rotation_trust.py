@@ -147,3 +147,31 @@ def test_a_weight_reading_the_stream_and_writing_into_it_takes_both_sides(tmp_pa
     result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output and "tied" not in result.output
+
+
+@pytest.mark.parametrize("value", ["", " ", ","])
+def test_an_empty_rotate_is_a_usage_error_not_a_run_without_a_rotation(llama_dir, tmp_path, value):
+    """``--rotate ''`` names no rotation: one usage line and exit 2, from run (nothing written) and inspect."""
+    out = tmp_path / "out"
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--rotate", value, "-o", out)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip().splitlines() == [f"error: --rotate takes R1 or R1,R2 (SpinQuant's names; R3 and R4 "
+                                                  f"need online Hadamards, which graphcal does not write), got {value!r}"]
+    assert not out.exists()
+    result = _cli("inspect", llama_dir / "model.onnx", f"--rotate={value}")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("rotations, message", [
+    ("[]", "rotations must be [R1] or [R1, R2]"), ("['']", "rotations must be [R1] or [R1, R2]"),
+    ("[R1, 'R1 ']", "rotations must be [R1] or [R1, R2]"), ("null", "rotations: Input should be a valid list"),
+    ("R1", "rotations: Input should be a valid list"), ("[1]", "rotations.0: Input should be a valid string"),
+])
+def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(llama_dir, tmp_path, rotations, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {{rotations: {rotations}}}\n"
+                      "    QuantizationModifier: {targets: [Linear], ignore: [lm_head], scheme: W8A16}\n")
+    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                  "-o", tmp_path / "out")
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
