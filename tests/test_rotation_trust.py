@@ -175,3 +175,82 @@ def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(l
                   "-o", tmp_path / "out")
     assert result.exit_code == 2 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def _corrupting(monkeypatch, edit):
+    """Make the plan's rotation fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
+    import graphcal.calibration.plan as plan_module
+
+    real = plan_module.rotate_stream
+
+    def drifting(model, *args, **kwargs):
+        report = real(model, *args, **kwargs)
+        edit(model)
+        return report
+
+    monkeypatch.setattr(plan_module, "rotate_stream", drifting)
+
+
+def _scale_initializer(prefix: str, factor: float):
+    def edit(model):
+        t = next(t for t in model.graph.initializer if t.name.startswith(prefix))
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.float32(factor), t.name))
+    return edit
+
+
+@pytest.mark.parametrize("edit", [_scale_initializer(f"{DOWN}.rotated", 1.5),  # a weight folded wrong
+                                  _scale_initializer(f"/{DOWN.replace('.', '/')}/Gemm.rotated_bias", -1.0)])
+def test_a_rotation_that_drifts_from_fp32_is_refused_before_any_pass_and_nothing_is_written(tmp_path, monkeypatch,
+                                                                                            edit):
+    """The fold made to miss (a weight scaled, a bias's sign flipped after it rotated them): run runs
+    the model as given and the rotated one on the first sample, finds the logits far from each other,
+    and stops in one line naming the output and its SQNR; the -o folder is never created."""
+    path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,))
+    before = path.read_bytes()
+    _corrupting(monkeypatch, edit)
+    out = tmp_path / "out"
+    result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --rotate: the rotated model drifts from the model as given "
+                                                   "on the first calibration sample: output 'logits' at "), lines
+    assert "dB SQNR (float error keeps it over 60 dB)" in lines[0]
+    assert not out.exists() and path.read_bytes() == before
+
+
+def test_the_check_measures_the_rotated_model_against_fp32_to_float_error(tmp_path):
+    """check_rotation's measure on an exact rotation: over 100 dB (float error), far above the floor."""
+    from graphcal.algorithms.rotation.check import check_rotation
+
+    path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,), self_residual=True)
+    model = onnx.load(path)
+    report = rotate(model, str(tmp_path), heads=False)
+    sqnr = check_rotation(path, model, report, {"ids": np.load(calib)["ids"][:4]})
+    assert list(sqnr) == ["logits"] and sqnr["logits"] > 100
+
+
+class _Reader:
+    """An onnxruntime CalibrationDataReader over 4 batches of 4 token ids."""
+
+    def __init__(self, ids):
+        self.batches = iter([{"ids": ids[i:i + 4]} for i in range(0, 16, 4)])
+
+    def get_next(self):
+        return next(self.batches, None)
+
+
+def test_a_calibration_data_reader_is_checked_on_its_first_batch_and_still_calibrates_on_all(tmp_path, monkeypatch):
+    """The check reads a reader's first batch ahead and hands it back: the run still sees 16 samples
+    in 4 batches; and a drifting rotation is refused on a reader too."""
+    from graphcal import calibrate
+    from graphcal.config import Options, resolve
+
+    path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,))
+    ids = np.load(calib)["ids"]
+    config = resolve(Options(scheme="W8A8_STATIC", rotate="R1"))  # static: a pass over the data
+    result = calibrate(path, _Reader(ids), tmp_path / "out", config=config)
+    assert result.num_samples == 16 and result.num_batches == 4 and result.rotation is not None
+    _corrupting(monkeypatch, _scale_initializer(f"{DOWN}.rotated", 1.5))
+    with pytest.raises(GraphcalError, match="the rotated model drifts"):
+        calibrate(path, _Reader(ids), tmp_path / "out2", config=config)
+    assert not (tmp_path / "out2").exists()

@@ -67,6 +67,7 @@ class Rotation:
     kind: str = "hadamard"  # SpinQuant's transform type the matrices were made by
     seed: int = 0
     rotations: list[str] = field(default_factory=lambda: ["R1"])  # what was asked: R1, or R1 and R2
+    turned_outputs: dict[str, int] = field(default_factory=dict)  # graph outputs R2 turns per head -> head_dim
 
     @property
     def rotated(self) -> list[str]:
@@ -237,6 +238,7 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         edits[(pair.value.node, 1)], edits[(pair.out.node, 1)] = value, out
         report.heads += 1
         report.head_matrix = how_heads
+        report.turned_outputs.update(dict.fromkeys(pair.turned, pair.head_dim))
         if not pair.packed:
             report.head_writes.append(pair.value.name)
             report.head_reads.append(pair.out.name)
