@@ -4,6 +4,7 @@
     -o --output.reserve_output--> the folder checked and locked
     model + config + data --prepare--> Prepared: the RunPlan, the data, every pre-flight refusal
                                        (what `inspect` checks too)
+    --rotate: check_rotation    the rotated float model against the model as given, on the first sample
     PreTransform (PRE_TRANSFORMS: AWQ or SmoothQuant's channel scales; Plain: none)
         .before_pass            AWQ: its scales searched layer block by layer block
         ObserverSet             every observer, and the taps it needs (scaled activations: x * (1/s))
@@ -28,6 +29,7 @@ import torch
 from graphcal.algorithms.awq.stage import AWQ
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.algorithms.gptq.stage import rounding_for
+from graphcal.algorithms.rotation.check import check_rotation
 from graphcal.algorithms.rotation.fold import transform_config
 from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.activations import PassResult, run_activation_pass
@@ -132,6 +134,10 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
     run, calib = ready.plan, ready.calib
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb)
+    if run.rotation is not None:  # before any pass: a rotation that drifts from the model as given goes no further
+        sqnr = check_rotation(model, run.model, run.rotation, calib.first_batch(), device, settings.device_id)
+        log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",
+                 ", ".join(f"{name} {db:.0f} dB" for name, db in sqnr.items()))
     transform = next((t for kind in PRE_TRANSFORMS if (t := kind.for_plan(run)) is not None), Plain(run))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())

@@ -211,9 +211,10 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
                             str(model_path.parent))
     warnings += tie_notes
     if rotation is not None and rotation.untied:
-        warnings.append(f"--rotate: {', '.join(rotation.untied)} had several readers that take different rotations, "
-                        f"so each has its own copy now (+{(rotation.bytes_after - rotation.bytes_before) / 1e6:.1f} MB "
-                        "in float before quantization): a tied table is stored twice")
+        warnings.append(f"--rotate: {', '.join(rotation.untied)} is read by several nodes that take different "
+                        "rotations (a table tied to lm_head, or a weight shared otherwise), so each node has its own "
+                        f"rotated copy now (+{(rotation.bytes_after - rotation.bytes_before) / 1e6:.1f} MB in float "
+                        "before quantization)")
     if rotation is not None and "R2" in rotation.rotations and not rotation.heads:
         warnings.append("--rotate R2: no attention's value and output projections were recognised (onnxruntime's "
                         "GroupQueryAttention over a packed qkv_proj, or a torch export's attention in plain ops), "

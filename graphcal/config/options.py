@@ -78,7 +78,7 @@ def resolve(options: Options) -> RunConfig:
                               list(DEFAULT_IGNORE) if ignore is None else ignore, options.observer, options.kv_cache)
     if options.lm_head:
         config.ignore = [p for p in config.ignore if p != "lm_head"]
-    if options.rotate:
+    if options.rotate is not None:  # "" too: refused by check_rotations, never a run without a rotation
         config.rotate = check_rotations(options.rotate)
     if options.smoothquant is not None or options.smoothing_strength is not None:
         smoothing = config.smoothing or Smoothing()

@@ -16,7 +16,9 @@ class Calibration(Protocol):
     nothing that needs two passes, or a pass per layer block, runs on it). ``num_samples`` and
     ``num_batches`` are known ahead for arrays, and counted while streaming for a reader.
     ``notes``: what was filled for inputs the data lacks (graphcal.data.fill), one line, for the
-    verbs' warnings (empty when nothing was; a reader's grows as its batches stream)."""
+    verbs' warnings (empty when nothing was; a reader's grows as its batches stream).
+    :meth:`first_batch`: the first batch :meth:`batches` gives, checked, without using the data up
+    (a reader's is held back for :meth:`batches`), for a look before the passes."""
 
     rereadable: bool
     num_samples: int
@@ -28,3 +30,5 @@ class Calibration(Protocol):
     def batches(self) -> Iterator[dict[str, np.ndarray]]: ...
 
     def check_values(self) -> int: ...
+
+    def first_batch(self) -> dict[str, np.ndarray]: ...

@@ -78,6 +78,14 @@ class CalibrationData:
                     check_finite(batch, source.label, start)
                     yield batch if fill is None else fill.complete(batch)
 
+    def first_batch(self) -> dict[str, np.ndarray]:
+        """The first batch :meth:`batches` gives (its file closed after it)."""
+        stream = self.batches()
+        try:
+            return next(stream)
+        finally:
+            stream.close()
+
     def check_values(self) -> int:
         """Stream every batch the run would use once and refuse NaN or Inf, as :meth:`batches`
         does (same error, naming the sample); one batch is held at a time. For runs that make

@@ -29,38 +29,59 @@ class ReaderData:
         self.num_samples = 0  # counted while streaming
         self.num_batches = 0
         self._used = False
+        self._held: list = []  # the first batch, read ahead by first_batch() for batches() to start with
+
+    def first_batch(self) -> dict[str, np.ndarray]:
+        """The reader's first batch, checked as :meth:`batches` checks it and held back: :meth:`batches`
+        starts with it, so the reader is still read once."""
+        if self._used:
+            raise GraphcalError("a CalibrationDataReader can be read once; make a new one for another run")
+        if not self._held:
+            self._held.append(self._next(0))
+        if self._held[0] is None:
+            raise GraphcalError("the CalibrationDataReader gave no batches (get_next() returned None at once)")
+        return self._checked(self._held[0], 0, 0)[0]
 
     def batches(self) -> Iterator[dict[str, np.ndarray]]:
         if self._used:
             raise GraphcalError("a CalibrationDataReader can be read once; make a new one for another run")
         self._used = True
         while self._cap is None or self.num_samples < self._cap:
-            try:
-                batch = self._reader.get_next()
-            except Exception as e:  # noqa: BLE001 -- the user's reader: report it as one line
-                raise GraphcalError(f"the CalibrationDataReader failed on batch {self.num_batches}: "
-                                    f"{type(e).__name__}: {e}") from e
+            batch = self._held.pop() if self._held else self._next(self.num_batches)
             if batch is None:
                 break
-            if not isinstance(batch, Mapping):
-                raise GraphcalError(f"the CalibrationDataReader's batch {self.num_batches} is a "
-                                    f"{type(batch).__name__}, not a mapping of input names to arrays")
-            arrays = {k: np.asarray(v) for k, v in batch.items()}
-            source = Source(f"CalibrationDataReader batch {self.num_batches}", check_arrays(arrays), arrays=arrays)
-            fill = self._filler.check(source, self._fixed_batch)  # validated, and what is filled
-            if fill is not None:
-                self._fills.setdefault(fill)
-            n = source.num_samples
-            if self._cap is not None and self.num_samples + n > self._cap:
-                n = self._cap - self.num_samples
-                arrays = {k: slice_rows(v, 0, n) for k, v in arrays.items()}
-            check_finite(arrays, source.label, 0)
+            arrays, n = self._checked(batch, self.num_batches, self.num_samples)
             self.num_samples += n
             self.num_batches += 1
-            arrays = arrays if fill is None else fill.complete(arrays)
-            yield {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in self._inputs}
+            yield arrays
         if self.num_batches == 0:
             raise GraphcalError("the CalibrationDataReader gave no batches (get_next() returned None at once)")
+
+    def _next(self, index: int):
+        try:
+            return self._reader.get_next()
+        except Exception as e:  # noqa: BLE001 -- the user's reader: report it as one line
+            raise GraphcalError(f"the CalibrationDataReader failed on batch {index}: "
+                                f"{type(e).__name__}: {e}") from e
+
+    def _checked(self, batch, index: int, seen: int) -> tuple[dict[str, np.ndarray], int]:
+        """Batch ``index`` of the reader (after ``seen`` samples) checked, cut to the cap and filled:
+        (the model's inputs, its sample count)."""
+        if not isinstance(batch, Mapping):
+            raise GraphcalError(f"the CalibrationDataReader's batch {index} is a "
+                                f"{type(batch).__name__}, not a mapping of input names to arrays")
+        arrays = {k: np.asarray(v) for k, v in batch.items()}
+        source = Source(f"CalibrationDataReader batch {index}", check_arrays(arrays), arrays=arrays)
+        fill = self._filler.check(source, self._fixed_batch)  # validated, and what is filled
+        if fill is not None:
+            self._fills.setdefault(fill)
+        n = source.num_samples
+        if self._cap is not None and seen + n > self._cap:
+            n = self._cap - seen
+            arrays = {k: slice_rows(v, 0, n) for k, v in arrays.items()}
+        check_finite(arrays, source.label, 0)
+        arrays = arrays if fill is None else fill.complete(arrays)
+        return {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in self._inputs}, n
 
     @property
     def notes(self) -> list[str]:

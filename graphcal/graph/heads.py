@@ -35,6 +35,7 @@ class HeadPair:
     kv_heads: int
     head_dim: int
     first: int = 0
+    turned: tuple[str, ...] = ()  # graph outputs holding the value heads as turned (GroupQueryAttention's present values)
 
     @property
     def packed(self) -> bool:
@@ -74,7 +75,9 @@ def _packed_pairs(model: onnx.ModelProto, index: GraphIndex, by_node: dict[str, 
         head_dim = qkv.out_features // (heads + 2 * kv_heads)
         if out.in_features != heads * head_dim:
             continue
-        pairs.append(HeadPair(qkv, out, heads, kv_heads, head_dim, first=(heads + kv_heads) * head_dim))
+        present = [node.output[2]] if len(node.output) > 2 and node.output[2] in index.graph_output_set else []
+        pairs.append(HeadPair(qkv, out, heads, kv_heads, head_dim, first=(heads + kv_heads) * head_dim,
+                              turned=tuple(present)))
     return pairs
 
 

@@ -6,7 +6,10 @@ Q orthogonal) can be undone by the weights alone. What may read a stream value:
 
 - a weight MatMul/Gemm (a *reader*: its weight takes ``Q^T`` on its input side);
 - an Add of two stream values, or of one and a *writer's* output (a weight MatMul, with or without
-  a constant bias, or another lookup): the writer's weight takes ``Q`` on its output side;
+  a constant bias, or another lookup): the writer's weight takes ``Q`` on its output side, and its
+  bias (Gemm's C, or a constant row added after a MatMul) takes it too; a Gemm writer whose C is
+  not a constant row of the hidden width is refused;
+- a weight both reading the stream and writing into it (``x + x W``) takes both: ``Qᵀ W Q``;
 - an RMS norm: ``SimplifiedLayerNormalization``, ``RMSNormalization``, onnxruntime's
   ``SkipSimplifiedLayerNormalization`` (its sum output stays in the stream), or the decomposed form
   ``x * 1/sqrt(mean(x^2) + eps) * g``: ``mean(x^2)`` over the hidden axis is the same for ``x Q``,
@@ -123,6 +126,11 @@ class _Walk:
         if t is not None and node.output[0] == name and t.out_features == self.stream.hidden:
             if t not in self.stream.writers:
                 self.stream.writers.append(t)
+                if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:  # Gemm's bias C: b -> b Q too
+                    if not self.per_channel(node.input[2]):
+                        raise GraphcalError(f"Gemm {node.name} writes into the residual stream with a bias that is not "
+                                            "a constant row of the hidden width; rotating it would change the model")
+                    self.stream.biases.append((node.name, 2))
             return True
         lookup = next((x for x in self.lookups if x.node == node.name), None)
         if lookup is not None:

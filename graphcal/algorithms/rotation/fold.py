@@ -6,10 +6,11 @@ the stream found by :func:`graphcal.graph.residual.residual_stream`:
 
 - each embedding table E becomes ``E Q`` (the stream starts rotated);
 - each weight writing into the stream (o_proj, down_proj) takes Q on its output side, as does
-  a constant bias added into it;
+  its bias (a Gemm's C, or a constant added after a MatMul): ``b Q``;
 - each RMS norm's scale g is folded into the weights reading its output and set to ones: the norm
   then commutes with Q (``rms(x Q) = rms(x)``);
-- each weight reading the stream (q/k/v, gate/up, lm_head) takes ``Q^T diag(g)`` on its input side.
+- each weight reading the stream (q/k/v, gate/up, lm_head) takes ``Q^T diag(g)`` on its input side;
+- a weight both reading the stream and writing into it (``x + x W``) takes both: ``Q^T diag(g) W Q``.
 
 Rotated, a weight's outlier input channels are spread over all channels, which is what makes
 int4 and int8 grids fit it better.
@@ -66,6 +67,7 @@ class Rotation:
     kind: str = "hadamard"  # SpinQuant's transform type the matrices were made by
     seed: int = 0
     rotations: list[str] = field(default_factory=lambda: ["R1"])  # what was asked: R1, or R1 and R2
+    turned_outputs: dict[str, int] = field(default_factory=dict)  # graph outputs R2 turns per head -> head_dim
 
     @property
     def rotated(self) -> list[str]:
@@ -161,9 +163,9 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     names = Names(set(inits) | {o for n in graph.node for o in n.output})
     report = Rotation(stream.hidden, how, bytes_before=_bytes(graph), kind=kind, seed=seed,
                       rotations=["R1", "R2"] if heads else ["R1"])
-    readers_of: dict[str, int] = {}
-    for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]:
-        readers_of[t.weight] = readers_of.get(t.weight, 0) + 1
+    readers_of: dict[str, int] = {}  # initializer -> how many nodes read it (a node both reading and writing: once)
+    for w in {(t.weight, t.node) for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]}:
+        readers_of[w[0]] = readers_of.get(w[0], 0) + 1
     edits: dict[tuple[str, int], list] = {}  # (node, input) -> [node, input, base name, new value]
     values = _Values(model, base_dir)
 
@@ -189,10 +191,15 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             continue
         e = weight(t)
         put(nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e))
+    both = {}  # a weight reading the stream and writing into it (x + x W): its output side, for the input side's turn
+    reading = {r.target.node for r in stream.readers}
     for t in stream.writers:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
         w = weight(t)
         w64 = w.astype(np.float64)
         rotated = w64 @ q if t.layout == "in_out" else q.T @ w64
+        if t.node in reading:
+            both[t.node] = rotated  # rounded once, after its input side's turn: Q^T diag(g) W Q
+            continue
         put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
     for node_name, k in stream.biases:
         node = nodes[node_name]
@@ -206,7 +213,8 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             continue
         w = weight(t)
         g = scale(r)
-        w64 = w.astype(np.float64)
+        w64 = both.pop(t.node, None)
+        w64 = w.astype(np.float64) if w64 is None else w64
         rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
         put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
     for node_name, k in stream.scales:
@@ -230,6 +238,7 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         edits[(pair.value.node, 1)], edits[(pair.out.node, 1)] = value, out
         report.heads += 1
         report.head_matrix = how_heads
+        report.turned_outputs.update(dict.fromkeys(pair.turned, pair.head_dim))
         if not pair.packed:
             report.head_writes.append(pair.value.name)
             report.head_reads.append(pair.out.name)
@@ -278,7 +287,8 @@ def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits,
     for w, n in readers_of.items():
         lookups = [t for t in stream.lookups if t.weight == w]
         readers = [r for r in stream.readers if r.target.weight == w]
-        if n != 2 or len(lookups) != 1 or len(readers) != 1 or readers[0].target.weight_path:
+        if (n != 2 or len(lookups) != 1 or len(readers) != 1 or readers[0].target.weight_path
+                or any(t.node == readers[0].target.node for t in stream.writers)):
             continue
         t = readers[0].target
         stored = weight(t)  # read once: lm_head's table is the model's largest weight
