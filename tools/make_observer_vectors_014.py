@@ -29,7 +29,7 @@ Usage (a separate virtual environment: llm-compressor pins its own compressed-te
     /tmp/lc/bin/pip install torch==2.13.0 && /tmp/lc/bin/pip install llmcompressor==0.14.0.1
     /tmp/lc/bin/python tools/make_observer_vectors_014.py > tests/observers/llmc014_vectors.py
 
-It takes about a minute on a CPU. Reference material only: this file runs llm-compressor, it is not
+It takes a minute or two on a CPU. Reference material only: this file runs llm-compressor, it is not
 imported by graphcal or its tests.
 """
 
