@@ -67,7 +67,8 @@ CONFIG_OPTIONS = (
                  help="Observer for weights and observed activations (memoryless_minmax, static_minmax, minmax, "
                       "mse, ...; graphcal's histogram observers for per-tensor activations: percentile, entropy, "
                       "histogram_mse, whose weights take min/max or the exact MSE); default: llm-compressor's "
-                      "choice for the scheme."),
+                      "choice for the scheme. Observer kwargs (e.g. expand) go in a JSON --scheme's "
+                      "observer_kwargs, which --observer keeps."),
     click.option("--kv-cache-scheme", "kv_cache", default=None,
                  help="Quantize the key/value states entering attention (llm-compressor's kv_cache_scheme): FP8, "
                       "INT8 (static per tensor) or JSON QuantizationArgs fields, e.g. "
@@ -109,8 +110,9 @@ CONFIG_OPTIONS = (
     click.option("--dampening-frac", type=click.FloatRange(min=0), default=None,
                  help="GPTQ: dampening added to the Hessian's diagonal, as a fraction of its mean (default 0.01)."),
     click.option("--actorder", type=click.Choice(["static", "weight", "none"]), default=None,
-                 help="GPTQ: activation ordering (default static, llm-compressor's; group is not supported, as "
-                      "in llm-compressor 0.14)."),
+                 help="GPTQ: activation ordering (default static, llm-compressor's, unless the scheme sets one; a "
+                      "value other than the scheme's is refused, as llm-compressor 0.14 refuses it; group is not "
+                      "supported, as in llm-compressor 0.14)."),
     click.option("--gptq-order", type=click.Choice(["sequential", "one-pass"]), default=None,
                  help="GPTQ: sequential (the default, llm-compressor's): layer block by layer block, each block's "
                       "Hessians from the already-quantized blocks before it (two passes over the data in all); "

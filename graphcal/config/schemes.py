@@ -190,22 +190,20 @@ def with_group_size(scheme, size: int):
 
 
 def with_actorder(scheme, actorder: str | None):
-    """llm-compressor's resolution of GPTQ's actorder into a scheme's weights: the sentinel gives
-    static unless the scheme sets one; an explicit value fills a scheme without one; two explicit
-    values that differ are an error."""
+    """llm-compressor 0.14's resolution of GPTQ's actorder into a scheme's weights (any strategy GPTQ
+    quantizes, block included): the sentinel gives static unless the scheme sets one; an explicit value
+    (None included) fills a scheme without one; an explicit value that is not the scheme's, as written,
+    is an error (llm-compressor compares them as given: ``static`` against ``weight`` and None against
+    either conflict, though static is weight's alias)."""
     args = scheme.weights
     if args is None or enum_value(args.strategy) not in ("group", "tensor_group", "channel", "tensor", "block"):
         return scheme
     have = None if args.actorder is None else enum_value(args.actorder)
     if actorder == ACTORDER_DEFAULT:
         value = have if have is not None else "static"
-    elif have is not None and actorder is not None and _same_order(have, actorder) is False:
-        raise UsageError(f"Cannot resolve activation ordering: the scheme says {have}, GPTQ says {actorder}")
+    elif have is None or actorder == have:
+        value = actorder
     else:
-        value = actorder if actorder is not None else have
+        raise UsageError(f"Cannot resolve activation ordering: the scheme says {have}, GPTQ says {actorder} (give one "
+                         "of them, or the same value in both)")
     return scheme.model_copy(update={"weights": args.model_copy(update={"actorder": value})})
-
-
-def _same_order(a: str, b: str) -> bool:
-    alias = {"static": "weight"}
-    return alias.get(a, a) == alias.get(b, b)

@@ -96,7 +96,7 @@ class IMatrixMSEObserver(Observer):
         self._pending: torch.Tensor | None = None  # flattened weight awaiting its search
 
     def _validate_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = validate_search_kwargs(kwargs)
+        kwargs = validate_search_kwargs(kwargs, shrunk_start=True)  # llm-compressor 0.14 searches from expand < 1 too
         if not isinstance(kwargs["strict"], bool):
             raise ValueError(f"observer kwarg 'strict' must be a bool, got {kwargs['strict']!r}")
         return kwargs

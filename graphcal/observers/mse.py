@@ -262,14 +262,21 @@ def grid_search_mse(
     return shrink_search(observed, args, factors, norm=norm, patience=patience, expand=expand)
 
 
-def validate_search_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Shared validation of maxshrink/patience/grid/norm/expand (returns normalised kwargs)."""
+def validate_search_kwargs(kwargs: dict[str, Any], *, shrunk_start: bool = False) -> dict[str, Any]:
+    """Shared validation of maxshrink/patience/grid/norm/expand (returns normalised kwargs).
+
+    ``expand`` below 1 is refused, as llm-compressor 0.14's MSE observers refuse it; ``shrunk_start``
+    (the imatrix observers, which llm-compressor does not check) takes any ``expand > 0``.
+    """
     out = dict(kwargs)
     check_real("maxshrink", out["maxshrink"], low=0.0, high=1.0)
     out["patience"] = check_int("patience", out["patience"], low=0)
     check_real("grid", out["grid"], low=0.0, low_open=True)
     check_real("norm", out["norm"], low=0.0, low_open=True)
-    check_real("expand", out["expand"], low=1.0)
+    if shrunk_start:
+        check_real("expand", out["expand"], low=0.0, low_open=True)
+    else:
+        check_real("expand", out["expand"], low=1.0)
     return out
 
 
