@@ -147,3 +147,18 @@ def test_every_in_function_import_says_why():
             if not said:
                 silent.append(f"{modules[m].relative_to(PACKAGE.parent)}:{node.lineno}")
     assert sorted(set(silent)) == []
+
+
+def test_the_command_line_starts_without_torch_onnx_or_numpy():
+    """`graphcal --help` (and every verb's parsing) imports only click and graphcal's light modules:
+    torch, onnx, numpy and onnxruntime load when a command runs, not when the CLI is imported."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "onnx", "numpy", "onnxruntime", "compressed_tensors")
+    code = ("import sys, graphcal.cli; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(graphcal.cli.cli, ['--help']); assert r.exit_code == 0, r.output; "
+            f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "", f"import graphcal.cli loaded {out.stdout.strip()}"

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from graphcal.algorithms.rotation.fold import summary as rotation_summary
 from graphcal.cli.guard import guarded
 from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
 
@@ -70,7 +69,8 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
                    f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
                    "norms, biases, scales)")
     if result.rotation is not None:
-        click.echo(f"rotated the residual stream first ({rotation_summary(result.rotation)}")
+        from graphcal.algorithms.rotation.fold import summary  # lazy: loads onnx and numpy, off the --help path
+        click.echo(f"rotated the residual stream first ({summary(result.rotation)}")
     if result.smoothed:
         click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.awq:
