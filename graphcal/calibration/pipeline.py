@@ -29,7 +29,7 @@ import torch
 from graphcal.algorithms.awq.stage import AWQ
 from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.algorithms.gptq.stage import rounding_for
-from graphcal.algorithms.rotation.check import check_rotation
+from graphcal.calibration.rotation_check import check_rotation
 from graphcal.algorithms.rotation.fold import transform_config
 from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.activations import PassResult, run_activation_pass
