@@ -40,6 +40,7 @@ from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths
 from graphcal.graph.io import runs_in_onnxruntime, save_model
+from graphcal.graph.names import one_budget
 from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.output.companions import copy_companions
@@ -104,6 +105,7 @@ PRE_TRANSFORMS: tuple[type[PreTransform], ...] = (AWQ, SmoothQuant)
 
 
 @releases_outputs  # the -o reservation below is released however calibrate ends
+@one_budget()  # every module-name pattern of the run on one matching budget (graph.names)
 def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | None = None, config=None,
               targets=None, ignore=None, observer: str | None = None, kv_cache: str | None = None, recipe=None,
               device: str = "auto", target: str = "onnxruntime", matmulnbits: int | None = None,
