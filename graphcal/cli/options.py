@@ -11,31 +11,36 @@ import click
 from graphcal.errors import shown
 
 
+class Refused(click.BadParameter):
+    """A flag's value refused at parse time, shown as graphcal's errors are: one ``error:`` line
+    naming the flag (exit 2), without click's usage lines."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=True)
+
+
 class Number(click.ParamType):
-    """A number flag's value, refused at parse time in click's one ``Error:`` line when it is not a
+    """A number flag's value, refused at parse time in one ``error:`` line (:class:`Refused`) when it is not a
     finite number from ``low`` to ``high`` (an ``open`` end excluded; None: unbounded): NaN, inf,
-    ``1e400`` and values past the range a flag means never reach the command. ``words`` are taken
-    as they are (lower case), e.g. ``auto``."""
+    ``1e400`` and values past the range a flag means never reach the command."""
 
     name = "number"
 
     def __init__(self, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-                 high_open: bool = False, words: tuple[str, ...] = ()):
-        self.low, self.high, self.low_open, self.high_open, self.words = low, high, low_open, high_open, words
+                 high_open: bool = False):
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.strip().lower() in self.words:
-            return value.strip().lower()
         try:
             number = float(value.strip() if isinstance(value, str) else value)
         except (TypeError, ValueError):
-            self.fail(f"{shown(str(value))!r} is not a number{self._or_words()}", param, ctx)
+            raise Refused(f"{shown(str(value))!r} is not a number", ctx, param) from None
         if not math.isfinite(number):
-            self.fail(f"{shown(str(value))!r} is not a finite number{self._or_words()}", param, ctx)
+            raise Refused(f"{shown(str(value))!r} is not a finite number", ctx, param)
         too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
         too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if too_low or too_high:
-            self.fail(f"{number:g} is out of range: it must be {self.range_text()}", param, ctx)
+            raise Refused(f"{number:g} is out of range: it must be {self.range_text()}", ctx, param)
         return number
 
     def range_text(self) -> str:
@@ -45,9 +50,6 @@ class Number(click.ParamType):
         if self.high is not None:
             ends.append(f"{'<' if self.high_open else '<='} {self.high:g}")
         return " and ".join(ends) or "finite"
-
-    def _or_words(self) -> str:
-        return "".join(f" or {w}" for w in self.words)
 
 
 def options(*options):
@@ -136,7 +138,7 @@ CONFIG_OPTIONS = (
                       "mappings; no node added); all: also into linear layers (up_proj -> down_proj); mul: also an "
                       "explicit Mul(x, 1/s) where no fold is exact (post-LN encoders such as BERT; one elementwise "
                       "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
-    click.option("--smoothing-strength", type=Number(0, 1, words=("auto",)), default=None, metavar="ALPHA|auto",
+    click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",  # checked as a recipe's (config)
                  help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
                       "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 1.0 "
                       "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
