@@ -133,7 +133,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
                     reduce_in_graph=reduce_in_graph)
     run, calib = ready.plan, ready.calib
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
-                            reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb)
+                            reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb, skip_nonfinite_weights)
     transform = next((t for kind in PRE_TRANSFORMS if (t := kind.for_plan(run)) is not None), Plain(run))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())
