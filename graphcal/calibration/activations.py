@@ -261,16 +261,19 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
                 continue
             keep = padding.count(batch, count) if padding is not None else None
             values = runtime.run({k: v for k, v in batch.items() if k in takes})
-            _feed(values, routes, tapped, in_graph, keep, padding, index)
+            _feed(values, routes, tapped, in_graph, keep, padding, index, observers)
             del values
             done += 1
             bar.update(batch_samples(batch) if dist is None else 1)
     return done
 
 
-def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int) -> None:
+def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int,
+          observers: Consumers | None = None) -> None:
     """Feed ``routes`` (tensor -> its consumers in this pass) from ``values``, the outputs of
-    ``tapped`` (this pass's graph) for batch ``index``."""
+    ``tapped`` (this pass's graph) for batch ``index``. A tap holding NaN or Inf is refused, unless
+    ``observers`` lists it in its ``tolerant`` tensors: then it is added to its ``nonfinite`` set and
+    that batch's value is not observed (SmoothQuant's ranges under --skip-nonfinite-weights)."""
     for tensor, consumers in routes.items():
         x = values.get(tensor)
         probe = tapped.finite.get(tensor)
@@ -280,6 +283,9 @@ def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Pad
             finite = finite_extrema(span)
         else:
             finite = probe not in values or bool(torch.isfinite(values[probe]).all())
+        if not finite and tensor in getattr(observers, "tolerant", ()):
+            observers.nonfinite.add(tensor)
+            continue
         if not finite:
             raise GraphcalError(
                 f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "

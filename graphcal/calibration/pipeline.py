@@ -42,6 +42,7 @@ from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths
 from graphcal.graph.io import runs_in_onnxruntime, save_model
+from graphcal.graph.names import one_budget
 from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.output.companions import copy_companions
@@ -106,6 +107,7 @@ PRE_TRANSFORMS: tuple[type[PreTransform], ...] = (AWQ, SmoothQuant)
 
 
 @releases_outputs  # the -o reservation below is released however calibrate ends
+@one_budget()  # every module-name pattern of the run on one matching budget (graph.names)
 def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | None = None, config=None,
               targets=None, ignore=None, observer: str | None = None, kv_cache: str | None = None, recipe=None,
               device: str = "auto", target: str = "onnxruntime", matmulnbits: int | None = None,
@@ -133,7 +135,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
                     reduce_in_graph=reduce_in_graph)
     run, calib = ready.plan, ready.calib
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
-                            reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb)
+                            reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb, skip_nonfinite_weights)
     if run.rotation is not None:  # before any pass: a rotation that drifts from the model as given goes no further
         sqnr = check_rotation(model, run.model, run.rotation, calib.first_batch(), device, settings.device_id)
         log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",

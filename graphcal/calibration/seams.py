@@ -40,6 +40,7 @@ class PassSettings:
     exclude_padding: bool = False
     inputs: tuple[str, ...] = ()  # the model's input names (an attention_mask among them: padding counted)
     tap_limit_mb: float | None = None
+    skip_nonfinite: bool = False  # --skip-nonfinite-weights: such weights in float, the mappings scaling them left out
 
     @property
     def main(self) -> bool:

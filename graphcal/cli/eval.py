@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION
+from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Number
+from graphcal.errors import UsageError
+
+MAX_DB = 1000.0  # an output SQNR target in dB, either way (fp32 itself is under 200 dB)
+MAX_MINUTES = 1e6  # --time-limit: about two years
 
 
 @click.command(name="eval")
@@ -31,19 +36,19 @@ from graphcal.cli.options import DEBUG_OPTION
                    "data per kind and per option, and two in fp32, all in one session.")
 @click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one run per layer). With "
               "--size-budget/--target-db: mix layer by layer instead of kind by kind (one run per layer).")
-@click.option("--size-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MB",
+@click.option("--size-budget", type=Number(0, MAX_MB, low_open=True), default=None, metavar="MB",
               help="Mixed precision by measurement: the largest written model (MB, as run's summary counts it). "
                    "Each kind of layer QUANTIZED quantized is put in --fallback's form (or float) in turn, the "
                    "output error it removes measured in place, and kinds are taken by error removed per byte "
                    "while the size stays within the budget; the mix is measured and printed with the flags "
                    "that write it.")
-@click.option("--target-db", type=float, default=None, metavar="DB",
+@click.option("--target-db", type=Number(-MAX_DB, MAX_DB), default=None, metavar="DB",
               help="Mixed precision by measurement: the smallest mix whose first output reaches this SQNR "
                    "against fp32 (as --size-budget, measured; up to three mixes are run).")
 @click.option("--fallback", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --size-budget/--target-db: the same fp32 model quantized at a higher precision by "
                    "graphcal (int8, say), whose form promoted layers take (default: float).")
-@click.option("--time-limit", type=click.FloatRange(min=0), default=60, show_default=True, metavar="MINUTES",
+@click.option("--time-limit", type=Number(0, MAX_MINUTES), default=60, show_default=True, metavar="MINUTES",
               help="Refuse --sensitivity or mixing when their runs, estimated from the comparison's first batches, would take "
                    "longer than this (0: no limit). The number of runs is printed before any pass.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
@@ -65,7 +70,12 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
     from graphcal.evaluation import evaluate, format_html, format_text  # lazy: loads torch, onnx and onnxruntime
     from graphcal.output.file import replace_file  # lazy: with the evaluation above
 
+    limited = click.get_current_context().get_parameter_source("time_limit") is not ParameterSource.DEFAULT
+
     def call():
+        if limited and not (sensitivity or size_budget is not None or target_db is not None):
+            raise UsageError("--time-limit bounds the runs of --sensitivity, --size-budget or --target-db; give one "
+                             "of them")  # evaluate refuses the other flags that need one (--per-layer, --fallback)
         report = evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples, level=level,
                           isolated=isolated, sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
                           size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,

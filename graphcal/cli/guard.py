@@ -1,5 +1,6 @@
 """How every verb runs its work: graphcal's errors become one line and an exit code, SIGTERM acts as Ctrl-C,
-and either stops the command within about a second even inside a long call in C."""
+and either stops the command within about a second even inside a long call in C; the command's module-name
+patterns share one matching budget (graph.names)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import click
 
 from graphcal.calibration.distributed import settle
 from graphcal.errors import GraphcalError, first_line
+from graphcal.graph.names import one_budget
 from graphcal.output import Terminated, sigterm_as_interrupt, torchrun_rank
 from graphcal.output.process import run_abort_cleanups
 
@@ -29,10 +31,11 @@ def guarded(call, debug: bool):
     torchrun, whose SIGTERM must stop a rank at once even while it waits in a collective; there the
     output's write phase alone does so (graphcal.output). Either signal stops the command within
     about :data:`GRACE_S` even while the main thread is inside one long call in C (:func:`stops_promptly`).
+    Every module-name pattern the command matches draws on one budget (graph.names' :func:`one_budget`).
     """
     alone = torchrun_rank() is None
     try:
-        with sigterm_as_interrupt(enabled=alone), stops_promptly(enabled=alone):
+        with sigterm_as_interrupt(enabled=alone), stops_promptly(enabled=alone), one_budget():
             return call()
     except GraphcalError as e:
         if debug:

@@ -3,9 +3,53 @@ options (CONFIG_OPTIONS, PASS_OPTIONS), so they are listed once here and cannot 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
+
+from graphcal.errors import shown
+
+
+class Refused(click.BadParameter):
+    """A flag's value refused at parse time, shown as graphcal's errors are: one ``error:`` line
+    naming the flag (exit 2), without click's usage lines."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=True)
+
+
+class Number(click.ParamType):
+    """A number flag's value, refused at parse time in one ``error:`` line (:class:`Refused`) when it is not a
+    finite number from ``low`` to ``high`` (an ``open`` end excluded; None: unbounded): NaN, inf,
+    ``1e400`` and values past the range a flag means never reach the command."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+                 high_open: bool = False):
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value.strip() if isinstance(value, str) else value)
+        except (TypeError, ValueError):
+            raise Refused(f"{shown(str(value))!r} is not a number", ctx, param) from None
+        if not math.isfinite(number):
+            raise Refused(f"{shown(str(value))!r} is not a finite number", ctx, param)
+        too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if too_low or too_high:
+            raise Refused(f"{number:g} is out of range: it must be {self.range_text()}", ctx, param)
+        return number
+
+    def range_text(self) -> str:
+        ends = []
+        if self.low is not None:
+            ends.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            ends.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(ends) or "finite"
 
 
 def options(*options):
@@ -30,6 +74,8 @@ def output_option(required: bool):
                         help="Folder for model.onnx, quantization_config.json and qparams.safetensors."
                              + ("" if required else " inspect checks that run could write there."))
 
+
+MAX_MB = 1e9  # a petabyte: more than any size or memory flag in MB can mean (and x 1e6 stays finite)
 
 # The options that say what a run does: run and inspect take exactly these.
 CONFIG_OPTIONS = (
@@ -93,7 +139,7 @@ CONFIG_OPTIONS = (
                       "mappings; no node added); all: also into linear layers (up_proj -> down_proj); mul: also an "
                       "explicit Mul(x, 1/s) where no fold is exact (post-LN encoders such as BERT; one elementwise "
                       "Mul per smoothed tensor at inference). Costs one extra pass over the data."),
-    click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",
+    click.option("--smoothing-strength", default=None, metavar="ALPHA|auto",  # checked as a recipe's (config)
                  help="SmoothQuant's migration strength a (default 0.5, llm-compressor's); implies --smoothquant. "
                       "auto (graphcal's extension): for each smoothed activation, the strength of 0.1, 0.2, ..., 1.0 "
                       "whose smoothing quantizes its layers' outputs best on a sample of the calibration rows."),
@@ -107,7 +153,7 @@ CONFIG_OPTIONS = (
                       "layer's input features)."),
     click.option("--block-size", type=click.IntRange(min=1), default=None,
                  help="GPTQ: columns per lazy-update block (default 128)."),
-    click.option("--dampening-frac", type=click.FloatRange(min=0), default=None,
+    click.option("--dampening-frac", type=Number(0), default=None,
                  help="GPTQ: dampening added to the Hessian's diagonal, as a fraction of its mean (default 0.01)."),
     click.option("--actorder", type=click.Choice(["static", "weight", "none"]), default=None,
                  help="GPTQ: activation ordering (default static, llm-compressor's, unless the scheme sets one; a "
@@ -152,7 +198,7 @@ PASS_OPTIONS = (
                       "writes it) out of the activation statistics; activations not shaped [batch, seq, ...] "
                       "(key/value states, 2-D inputs) are observed whole, with a warning. Needs an attention_mask "
                       "input; the taps then leave onnxruntime whole. run always prints the share of padding."),
-    click.option("--tap-limit-mb", type=click.FloatRange(min=1), default=None, metavar="MB",
+    click.option("--tap-limit-mb", type=Number(1, MAX_MB), default=None, metavar="MB",
                  help="At most this many MB of activations tapped whole (mse and imatrix observers, "
                       "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
                       "computing only what its share needs (default 1024)."),

@@ -80,6 +80,12 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     any pass."""
     if level not in LEVELS:
         raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+    mixing = size_budget_bytes is not None or target_db is not None
+    if fallback is not None and not mixing:
+        raise UsageError("--fallback is the higher form for --size-budget or --target-db; give one of them")
+    if per_layer and not (sensitivity or mixing):
+        raise UsageError("--per-layer measures each layer with --sensitivity, or mixes layer by layer with "
+                         "--size-budget or --target-db; give one of them")
     for option, path in writes:
         check_output_file(path, [reference, candidate, *([data] if isinstance(data, (str, os.PathLike)) else [])],
                           option)
@@ -91,9 +97,6 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
     for option, path in writes:  # the models' external data files are inputs too
         check_output_file(path, [Path(m).parent / f for m, files in ((reference, ref_files), (candidate, cand_files))
                                  for f in files], option)
-    mixing = size_budget_bytes is not None or target_db is not None
-    if fallback is not None and not mixing:
-        raise UsageError("--fallback is the higher form for --size-budget or --target-db; give one of them")
     smoothed = smoothquant_record(cand_model)
     if fallback is not None and not any(m.get("kind") != "mul" for m in smoothed.get("mappings", [])):
         smoothed = smoothquant_record(load_model_info(fallback, lazy=True)[0])

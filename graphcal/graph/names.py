@@ -9,25 +9,37 @@ this one matcher, with two bounds (docs/security.md, "Patterns"):
 - refused before anything is read: what Python's ``re`` refuses, and an unbounded repeat nested in
   an unbounded repeat (``(a+)*``, ``(.*.*)*``), the shape of catastrophic backtracking;
 - matched by the ``regex`` package (Python ``re``'s syntax and meaning, VERSION0) with a time
-  limit: a pattern still over :data:`MATCH_BUDGET_S` of matching, over all the names one matcher
-  reads, is a one-line usage error naming it.
+  limit for all the patterns of a run together: one :class:`PatternBudget` of :data:`RUN_BUDGET_S`
+  seconds and at most :data:`MAX_PATTERNS` patterns, entered by :func:`one_budget` (each CLI
+  command and each ``calibrate`` call); a run that spends it is a one-line usage error naming the
+  slowest pattern. Each pattern's answer for a name is kept, so a name is matched against a
+  pattern once however many selections ask.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import lru_cache
 from re import _constants as _c
 from re import _parser as _re_parser
 
 from graphcal.errors import UsageError, shown
 
-__all__ = ["MATCH_BUDGET_S", "NameMatcher", "check_pattern", "match_name"]
+__all__ = ["MAX_PATTERNS", "RUN_BUDGET_S", "NameMatcher", "PatternBudget", "check_pattern", "match_name", "one_budget"]
 
-#: seconds of regex matching one pattern may take over the names one matcher reads (ordinary
-#: patterns take microseconds a name)
-MATCH_BUDGET_S = 1.0
+#: seconds of regex matching all the ``re:`` patterns of one run may take in all, over every name
+#: they are matched against (an ordinary pattern takes microseconds a name)
+RUN_BUDGET_S = 5.0
+#: distinct module-name patterns (names and regexes) one run may match
+MAX_PATTERNS = 4096
+#: pattern-and-name answers one budget keeps (about 100 bytes each); past it, answers are computed again
+MAX_ANSWERS = 250_000
+
+_RUN: ContextVar[PatternBudget | None] = ContextVar("graphcal_pattern_budget", default=None)
 
 
 def check_pattern(pattern: str, where: str = "pattern") -> None:
@@ -91,32 +103,94 @@ def _repeat(low: int, high: int) -> str:
     return f"{{{low},{high}}}"
 
 
-class NameMatcher:
-    """Matches names against patterns, each ``re:`` pattern with :data:`MATCH_BUDGET_S` of matching
-    time in all (make one per selection, so the budget bounds the whole of it)."""
+class PatternBudget:
+    """One run's matching of module-name patterns: the seconds all its ``re:`` patterns may take in
+    all, the number of distinct patterns it may match, and each pattern's answer for each name."""
 
-    def __init__(self, where: str = "pattern", budget_s: float = MATCH_BUDGET_S):
-        self.where = where
-        self.budget_s = budget_s
-        self._spent: dict[str, float] = {}
+    def __init__(self, seconds: float | None = None, max_patterns: int | None = None):
+        self.seconds = RUN_BUDGET_S if seconds is None else seconds
+        self.max_patterns = MAX_PATTERNS if max_patterns is None else max_patterns
+        self.spent = 0.0
+        self.by_pattern: dict[str, float] = {}  # re: pattern -> seconds it took
+        self.names: set[str] = set()  # the names the regexes were matched against
+        self._seen: set[str] = set()
+        self._answers: dict[str, dict[str, bool]] = {}
+        self._regexes: dict[str, object] = {}  # re: pattern -> compiled (at most max_patterns)
+        self._kept = 0
 
-    def __call__(self, name: str, pattern: str) -> bool:
+    def match(self, name: str, pattern: str, where: str) -> bool:
+        if pattern not in self._seen:
+            if len(self._seen) >= self.max_patterns:
+                raise UsageError(f"{where}: more than {self.max_patterns} module-name patterns in one run (recipe, "
+                                 "--targets, --ignore, --scheme-for, mappings); merge them into fewer regexes")
+            self._seen.add(pattern)
         if not pattern.startswith("re:"):
             return name == pattern
-        compiled = _compiled(pattern[3:], self.where)
-        left = self.budget_s - self._spent.get(pattern, 0.0)
+        answers = self._answers.setdefault(pattern, {})
+        known = answers.get(name)
+        if known is not None:
+            return known
         start = time.perf_counter()
         try:
+            left = self.seconds - self.spent
             if left <= 0:
                 raise TimeoutError
-            return compiled.match(name, timeout=left) is not None
+            compiled = self._regexes.get(pattern) or self._regexes.setdefault(pattern, _compiled(pattern[3:], where))
+            found = compiled.match(name, timeout=left) is not None
         except TimeoutError:
-            raise UsageError(f"{self.where}: regex {shown(pattern, 80)!r} took over {self.budget_s:g} s matching module "
-                             "names (it backtracks); simplify it") from None
-        finally:
-            self._spent[pattern] = self._spent.get(pattern, 0.0) + time.perf_counter() - start
+            self._charge(pattern, name, start)
+            raise UsageError(self._spent_message(where)) from None
+        self._charge(pattern, name, start)
+        if self._kept < MAX_ANSWERS:
+            answers[name] = found
+            self._kept += 1
+        return found
+
+    def _charge(self, pattern: str, name: str, start: float) -> None:
+        took = time.perf_counter() - start
+        self.spent += took
+        self.by_pattern[pattern] = self.by_pattern.get(pattern, 0.0) + took
+        self.names.add(name)
+
+    def _spent_message(self, where: str) -> str:
+        slowest = max(self.by_pattern, key=self.by_pattern.__getitem__)
+        n = len(self.names)
+        return (f"{where}: the module-name patterns took over {self.seconds:g} s in all to match {n} module "
+                f"name{'s' if n != 1 else ''} ({len(self.by_pattern)} regexes; the slowest, {shown(slowest, 80)!r}, "
+                f"took {self.by_pattern[slowest]:.2g} s: it backtracks); simplify them")
+
+
+@contextlib.contextmanager
+def one_budget(seconds: float | None = None) -> Iterator[PatternBudget]:
+    """Inside, every :class:`NameMatcher` made without a budget of its own draws on one
+    :class:`PatternBudget` (of ``seconds``, else :data:`RUN_BUDGET_S`): a run's. Inside another, the
+    outer budget goes on (a command that calibrates is one run)."""
+    current = _RUN.get()
+    if current is not None:
+        yield current
+        return
+    budget = PatternBudget(seconds)
+    token = _RUN.set(budget)
+    try:
+        yield budget
+    finally:
+        _RUN.reset(token)
+
+
+class NameMatcher:
+    """Matches names against patterns, on the run's :class:`PatternBudget` (:func:`one_budget`), or
+    on a budget of its own when ``budget_s`` is given or no run's is open (make one per selection,
+    so that outside a run the budget still bounds the whole selection)."""
+
+    def __init__(self, where: str = "pattern", budget_s: float | None = None):
+        self.where = where
+        run = _RUN.get()
+        self.budget = run if budget_s is None and run is not None else PatternBudget(budget_s)
+
+    def __call__(self, name: str, pattern: str) -> bool:
+        return self.budget.match(name, pattern, self.where)
 
 
 def match_name(name: str, pattern: str) -> bool:
-    """compressed-tensors' ``match_name(name, pattern)``, bounded: one match, with its own budget."""
+    """compressed-tensors' ``match_name(name, pattern)``, bounded: on the run's budget, or one of its own."""
     return NameMatcher()(name, pattern)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
@@ -36,6 +37,7 @@ from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
 from graphcal.data import Calibration
+from graphcal.errors import GraphcalError
 from graphcal.graph.scaling import TAP_PREFIX, Mapping
 from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import torch_weight
@@ -51,8 +53,12 @@ class RangeSet(Consumers):
     the mappings' smooth-layer outputs, and in the single pass the activations they smooth."""
 
     def __init__(self, tensors: dict[str, int], others: list[Consumer] = (), sampled: list[str] = (),
-                 batches: int | None = None):
+                 batches: int | None = None, tolerate: bool = False):
         self.consumers = list(others)
+        # --skip-nonfinite-weights: a range holding NaN or Inf (downstream of such a weight) is recorded
+        # in nonfinite by the pass, not refused, and its mapping left out; the other observers' taps are not
+        self.tolerant = frozenset(tensors) - {c.tensor for c in others} if tolerate else frozenset()
+        self.nonfinite: set[str] = set()
         self.samples = {x: RowSample(SEARCH_ROWS, batches) for x in sampled}  # the strength search's rows
         self.consumers += [Consumer(x, Feed.INPUT, sample, None) for x, sample in self.samples.items()]
         self.ranges: dict[str, object] = {}  # tensor -> observer
@@ -103,9 +109,11 @@ class RowSample:
         return {}
 
 
-def statistics(mappings: list[Mapping], search: bool, batches: int | None, others=(), also: dict[str, int] = ()) -> RangeSet:
+def statistics(mappings: list[Mapping], search: bool, batches: int | None, others=(), also: dict[str, int] = (),
+               tolerate: bool = False) -> RangeSet:
     """The consumers SmoothQuant needs: each smooth layer's output range; with the strength
-    ``search``, each smoothed activation's range and a sample of its rows; ``also``: more ranges."""
+    ``search``, each smoothed activation's range and a sample of its rows; ``also``: more ranges;
+    ``tolerate``: ranges holding NaN or Inf are recorded, not refused (:class:`RangeSet`)."""
     tensors = {m.candidate.tensor: m.candidate.channels for m in mappings}
     tensors.update(also)
     sampled = []
@@ -113,15 +121,18 @@ def statistics(mappings: list[Mapping], search: bool, batches: int | None, other
         for m in mappings:
             tensors.setdefault(m.candidate.activation, m.candidate.channels)
         sampled = list(dict.fromkeys(m.candidate.activation for m in mappings))
-    return RangeSet(tensors, others, sampled, batches)
+    return RangeSet(tensors, others, sampled, batches, tolerate)
 
 
 def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device: str, device_id: int = 0, dist=None,
                          progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
-                         inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None):
+                         inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
+                         mappings: list[Mapping] | None = None, skip_nonfinite: bool = False):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
-    an ObserverSet built with :func:`taps_of` the mappings): (ChannelScales, the pass's PassResult)."""
-    mappings = list(run.smoothing.mappings)
+    an ObserverSet built with :func:`taps_of` the mappings): (ChannelScales, the pass's PassResult).
+    ``mappings``: those to apply (default: the plan's); with ``skip_nonfinite``, one whose smooth
+    layer's output holds NaN or Inf is left out with a warning (:func:`finite_ranges`)."""
+    mappings = list(run.smoothing.mappings if mappings is None else mappings)
     search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
                   inputs=inputs, tap_limit_mb=tap_limit_mb)
@@ -132,10 +143,10 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
         log.info("SmoothQuant and calibration in one pass (%d observers of smoothed activations replayed)", len(deferred))
         also = {smoothed_of[c.tensor].candidate.activation: smoothed_of[c.tensor].candidate.channels for c in deferred}
         others = [c for c in observers.consumers if c.tensor not in smoothed_of]
-        ranges = statistics(mappings, search, calib.num_batches, others, also)
+        ranges = statistics(mappings, search, calib.num_batches, others, also, tolerate=skip_nonfinite)
         result = run_activation_pass(run, ranges, calib, reduce_in_graph=True, **kwargs)
         extrema = ranges.extrema()
-        smoothed = scales_from(run, mappings, extrema, ranges.rows())
+        smoothed = scales_from(run, finite_ranges(mappings, ranges, observers), extrema, ranges.rows())
         types = run.types
         for c in deferred:
             m = smoothed_of[c.tensor]
@@ -144,7 +155,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
             _replay(c, lo.to(inverse.dtype) * inverse, hi.to(inverse.dtype) * inverse)
         return smoothed, result
     log.info("SmoothQuant's ranges in a pass of their own before the calibration pass: %s", why)
-    smoothed = collect(run, calib, **kwargs)
+    smoothed = collect(run, calib, mappings=mappings, skip_nonfinite=skip_nonfinite, observers=observers, **kwargs)
     result = run_activation_pass(run, observers, calib, reduce_in_graph=reduce_in_graph,
                                  prelude=smoothed.prelude(run.types), **kwargs)
     return smoothed, result
@@ -184,15 +195,16 @@ def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
 
 
 def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
-            exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None) -> ChannelScales:
+            exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
+            mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None) -> ChannelScales:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
-    mappings = list(run.smoothing.mappings)
-    ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches)
+    mappings = list(run.smoothing.mappings if mappings is None else mappings)
+    ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches, tolerate=skip_nonfinite)
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
     smoothed = None
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
-        smoothed = scales_from(run, mappings, ranges.extrema(), ranges.rows())
+        smoothed = scales_from(run, finite_ranges(mappings, ranges, observers), ranges.extrema(), ranges.rows())
     if dist is not None:
         import torch.distributed as tdist  # lazy: only under torchrun
 
@@ -200,6 +212,50 @@ def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0
         tdist.broadcast_object_list(box, src=0)
         smoothed = box[0]
     return smoothed
+
+
+def finite_ranges(mappings: list[Mapping], ranges: RangeSet, observers=None) -> list[Mapping]:
+    """The mappings whose ranges the pass saw finite; each other (its smooth layer's output, or the
+    activation the search samples, held NaN or Inf: only under --skip-nonfinite-weights, downstream
+    of such a weight) left out with a warning. When an observer taps its smoothed activation, that
+    activation's NaN would reach the observer: refused as the pass refuses a non-finite tap."""
+    kept = []
+    tapped = {c.tensor for c in observers.consumers} if observers is not None else set()
+    for m in mappings:
+        bad = next((t for t in (m.candidate.tensor, m.candidate.activation) if t in ranges.nonfinite), None)
+        if bad is None:
+            kept.append(m)
+        elif m.tapped in tapped:
+            raise GraphcalError(f"tap {bad!r} holds NaN or Inf (SmoothQuant {m.describe()}); the model or the data "
+                                "produce non-finite activations")
+        else:
+            log.warning("SmoothQuant %s: left out (%s holds NaN or Inf, downstream of a weight "
+                        "--skip-nonfinite-weights leaves in float)", m.describe(), bad)
+    return kept
+
+
+def nonfinite_weights(run: RunPlan, mappings: list[Mapping]) -> list[Mapping]:
+    """The mappings that scale no weight holding NaN or Inf (a balance layer's input columns, a linear
+    smooth layer's output rows); each other left out with a warning (--skip-nonfinite-weights leaves
+    that weight in float, unscaled, so no scale may be folded into it or balanced against it)."""
+    by_name = {t.name: t for t in run.found}
+    verdict: dict[str, bool] = {}
+
+    def finite(name: str) -> bool:
+        if name not in verdict:
+            verdict[name] = bool(np.isfinite(torch_weight(run.model, by_name[name], run.base_dir)).all())
+        return verdict[name]
+
+    kept = []
+    for m in mappings:
+        scaled = [*m.balance, *([m.candidate.linear] if m.candidate.linear is not None else [])]
+        bad = next((name for name in scaled if not finite(name)), None)
+        if bad is None:
+            kept.append(m)
+        else:
+            log.warning("SmoothQuant %s: left out (%s's weight holds NaN or Inf; --skip-nonfinite-weights leaves it "
+                        "in float)", m.describe(), bad)
+    return kept
 
 
 def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: dict | None = None) -> ChannelScales:
@@ -244,16 +300,20 @@ class SmoothQuant:
 
     def __init__(self, run: RunPlan):
         self.run, self._scales = run, None
+        self.mappings = list(run.smoothing.mappings)  # those applied: --skip-nonfinite-weights may leave some out
 
     @classmethod
     def for_plan(cls, run: RunPlan) -> SmoothQuant | None:
         return cls(run) if run.smoothing is not None and run.smoothing.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
-        pass  # the ranges come with the activation pass
+        """The ranges come with the activation pass; with --skip-nonfinite-weights, the mappings that
+        would scale a weight holding NaN or Inf are left out first (their layers observed unsmoothed)."""
+        if settings.skip_nonfinite:
+            self.mappings = nonfinite_weights(self.run, self.mappings)
 
     def taps(self) -> dict[str, str]:
-        return taps_of(self.run.smoothing.mappings)
+        return taps_of(self.mappings)
 
     def second_pass(self, settings: PassSettings, observers: Consumers | None = None) -> str | None:
         """Why this run's SmoothQuant needs a pass over the data before the calibration pass (None:
@@ -266,7 +326,8 @@ class SmoothQuant:
                            exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
-        self._scales, result = smooth_and_calibrate(self.run, observers, calib, **settings.kwargs())
+        self._scales, result = smooth_and_calibrate(self.run, observers, calib, mappings=self.mappings,
+                                                    skip_nonfinite=settings.skip_nonfinite, **settings.kwargs())
         return result
 
     def scales(self) -> ChannelScales:
