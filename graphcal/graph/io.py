@@ -17,6 +17,7 @@ from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.stored import check_tensors
 from graphcal.graph.wire import strip_inline_weights
 from graphcal.limits import check_fits, open_regular
 
@@ -38,7 +39,8 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     """(model, the external data files it reads: empty when it keeps every weight inline).
 
     The model comes from strangers: the file must be a regular file, the graph well formed
-    (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
+    (:mod:`graphcal.graph.check`), every tensor's values what its type and dims need
+    (:mod:`graphcal.graph.stored`) and every external-data reference inside the model's folder
     (:mod:`graphcal.graph.external`), all checked before any tensor is read. External data is
     loaded into the model unless ``lazy``: then the tensors keep their references, and readers
     pass the model's folder as ``base_dir`` (each weight is read when needed, once). A lazy
@@ -59,7 +61,10 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
             raise GraphcalError(f"{path} is not a readable ONNX model ({size:,} bytes: past protobuf's 2 GB; "
                                 "a model this large keeps its weights in external data)")
         # Lazy: an inline model's large weights stay in its file, referenced where they lie (graph.wire)
-        stripped = strip_inline_weights(f.fileno(), path.name, LAZY_MIN_BYTES) if lazy and _plain_name(path) else None
+        try:
+            stripped = strip_inline_weights(f.fileno(), path.name, LAZY_MIN_BYTES) if lazy and _plain_name(path) else None
+        except GraphcalError as e:  # a large tensor that does not parse, named
+            raise GraphcalError(f"{path}: {e}") from None
         check_fits(size if stripped is None else len(stripped[0]), f"model file {path}", share=0.9)
         try:
             model = onnx.load_model_from_string(f.read() if stripped is None else stripped[0])
@@ -68,6 +73,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
+    check_tensors(model, str(path))  # every tensor's values agree with its type and dims, before any pass
     name_nodes(model.graph)  # graphcal finds nodes by name; ONNX's names are optional and need not be unique
     base_dir = path.parent
     external = check_external_data(model, base_dir, path)
