@@ -14,7 +14,8 @@ initializers, node attributes (``Constant``) and subgraphs alike, must:
 
 :func:`check_external_data` checks a whole model before anything is read or handed to
 onnxruntime; :func:`read_tensor_bytes` checks again as it reads (the file could change in
-between) and reads with ``pread`` from a descriptor opened on a regular file only.
+between) and reads with ``pread`` from a descriptor opened on a regular file only, which must be
+the file the load recorded, unchanged (graph.identity).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import onnx
 from onnx.helper import tensor_dtype_to_np_dtype
 
 from graphcal.errors import GraphcalError
+from graphcal.graph import identity
 from graphcal.limits import check_fits, file_kind, open_regular
 
 
@@ -40,6 +42,7 @@ class ExternalRef:
     path: str  # real path, inside the model's folder
     offset: int
     length: int
+    named: str = ""  # the path as the model names it (its folder joined with the location), for messages
 
 
 def all_tensors(model: onnx.ModelProto, initializers: bool = True) -> Iterator[onnx.TensorProto]:
@@ -152,7 +155,7 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
     if offset + length > st.st_size:
         raise GraphcalError(f"external data of {name!r} lies past the end of {location!r} "
                             f"(offset {offset} + {length} bytes > {st.st_size} bytes)")
-    return ExternalRef(real, offset, length)
+    return ExternalRef(real, offset, length, os.path.join(base_dir, location))
 
 
 def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.PathLike) -> None:
@@ -213,17 +216,23 @@ def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes
 def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytearray:
     """The raw bytes of one external tensor in a buffer of its own (numpy can view it writable),
     read straight into it, checked again as it is read."""
-    ref = resolve(t, base_dir)
+    try:
+        ref = resolve(t, base_dir)
+    except GraphcalError:  # a data file the load recorded and that changed since (shrank, went) says so first
+        identity.check_unchanged(os.path.join(base_dir, e.value) for e in t.external_data if e.key == "location")
+        raise
     check_fits(ref.length, f"tensor {t.name!r}", share=0.9)
     buffer = bytearray(ref.length)
     view = memoryview(buffer)
     with open_regular(ref.path, f"external data of {t.name!r}") as f:
         fd, done = f.fileno(), 0
+        identity.check_open(fd, ref.path, ref.named)  # the file the load checked, unchanged since
         while done < ref.length:
             got = os.preadv(fd, [view[done:done + (1 << 30)]], ref.offset + done)
             if not got:
                 raise GraphcalError(f"external data of {t.name!r} ended early (the file shrank while reading)")
             done += got
+        identity.check_open(fd, ref.path, ref.named)  # and not written to while it was read
     return buffer
 
 

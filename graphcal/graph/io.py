@@ -14,6 +14,7 @@ import onnx
 from google.protobuf.message import DecodeError, EncodeError
 
 from graphcal.errors import GraphcalError, first_line
+from graphcal.graph import identity
 from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
@@ -45,7 +46,8 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     loaded into the model unless ``lazy``: then the tensors keep their references, and readers
     pass the model's folder as ``base_dir`` (each weight is read when needed, once). A lazy
     inline model gets the same: its large weights become references into the model file itself
-    (graph.wire), which the returned data files never list. Every node
+    (graph.wire), which the returned data files never list. The model file and each data file are
+    recorded as first opened (graph.identity): every later read refuses a file changed since. Every node
     of the returned model has a name of its own (graph.edit.name_nodes).
     """
     path = Path(path)
@@ -54,6 +56,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     if path.is_dir():
         raise GraphcalError(f"model path is a folder, not an .onnx file: {path}")
     with open_regular(path, "model file") as f:
+        identity.record(f.fileno(), path)  # lazy weights are read from this file later: it must stay this file
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise GraphcalError(f"model file is empty: {path}")
@@ -77,6 +80,11 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     name_nodes(model.graph)  # graphcal finds nodes by name; ONNX's names are optional and need not be unique
     base_dir = path.parent
     external = check_external_data(model, base_dir, path)
+    model_file = os.path.realpath(path)
+    for name in external:  # each data file as it is now: every later read must find it so (graph.identity)
+        if os.path.realpath(base_dir / name) != model_file:  # the model file was recorded as it was parsed
+            with open_regular(base_dir / name, "external data file") as data:
+                identity.record(data.fileno(), base_dir / name)
     # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),
     # and tensors outside the initializer list (Constant attributes, subgraphs), come inline.
     wanted = [t for t in model.graph.initializer if is_external(t) and not (lazy and expected_bytes(t) >= LAZY_MIN_BYTES)]
