@@ -20,7 +20,7 @@ from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
 from graphcal.graph.stored import check_tensors
 from graphcal.graph.wire import strip_inline_weights
-from graphcal.limits import check_fits, open_regular
+from graphcal.limits import check_fits, confinement, leads_inside, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
 # onnxruntime 1.31 loads IR up to 13 and refuses 14 ("max supported IR version: 13"); onnx pairs IR 14 with opset 28.
@@ -100,8 +100,10 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
 
 
 def _plain_name(path: Path) -> bool:
-    """Whether the model file's name can be an external-data location (graph.external.resolve's rules)."""
-    return ":" not in path.name[:2] and not path.name.startswith("\\")
+    """Whether the model file's name can be an external-data location (graph.external.resolve's rules):
+    a plain name, and the file (maybe a link: a Hugging Face snapshot's) inside its folder's confinement."""
+    return (":" not in path.name[:2] and not path.name.startswith("\\")
+            and leads_inside(confinement(path.parent), os.path.realpath(path)))
 
 
 def model_files(path: str | os.PathLike, data_files: tuple[str, ...] = ()) -> dict[str, int]:
