@@ -154,3 +154,20 @@ def test_an_unchanged_model_still_calibrates(model, tmp_path):
     code, output = _run(path, tmp_path / "out")
     assert code == 0, output
     assert (tmp_path / "out" / "model.onnx").is_file()
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_model_changed_while_eval_runs_it_gives_no_report(model, monkeypatch, change):
+    """onnxruntime read the weights by path; the files are checked again before the numbers are reported."""
+    from graphcal.evaluation import compare
+
+    path, changing, new = model
+    real = compare._check_time  # after the first batches ran
+
+    def changed_then_check(*args, **kwargs):
+        CHANGES[change](changing, new)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare, "_check_time", changed_then_check)
+    result = CliRunner().invoke(cli, ["eval", str(path), str(path), "--data", str(path.parent / "calib.npz")])
+    _assert_refused(result.exit_code, result.output, changing)
