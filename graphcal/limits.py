@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from pathlib import Path
 from typing import BinaryIO
 
 from graphcal.errors import GraphcalError, shown
@@ -52,14 +53,33 @@ def open_regular(path: str | os.PathLike, what: str = "file", error: type[Graphc
         raise
 
 
+def confinement(folder: str | os.PathLike) -> tuple[str, ...]:
+    """The real folders a file named in the model folder ``folder`` may lead into by symbolic links:
+    the folder's own real path and, where it is a Hugging Face cache snapshot
+    (``.../models--ORG--NAME/snapshots/REVISION/...``, each file a link to ``../../blobs/HASH``), that
+    repository's ``blobs`` folder, which holds what the snapshot's links point at and nothing else."""
+    real = Path(os.path.realpath(folder))
+    for above in real.parents:
+        if above.name == "snapshots" and above.parent.name.startswith("models--"):
+            blobs = above.parent / "blobs"
+            return (str(real), str(blobs)) if blobs.is_dir() and not blobs.is_symlink() else (str(real),)
+    return (str(real),)
+
+
+def leads_inside(roots: tuple[str, ...], real: str) -> bool:
+    """Whether the real path ``real`` is one of ``roots`` (:func:`confinement`) or lies inside one."""
+    return any(os.path.commonpath([root, real]) == root for root in roots)
+
+
 def inside_folder(folder: str | os.PathLike, name: str, why: str) -> str | None:
     """The real path of ``folder/name`` (None when there is none), refused in one line where a link
-    leads it out of ``folder`` (or onto the folder itself): "...: copy the file in; graphcal ``why``"."""
+    leads it out of ``folder`` (or onto the folder itself): "...: copy the file in; graphcal ``why``".
+    In a Hugging Face cache snapshot a link into the repository's blobs is inside (:func:`confinement`)."""
     path = os.path.join(folder, name)
     if not os.path.lexists(path):
         return None
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root or real == root:
+    roots, real = confinement(folder), os.path.realpath(path)
+    if not leads_inside(roots, real) or real in roots:
         raise GraphcalError(f"{path} leads out of the model's folder (to {shown(real, 120)}): copy the file in; "
                             f"graphcal {why}")
     return real

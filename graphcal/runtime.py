@@ -26,6 +26,8 @@ import torch
 
 from graphcal.errors import GraphcalError, UsageError, first_line
 from graphcal.graph import io as graph_io
+from graphcal.graph.external import is_external, rebase
+from graphcal.limits import confinement
 
 DEVICES = ("auto", "cpu", "cuda")
 _CUDA = "CUDAExecutionProvider"
@@ -158,7 +160,8 @@ def open_runtime(
             keep = values  # onnxruntime reads these buffers for the session's lifetime
         source: str | bytes = graph.SerializeToString()
         if external_folder is not None:  # weights stay in the model's own data files: onnxruntime reads them there
-            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_folder))
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                          _data_folder(graph, external_folder))
     else:  # a graph over 2 GB even without its weights: one file with external data, model untouched
         tmp = tempfile.TemporaryDirectory(prefix="graphcal-")
         path = Path(tmp.name) / "tapped.onnx"
@@ -249,6 +252,7 @@ def run_model(
 
 
 INJECT_MIN_BYTES = 1024  # inline weights from this size on reach onnxruntime as buffers, not protobuf bytes
+IN_MEMORY = "graphcal-in-memory"  # the location of a weight handed to onnxruntime as a buffer
 
 
 def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorProto] = (),
@@ -280,9 +284,24 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
         names.append(name)
         stub = graph.graph.initializer.add(name=name, data_type=init.data_type, dims=init.dims)
         stub.data_location = onnx.TensorProto.EXTERNAL
-        stub.external_data.add(key="location", value="graphcal-in-memory")  # never read: the buffer replaces it
+        stub.external_data.add(key="location", value=IN_MEMORY)  # never read: the buffer replaces it
     return graph, names, values
 
+
+
+def _data_folder(graph: onnx.ModelProto, folder: str | os.PathLike) -> str:
+    """The folder onnxruntime reads ``graph``'s weights left on disk from: the model's ``folder``, or
+    for a Hugging Face cache snapshot its repository, the references in ``graph`` (graphcal's copy)
+    rewritten relative to it. onnxruntime refuses a data file whose link leads out of the folder it is
+    given, and a snapshot's files are links into the repository's blobs (graphcal.limits.confinement)."""
+    roots = confinement(folder)
+    if len(roots) == 1:
+        return str(folder)
+    repository = os.path.commonpath(roots)
+    for t in graph.graph.initializer:
+        if is_external(t) and not any(e.key == "location" and e.value == IN_MEMORY for e in t.external_data):
+            rebase(t, folder, repository)
+    return repository
 
 
 def _fp16_group_query_attention(model) -> bool:

@@ -41,6 +41,7 @@ from graphcal.calibration.sizing import float_weight_bytes
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths
+from graphcal.graph import identity
 from graphcal.graph.io import runs_in_onnxruntime, save_model
 from graphcal.graph.names import one_budget
 from graphcal.graph.qdq import QDQWriter
@@ -228,6 +229,8 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
         files += copy_companions(run.companions, tmp)  # genai_config.json, the tokenizer, ...
         (tmp / CONFIG_FILE).write_text(config_json(qc_data))
         save_file(tensors, str(tmp / QPARAMS_FILE), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
+        # onnxruntime read the weights by path meanwhile: the model's files must be those the load recorded
+        identity.check_unchanged([run.model_path, *(run.model_path.parent / name for name in run.data_files)])
         return files + [tmp / CONFIG_FILE, tmp / QPARAMS_FILE]
 
     return write

@@ -25,6 +25,7 @@ from graphcal.evaluation.mixing import measure_mix, plan_mix
 from graphcal.evaluation.report import EvalReport
 from graphcal.evaluation.rotated import rotated_as
 from graphcal.evaluation.sensitivity import SensitivityPlan, measure_sensitivity, quantized_layers
+from graphcal.graph import identity
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
 from graphcal.graph.compare import PREFIX as PAIRED_PREFIX
 from graphcal.graph.external import common_root, is_external
@@ -222,6 +223,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, *, batch_size: 
         trim_heap()
     if mix_plan is not None:
         mix = measure_mix(mix_plan, reference, candidate, fallback, outputs, calib, optimization)
+    # onnxruntime read the weights by path: the numbers hold only if the files are still those the loads checked
+    identity.check_unchanged([Path(m).parent / f for m, files in ((reference, ref_files), (candidate, cand_files))
+                              for f in (Path(m).name, *files)])
     return EvalReport(out_agree, layer_agree, calib.num_samples, batches,
                       runner_kind, skipped, level=level, ignored=ignored, isolated=alone,
                       smoothable=smoothable, sensitivity=sens, mix=mix, warnings=list(calib.notes))

@@ -29,9 +29,31 @@ def _label(node: onnx.NodeProto, index: int) -> str:
     return repr(node.name) if node.name else f"#{index} ({node.op_type})"
 
 
+def _defined(graph: onnx.GraphProto, scope: str) -> set[str]:
+    """The names ``graph``'s inputs and initializers define, each refused when given twice: onnxruntime
+    keeps the last of two initializers (dense or sparse) of one name where graphcal would quantize
+    another, and the written model then computes another function. An initializer that is also a
+    graph input is no conflict: it is the input's default (onnxruntime runs it unless fed; graphcal
+    never feeds it and quantizes it as a weight)."""
+    inputs: set[str] = set()
+    for v in graph.input:
+        if v.name in inputs:
+            raise GraphcalError(f"{scope}: graph input {v.name!r} is declared twice; an ONNX graph defines each value once")
+        inputs.add(v.name)
+    kinds: dict[str, str] = {}
+    tensors = [("initializer", t.name) for t in graph.initializer]
+    tensors += [("sparse initializer", s.values.name) for s in graph.sparse_initializer]
+    for kind, name in tensors:
+        if name in kinds:
+            raise GraphcalError(f"{scope}: value {name!r} is defined twice ({kinds[name]} and {kind} of one name: "
+                                "onnxruntime would run one, graphcal quantize the other); an ONNX graph defines "
+                                "each value once")
+        kinds[name] = kind
+    return inputs | kinds.keys()
+
+
 def _check(graph: onnx.GraphProto, outer: frozenset[str], scope: str) -> None:
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    defined |= {s.values.name for s in graph.sparse_initializer}
+    defined = _defined(graph, scope)
     producer: dict[str, int] = {}
     for index, node in enumerate(graph.node):
         for out in node.output:

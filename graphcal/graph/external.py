@@ -7,14 +7,16 @@ of bug onnx fixed as CVE-2024-27318). Every such reference, in initializers, spa
 initializers, node attributes (``Constant``) and subgraphs alike, must:
 
 - be a relative path without ``..`` that stays inside the model's folder once symlinks are
-  followed (the folder's own real path is the root);
+  followed (the folder's own real path is the root; in a Hugging Face cache snapshot, a link into
+  its repository's ``blobs`` folder is inside too: graphcal.limits.confinement);
 - name a regular file (never a device, FIFO, socket or folder);
 - hold exactly the bytes its ``dims`` and type need (``length``, when given, must say so too),
   at an ``offset`` within the file.
 
 :func:`check_external_data` checks a whole model before anything is read or handed to
 onnxruntime; :func:`read_tensor_bytes` checks again as it reads (the file could change in
-between) and reads with ``pread`` from a descriptor opened on a regular file only.
+between) and reads with ``pread`` from a descriptor opened on a regular file only, which must be
+the file the load recorded, unchanged (graph.identity).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import onnx
 from onnx.helper import tensor_dtype_to_np_dtype
 
 from graphcal.errors import GraphcalError
-from graphcal.limits import check_fits, file_kind, open_regular
+from graphcal.graph import identity
+from graphcal.limits import check_fits, confinement, file_kind, leads_inside, open_regular
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ExternalRef:
     path: str  # real path, inside the model's folder
     offset: int
     length: int
+    named: str = ""  # the path as the model names it (its folder joined with the location), for messages
 
 
 def all_tensors(model: onnx.ModelProto, initializers: bool = True) -> Iterator[onnx.TensorProto]:
@@ -126,9 +130,9 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
                             "graphcal reads only files inside the model's folder")
     if ".." in Path(location.replace("\\", "/")).parts:
         raise GraphcalError(f"external data of {name!r} is at {location!r}, which leaves the model's folder")
-    root = os.path.realpath(base_dir)
-    real = os.path.realpath(os.path.join(root, location))
-    if os.path.commonpath([root, real]) != root:
+    roots = confinement(base_dir)  # the folder's real path; in a Hugging Face snapshot, its repository's blobs too
+    real = os.path.realpath(os.path.join(roots[0], location))
+    if not leads_inside(roots, real):
         raise GraphcalError(f"external data of {name!r} ({location!r}) leads outside the model's folder "
                             f"(a symbolic link to {real}); graphcal reads only files inside it")
     try:
@@ -152,31 +156,36 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
     if offset + length > st.st_size:
         raise GraphcalError(f"external data of {name!r} lies past the end of {location!r} "
                             f"(offset {offset} + {length} bytes > {st.st_size} bytes)")
-    return ExternalRef(real, offset, length)
+    return ExternalRef(real, offset, length, os.path.join(base_dir, location))
 
 
 def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.PathLike) -> None:
     """Point ``t``'s external reference (checked against ``base_dir``, its model's folder) at the
-    same bytes as a path relative to ``root``, a folder holding the real file: for one onnxruntime
-    session over two models' data (eval), which reads one folder and refuses paths out of it."""
-    ref, real_root = resolve(t, base_dir), os.path.realpath(root)
-    if os.path.commonpath([real_root, ref.path]) != real_root:
-        raise GraphcalError(f"external data of {t.name!r} is not inside {root}")
+    same bytes as a path relative to ``root``, a folder holding the model's folder: for one onnxruntime
+    session over two models' data (eval), which reads one folder and refuses paths out of it. The
+    path is the location as the model names it, under the folder's real path (links in it are
+    followed when the file is opened, as they were checked)."""
+    resolve(t, base_dir)
+    real_root = os.path.realpath(root)
     for entry in t.external_data:
-        if entry.key == "location":
-            entry.value = os.path.relpath(ref.path, real_root)
+        if entry.key == "location":  # the name as the model gives it, not its link's target (a snapshot's blob)
+            named = os.path.join(os.path.realpath(base_dir), entry.value)
+            if os.path.commonpath([real_root, named]) != real_root:
+                raise GraphcalError(f"external data of {t.name!r} is not inside {root}")
+            entry.value = os.path.relpath(named, real_root)
 
 
 def common_root(models: list[tuple[onnx.ModelProto, str | os.PathLike]]) -> Path | None:
     """The folder onnxruntime reads several models' external data from when they run as one session
     (it takes one folder and refuses paths out of it): the deepest folder holding the folder of every
-    model (given with its path) that keeps weights on disk, their references rewritten relative to
+    model (given with its path) that keeps weights on disk, and a Hugging Face snapshot's blobs
+    (onnxruntime follows links and refuses targets out of its folder), their references rewritten relative to
     it (each checked against its own model's folder first). None when no weight is external."""
     holding = [(model, Path(path).parent) for model, path in models if any(map(is_external, model.graph.initializer))]
     if not holding:
         return None
     try:
-        root = Path(os.path.commonpath([os.path.realpath(folder) for _, folder in holding]))
+        root = Path(os.path.commonpath([r for _, folder in holding for r in confinement(folder)]))  # a snapshot's blobs too
     except ValueError:  # folders on different drives (Windows)
         raise GraphcalError("the two models' weights are on different drives; put both models on one drive "
                             "to compare them") from None
@@ -213,17 +222,23 @@ def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes
 def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytearray:
     """The raw bytes of one external tensor in a buffer of its own (numpy can view it writable),
     read straight into it, checked again as it is read."""
-    ref = resolve(t, base_dir)
+    try:
+        ref = resolve(t, base_dir)
+    except GraphcalError:  # a data file the load recorded and that changed since (shrank, went) says so first
+        identity.check_unchanged(os.path.join(base_dir, e.value) for e in t.external_data if e.key == "location")
+        raise
     check_fits(ref.length, f"tensor {t.name!r}", share=0.9)
     buffer = bytearray(ref.length)
     view = memoryview(buffer)
     with open_regular(ref.path, f"external data of {t.name!r}") as f:
         fd, done = f.fileno(), 0
+        identity.check_open(fd, ref.path, ref.named)  # the file the load checked, unchanged since
         while done < ref.length:
             got = os.preadv(fd, [view[done:done + (1 << 30)]], ref.offset + done)
             if not got:
                 raise GraphcalError(f"external data of {t.name!r} ended early (the file shrank while reading)")
             done += got
+        identity.check_open(fd, ref.path, ref.named)  # and not written to while it was read
     return buffer
 
 

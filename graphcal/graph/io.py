@@ -14,11 +14,13 @@ import onnx
 from google.protobuf.message import DecodeError, EncodeError
 
 from graphcal.errors import GraphcalError, first_line
+from graphcal.graph import identity
 from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.stored import check_tensors
 from graphcal.graph.wire import strip_inline_weights
-from graphcal.limits import check_fits, open_regular
+from graphcal.limits import check_fits, confinement, leads_inside, open_regular
 
 # The highest IR version written models get (graph.qdq.opset.ir_for_opset caps onnx's IR for the opset here):
 # onnxruntime 1.31 loads IR up to 13 and refuses 14 ("max supported IR version: 13"); onnx pairs IR 14 with opset 28.
@@ -38,12 +40,14 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     """(model, the external data files it reads: empty when it keeps every weight inline).
 
     The model comes from strangers: the file must be a regular file, the graph well formed
-    (:mod:`graphcal.graph.check`) and every external-data reference inside the model's folder
+    (:mod:`graphcal.graph.check`), every tensor's values what its type and dims need
+    (:mod:`graphcal.graph.stored`) and every external-data reference inside the model's folder
     (:mod:`graphcal.graph.external`), all checked before any tensor is read. External data is
     loaded into the model unless ``lazy``: then the tensors keep their references, and readers
     pass the model's folder as ``base_dir`` (each weight is read when needed, once). A lazy
     inline model gets the same: its large weights become references into the model file itself
-    (graph.wire), which the returned data files never list. Every node
+    (graph.wire), which the returned data files never list. The model file and each data file are
+    recorded as first opened (graph.identity): every later read refuses a file changed since. Every node
     of the returned model has a name of its own (graph.edit.name_nodes).
     """
     path = Path(path)
@@ -52,6 +56,7 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     if path.is_dir():
         raise GraphcalError(f"model path is a folder, not an .onnx file: {path}")
     with open_regular(path, "model file") as f:
+        identity.record(f.fileno(), path)  # lazy weights are read from this file later: it must stay this file
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise GraphcalError(f"model file is empty: {path}")
@@ -59,7 +64,10 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
             raise GraphcalError(f"{path} is not a readable ONNX model ({size:,} bytes: past protobuf's 2 GB; "
                                 "a model this large keeps its weights in external data)")
         # Lazy: an inline model's large weights stay in its file, referenced where they lie (graph.wire)
-        stripped = strip_inline_weights(f.fileno(), path.name, LAZY_MIN_BYTES) if lazy and _plain_name(path) else None
+        try:
+            stripped = strip_inline_weights(f.fileno(), path.name, LAZY_MIN_BYTES) if lazy and _plain_name(path) else None
+        except GraphcalError as e:  # a large tensor that does not parse, named
+            raise GraphcalError(f"{path}: {e}") from None
         check_fits(size if stripped is None else len(stripped[0]), f"model file {path}", share=0.9)
         try:
             model = onnx.load_model_from_string(f.read() if stripped is None else stripped[0])
@@ -68,9 +76,15 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
     if not model.graph.node:
         raise GraphcalError(f"{path} is not a readable ONNX model (its graph has no nodes)")
     check_graph(model, str(path))
+    check_tensors(model, str(path))  # every tensor's values agree with its type and dims, before any pass
     name_nodes(model.graph)  # graphcal finds nodes by name; ONNX's names are optional and need not be unique
     base_dir = path.parent
     external = check_external_data(model, base_dir, path)
+    model_file = os.path.realpath(path)
+    for name in external:  # each data file as it is now: every later read must find it so (graph.identity)
+        if os.path.realpath(base_dir / name) != model_file:  # the model file was recorded as it was parsed
+            with open_regular(base_dir / name, "external data file") as data:
+                identity.record(data.fileno(), base_dir / name)
     # Lazy: weights stay on disk and are read once when needed; small constants (shapes, norms),
     # and tensors outside the initializer list (Constant attributes, subgraphs), come inline.
     wanted = [t for t in model.graph.initializer if is_external(t) and not (lazy and expected_bytes(t) >= LAZY_MIN_BYTES)]
@@ -86,8 +100,10 @@ def load_model_info(path: str | os.PathLike, lazy: bool = False) -> tuple[onnx.M
 
 
 def _plain_name(path: Path) -> bool:
-    """Whether the model file's name can be an external-data location (graph.external.resolve's rules)."""
-    return ":" not in path.name[:2] and not path.name.startswith("\\")
+    """Whether the model file's name can be an external-data location (graph.external.resolve's rules):
+    a plain name, and the file (maybe a link: a Hugging Face snapshot's) inside its folder's confinement."""
+    return (":" not in path.name[:2] and not path.name.startswith("\\")
+            and leads_inside(confinement(path.parent), os.path.realpath(path)))
 
 
 def model_files(path: str | os.PathLike, data_files: tuple[str, ...] = ()) -> dict[str, int]:

@@ -64,6 +64,9 @@ def find_targets(model: onnx.ModelProto) -> tuple[list[Target], list[Skipped]]:
             skipped.append(Skipped(label, "B input is an activation, not a weight"))
             continue
         init_name, path_nodes = source
+        if inits[init_name].data_type == onnx.TensorProto.STRING:
+            skipped.append(Skipped(label, f"weight {init_name!r} holds strings, not numbers"))
+            continue
         path = [n.name for n in path_nodes]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Gemm" and attrs.get("transA", 0):

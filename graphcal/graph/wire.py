@@ -11,10 +11,11 @@ take. Nothing but the graph's structure is copied; the weights' pages are never 
 
 Only the three message levels are walked; everything else (nodes, Constant attributes, subgraphs,
 typed data fields) is copied as it is. A tensor is left inline when it is not a plain single
-``raw_data`` (already external, given twice) or when its length is not what its dims need. The
-file comes from strangers: every length is checked against the end of its message, and anything
-that does not parse gives None, and the caller reads the file the ordinary way (whose errors
-name the problem).
+``raw_data`` (already external, given twice, values in a typed field too) or when its length is not
+what its dims need: the ordinary checks (graph.stored) name what is wrong with it. The file comes
+from strangers: every length is checked against the end of its message, and anything that does not
+parse gives None, and the caller reads the file the ordinary way (whose errors name the problem);
+a large tensor whose other fields do not parse is refused naming it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ import mmap
 import os
 
 import onnx
+from google.protobuf.message import DecodeError
 
+from graphcal.errors import GraphcalError, first_line, shown
 from graphcal.graph.external import expected_bytes
 
-_GRAPH, _INITIALIZER, _RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION = 7, 5, 9, 13, 14
+_GRAPH, _INITIALIZER, _RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION, _NAME = 7, 5, 9, 13, 14, 8
+# TensorProto fields that keep values elsewhere than raw_data: a tensor holding any is left as it is
+# (graph.stored refuses one that holds its values twice, naming both fields)
+_ELSEWHERE = frozenset({_EXTERNAL_DATA, _DATA_LOCATION, 4, 5, 6, 7, 10, 11})  # + float/int32/string/int64/double/uint64_data
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 
 
@@ -111,13 +117,16 @@ class _Walk:
         fields = list(self.fields(start, end))
         raw = [f for f in fields if f[0] == _RAW_DATA]
         if (len(raw) != 1 or raw[0][4] - raw[0][3] < self.min_bytes
-                or any(f[0] in (_EXTERNAL_DATA, _DATA_LOCATION) for f in fields)):
+                or any(f[0] in _ELSEWHERE for f in fields)):
             return bytes(self.buf[start:end])  # small, already external, or not one plain raw_data: as it is
         _, wire, _, value_at, stop = raw[0]
         if wire != _LEN:
             raise _Malformed
         rest = b"".join(bytes(self.buf[f[2]:f[4]]) for f in fields if f[0] != _RAW_DATA)
-        tensor = onnx.TensorProto.FromString(rest)
+        try:
+            tensor = onnx.TensorProto.FromString(rest)
+        except DecodeError as e:
+            raise GraphcalError(f"initializer {self.name(fields)} is not a readable ONNX tensor ({first_line(e)})") from None
         try:
             if expected_bytes(tensor) != stop - value_at:
                 return bytes(self.buf[start:end])  # the ordinary read names what is wrong with it
@@ -128,6 +137,14 @@ class _Walk:
             tensor.external_data.add(key=key, value=value)
         self.stripped += 1
         return tensor.SerializeToString()
+
+
+    def name(self, fields) -> str:
+        """A tensor's name for messages, read from its own fields (it did not parse as a whole)."""
+        for number, wire, _, value_at, stop in fields:
+            if number == _NAME and wire == _LEN:
+                return repr(shown(bytes(self.buf[value_at:stop]).decode("utf-8", "replace")))
+        return "<unnamed>"
 
 
 def _varint(value: int) -> bytes:
