@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from graphcal.errors import GraphcalError, UsageError
+from graphcal.export.pretrained import Exported
+from graphcal.export.text import check_seq, tokenize_text
 from graphcal.output import check_output_dir, releases_outputs, reserve_output
 from graphcal.output.process import on_abort
 
@@ -32,12 +34,10 @@ BUILDER = "onnxruntime_genai.models.builder"
 @releases_outputs  # the -o reservation is released however the build ends
 def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, precision: str = "fp32",
                 provider: str = "cpu", text: str | os.PathLike | None = None, seq: int = 128,
-                num_samples: int | None = None, pack: bool = False):
+                num_samples: int | None = None, pack: bool = False) -> Exported:
     """``out_dir``: onnxruntime-genai's builder model of ``model_dir`` (model.onnx, its data,
-    genai_config.json, the tokenizer), and with ``text`` calib.npz. Returns graphcal.export.Exported."""
+    genai_config.json, the tokenizer), and with ``text`` calib.npz. Returns what it wrote (:class:`Exported`)."""
     import numpy as np  # lazy: kept off the CLI's start-up path
-
-    from graphcal.export import Exported, _tokenize_text, check_seq  # lazy: export imports this module lazily too
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if precision not in PRECISIONS or provider not in PROVIDERS:
@@ -61,7 +61,7 @@ def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, pre
         except (OSError, ValueError, KeyError) as e:
             raise GraphcalError(f"--text needs the model folder's config and tokenizer: {str(e).splitlines()[0]}") from e
         check_seq(seq, config)
-        arrays = _tokenize_text(tokenizer, text, ["input_ids", "attention_mask"], seq, num_samples, pack)
+        arrays = tokenize_text(tokenizer, text, ["input_ids", "attention_mask"], seq, num_samples, pack)
     slot = reserve_output(out_dir, sources, main=True)
 
     def write(tmp: Path) -> list[Path]:
