@@ -78,13 +78,26 @@ def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, pre
     return Exported(files, len(arrays["input_ids"]), float(1 - arrays["attention_mask"].mean()))
 
 
+def builder_command(model_dir: str | os.PathLike, out: str | os.PathLike, precision: str, provider: str,
+                    cache: str | os.PathLike, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """onnxruntime-genai's model builder as a command line: the transformers folder ``model_dir`` to
+    ``out`` at ``precision`` (its -p: fp32, fp16, int4) for ``provider`` (its -e), its download cache
+    ``cache`` (its -c), then ``extra``. Run it with :func:`builder_env` (offline). graphcal runs it at
+    fp32/fp16; tools/ also at int4."""
+    return [sys.executable, "-m", BUILDER, "-i", str(model_dir), "-o", str(out), "-p", precision, "-e", provider,
+            "-c", str(cache), *extra]
+
+
+def builder_env() -> dict[str, str]:
+    """The environment the builder runs in: this one, offline (nothing is downloaded)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def _run_builder(model_dir: Path, out: Path, precision: str, provider: str, cache: Path) -> None:
     """The builder in a child process, offline; its last error line becomes graphcal's one line."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    command = [sys.executable, "-m", BUILDER, "-i", str(model_dir), "-o", str(out), "-p", precision, "-e", provider,
-               "-c", str(cache)]
     with tempfile.TemporaryFile() as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        child = subprocess.Popen(builder_command(model_dir, out, precision, provider, cache), stdout=log,
+                                 stderr=subprocess.STDOUT, env=builder_env())
         with on_abort(child.kill):  # a signal stopping graphcal stops the builder too
             code = child.wait()
         if code != 0:
