@@ -121,7 +121,9 @@ def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samp
 
 
 def _size(folder: Path) -> int:
-    return sum((folder / n).stat().st_size for n in ("model.onnx", "model.onnx.data") if (folder / n).exists())
+    from graphcal.graph.io import model_bytes  # lazy: onnx, kept out of --help
+
+    return model_bytes(folder / "model.onnx")
 
 
 def main(argv: list[str] | None = None) -> int:
