@@ -193,3 +193,30 @@ def test_the_private_import_finder_finds_one(tmp_path):
     path.write_text("from graphcal.a import _hidden, shown\nfrom .a import _other\nfrom graphcal.a import __all__\n")
     modules = {"graphcal.a": tmp_path / "a.py", "graphcal.b": path}
     assert _private_imports("graphcal.b", path, modules) == ["graphcal.b <- graphcal.a._hidden", "graphcal.b <- graphcal.a._other"]
+
+
+#: tools that open onnxruntime sessions of their own on purpose: plain sessions are the floors they time
+PLAIN_SESSIONS = ("tools/bench.py", "tools/infer_baseline.py", "tools/lib/perplexity.py")
+
+
+def _tools_reimplementing() -> list[str]:
+    """What a tool computes that the package (or tools/lib) has: the genai builder's command line, SQNR by
+    hand (log10), an onnxruntime session outside the timing floors, a log() of its own."""
+    root = PACKAGE.parent
+    found = []
+    for path in sorted((root / "tools").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "onnxruntime_genai.models.builder":
+                found.append(f"{rel}:{node.lineno} the builder's command (graphcal.export.genai.builder_command)")
+            elif isinstance(node, ast.Attribute) and node.attr == "log10":
+                found.append(f"{rel}:{node.lineno} SQNR by hand (graphcal.evaluation.agreement)")
+            elif isinstance(node, ast.Attribute) and node.attr == "InferenceSession" and rel not in PLAIN_SESSIONS:
+                found.append(f"{rel}:{node.lineno} a session of its own (graphcal.runtime, graphcal.bench.session)")
+            elif isinstance(node, ast.FunctionDef) and node.name == "log" and rel != "tools/lib/report.py":
+                found.append(f"{rel}:{node.lineno} a log() of its own (tools.lib.report.log)")
+    return found
+
+
+def test_tools_use_the_package_instead_of_their_own_copies():
+    assert _tools_reimplementing() == []
