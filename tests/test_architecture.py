@@ -162,3 +162,61 @@ def test_the_command_line_starts_without_torch_onnx_or_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent)
     assert out.stdout.strip() == "", f"import graphcal.cli loaded {out.stdout.strip()}"
+
+
+def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """``from <another graphcal module> import _x`` in ``path`` (module ``name``), one entry each."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(parts + ([base] if base else []))
+        if base in modules and base != name:
+            found += [f"{name} <- {base}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and f"{base}.{a.name}" not in modules]
+    return found
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """A name shared between modules is public (no leading underscore) and lives in one place."""
+    modules = _modules()
+    assert [f for m, p in modules.items() for f in _private_imports(m, p, modules)] == []
+
+
+def test_the_private_import_finder_finds_one(tmp_path):
+    path = tmp_path / "b.py"
+    path.write_text("from graphcal.a import _hidden, shown\nfrom .a import _other\nfrom graphcal.a import __all__\n")
+    modules = {"graphcal.a": tmp_path / "a.py", "graphcal.b": path}
+    assert _private_imports("graphcal.b", path, modules) == ["graphcal.b <- graphcal.a._hidden", "graphcal.b <- graphcal.a._other"]
+
+
+#: tools that open onnxruntime sessions of their own on purpose: plain sessions are the floors they time
+PLAIN_SESSIONS = ("tools/bench.py", "tools/infer_baseline.py", "tools/lib/perplexity.py")
+
+
+def _tools_reimplementing() -> list[str]:
+    """What a tool computes that the package (or tools/lib) has: the genai builder's command line, SQNR by
+    hand (log10), an onnxruntime session outside the timing floors, a log() of its own."""
+    root = PACKAGE.parent
+    found = []
+    for path in sorted((root / "tools").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "onnxruntime_genai.models.builder":
+                found.append(f"{rel}:{node.lineno} the builder's command (graphcal.export.genai.builder_command)")
+            elif isinstance(node, ast.Attribute) and node.attr == "log10":
+                found.append(f"{rel}:{node.lineno} SQNR by hand (graphcal.evaluation.agreement)")
+            elif isinstance(node, ast.Attribute) and node.attr == "InferenceSession" and rel not in PLAIN_SESSIONS:
+                found.append(f"{rel}:{node.lineno} a session of its own (graphcal.runtime, graphcal.bench.session)")
+            elif isinstance(node, ast.FunctionDef) and node.name == "log" and rel != "tools/lib/report.py":
+                found.append(f"{rel}:{node.lineno} a log() of its own (tools.lib.report.log)")
+    return found
+
+
+def test_tools_use_the_package_instead_of_their_own_copies():
+    assert _tools_reimplementing() == []

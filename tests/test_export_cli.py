@@ -137,7 +137,7 @@ def test_seq_is_bounded_when_the_config_names_no_context():
     from types import SimpleNamespace
 
     from graphcal.errors import UsageError
-    from graphcal.export_text import MAX_SEQ, check_seq
+    from graphcal.export.text import MAX_SEQ, check_seq
 
     check_seq(MAX_SEQ, SimpleNamespace())
     with pytest.raises(UsageError, match=f"past {MAX_SEQ:,} tokens"):

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.real_llm import genai_build, size_mb
+from tools.lib.report import log
+from tools.real_llm import genai_build
 
 VARIANTS = [  # (folder, label, run flags)
     ("graphcal_w4a16_g32", "graphcal W4A16 g32 (symmetric, the builder's format)",
@@ -47,10 +48,6 @@ VARIANTS = [  # (folder, label, run flags)
     ("graphcal_w4a16_asym_g32", "graphcal W4A16_ASYM g32 (zero points)",
      ["--scheme", "W4A16_ASYM", "--group-size", "32", "--scheme-for", "Embedding=W4A16_ASYM"]),
 ]
-
-
-def log(message: str) -> None:
-    print(f"[genai_speed {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def make_hf(dest: Path, layers: int) -> None:
@@ -79,9 +76,11 @@ def graphcal(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True)
 
 
-def model_bytes(folder: Path) -> float:
-    """The model files' size in MB (model.onnx and its external data), not the tokenizer."""
-    return sum(size_mb(f) for f in folder.iterdir() if f.name.startswith("model.onnx"))
+def model_mb(folder: Path) -> float:
+    """The model's size in MB (model.onnx and its external data), not the tokenizer's."""
+    from graphcal.graph.io import model_bytes  # lazy: onnx, kept out of --help
+
+    return model_bytes(folder / "model.onnx") / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if not loop.get("measured"):
             log(f"{folder}: the genai loop was not measured: {loop.get('skipped')}")
             continue
-        rows.append((label, reference, loop, model_bytes(work / folder)))
+        rows.append((label, reference, loop, model_mb(work / folder)))
     gpu = ""
     if args.provider == "cuda":
         import torch

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -48,10 +47,10 @@ from tools.lib.perplexity import perplexity
 def _builder(work: Path, out: str, extra: list[str]) -> Path:
     folder = work / out
     if not (folder / "model.onnx").exists():
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(work / "hf"), "-o",
-                        str(folder), "-p", "int4", "-e", "cpu", "-c", str(work / "genai_cache"), *extra],
-                       check=True, env=env, capture_output=True)
+        from graphcal.export.genai import builder_command, builder_env  # lazy: onnx, kept out of --help
+
+        subprocess.run(builder_command(work / "hf", folder, "int4", "cpu", work / "genai_cache", extra), check=True,
+                       env=builder_env(), capture_output=True)
     return folder
 
 
@@ -122,7 +121,9 @@ def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samp
 
 
 def _size(folder: Path) -> int:
-    return sum((folder / n).stat().st_size for n in ("model.onnx", "model.onnx.data") if (folder / n).exists())
+    from graphcal.graph.io import model_bytes  # lazy: onnx, kept out of --help
+
+    return model_bytes(folder / "model.onnx")
 
 
 def main(argv: list[str] | None = None) -> int:

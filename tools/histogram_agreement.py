@@ -34,21 +34,22 @@ ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "
 def taps(model_path: Path, calib: Path, batch: int, samples: int) -> dict[str, list[np.ndarray]]:
     """Every MatMul/Gemm's activation input, batch by batch (onnxruntime at ORT_ENABLE_BASIC)."""
     import onnx  # lazy: keeps --help fast
-    import onnxruntime as ort  # lazy: keeps --help fast
+
+    from graphcal.runtime import open_model_runner  # lazy: onnxruntime and torch, as above
 
     model = onnx.load(str(model_path))
     inits = {i.name for i in model.graph.initializer}
     names = list(dict.fromkeys(n.input[0] for n in model.graph.node
                                if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits))
     model.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {k: v[:samples] for k, v in np.load(calib).items() if k in {i.name for i in session.get_inputs()}}
+    inputs = {i.name for i in model.graph.input} - inits
+    runner = open_model_runner(model, names)  # onnxruntime at ORT_ENABLE_BASIC on CPU, the taps as outputs
+    feeds = {k: v[:samples] for k, v in np.load(calib).items() if k in inputs}
     out: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for i in range(0, len(next(iter(feeds.values()))), batch):
-        for name, value in zip(names, session.run(names, {k: v[i:i + batch] for k, v in feeds.items()})):
-            out[name].append(value)
+        got = runner.run({k: v[i:i + batch] for k, v in feeds.items()})
+        for name in names:
+            out[name].append(got[name])
     return out
 
 

@@ -54,7 +54,6 @@ import argparse
 import copy
 import importlib.metadata
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -241,12 +240,13 @@ def genai_build(hf: Path, out: Path, precision: str, provider: str = "cpu") -> s
         return "onnxruntime_genai is not installed (pip install onnxruntime-genai-cuda; never onnxruntime-genai)"
     tmp, cache = out.with_name(out.name + ".tmp"), out.with_name("genai_cache")
     shutil.rmtree(tmp, ignore_errors=True)
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
-               "-p", precision, "-e", provider, "-c", str(cache)]
+    from graphcal.export.genai import builder_command, builder_env  # lazy: onnx, kept out of --help
+
+    command = builder_command(hf, tmp, precision, provider, cache)
     log("genai: HF_HUB_OFFLINE=1 " + " ".join(["python", *command[1:]]))
     logfile = out.with_name(out.name + ".log")
     with logfile.open("w") as f:
-        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=builder_env()).returncode
     if rc != 0 or not (tmp / "model.onnx").is_file():
         tail = logfile.read_text(errors="replace").strip().splitlines()[-5:]
         return f"the builder failed (exit {rc}; {logfile}): " + " | ".join(tail)

@@ -52,8 +52,7 @@ def export_command(model_dir, output, dynamo, opset, text, seq, num_samples, pac
       graphcal export ./my-llama --genai fp32 -o llm/ --text calib.txt --seq 256 --pack
       graphcal run llm/model.onnx --data llm/calib.npz --scheme W4A16 --algorithm gptq -o llm-gptq/
     """
-    from graphcal.export import export_pretrained  # lazy: the other verbs need none of it (nor tempfile, inspect)
-    from graphcal.export_genai import build_genai  # lazy: as above
+    from graphcal.export import build_genai, export_pretrained  # lazy: the other verbs need none of it (nor tempfile, inspect)
 
     def call():
         if genai is None:

@@ -15,8 +15,8 @@ from onnx import helper
 
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.index import SHAPE_OPS, GraphIndex
-from graphcal.graph.scaling.find import _Values
 from graphcal.graph.targets import find_targets
+from graphcal.graph.values import ValueIndex
 from graphcal.types import Target
 
 
@@ -48,7 +48,7 @@ def head_pairs(model: onnx.ModelProto) -> list[HeadPair]:
     GroupQueryAttention reading a packed qkv_proj alone, and in torch exports (attention in plain
     ops, :func:`graphcal.graph.attention.find_kv_states`) where the value path is the one the
     exporter writes; others are left."""
-    values = _Values(model)  # one index of the graph for both forms (and the constants of the exporter's shapes)
+    values = ValueIndex(model)  # one index of the graph for both forms (and the constants of the exporter's shapes)
     by_node = {t.node: t for t in find_targets(model)[0]}
     return _packed_pairs(model, values, by_node) + _export_pairs(model, values, by_node)
 
@@ -84,7 +84,7 @@ def _packed_pairs(model: onnx.ModelProto, index: GraphIndex, by_node: dict[str, 
 _HEADS_FIRST = [0, 2, 1, 3]  # [batch, seq, heads, head_dim] <-> [batch, heads, seq, head_dim]
 
 
-def _export_pairs(model: onnx.ModelProto, values: _Values, by_node: dict[str, Target]) -> list[HeadPair]:
+def _export_pairs(model: onnx.ModelProto, values: ValueIndex, by_node: dict[str, Target]) -> list[HeadPair]:
     """The torch exporter's attention: ``v_proj -> Reshape [.., .., -1, head_dim] -> Transpose ->``
     the value states ``-> repeat_kv -> MatMul(probs, .) -> Transpose -> Reshape -> o_proj``. Each
     step keeps head_dim as the last axis (repeat_kv's Reshape keeps the states' own last dimension),
@@ -98,7 +98,7 @@ def _export_pairs(model: onnx.ModelProto, values: _Values, by_node: dict[str, Ta
     return pairs
 
 
-def _export_pair(values: _Values, by_node: dict[str, Target], state) -> HeadPair | None:
+def _export_pair(values: ValueIndex, by_node: dict[str, Target], state) -> HeadPair | None:
     def only_reader(name: str) -> onnx.NodeProto | None:
         readers = [n for n in values.value_readers(name) if n.op_type not in SHAPE_OPS]
         return readers[0] if len(readers) == 1 and name not in values.graph_output_set else None
@@ -138,7 +138,7 @@ def _export_pair(values: _Values, by_node: dict[str, Target], state) -> HeadPair
     return HeadPair(v, out, out.in_features // head_dim, v.out_features // head_dim, head_dim)
 
 
-def _last_shape_constant(values: _Values, shape: str) -> int | None:
+def _last_shape_constant(values: ValueIndex, shape: str) -> int | None:
     """The last entry of a Reshape's shape when it is a constant: the shape itself, or the last
     input of the Concat the exporter builds it with."""
     const = values.const(shape, max_elements=8)
@@ -150,7 +150,7 @@ def _last_shape_constant(values: _Values, shape: str) -> int | None:
     return int(const.reshape(-1)[-1]) if const is not None and const.size else None
 
 
-def _keeps_last_axis(values: _Values, shape: str, chain: list[str], head_dim: int) -> bool:
+def _keeps_last_axis(values: ValueIndex, shape: str, chain: list[str], head_dim: int) -> bool:
     """repeat_kv's Reshape keeps the last axis: its shape ends in head_dim, or in the value states'
     own last dimension (``Unsqueeze(Gather(Shape(states), last axis))``, as the exporter writes it)."""
     if _last_shape_constant(values, shape) == head_dim:

@@ -113,6 +113,12 @@ def model_files(path: str | os.PathLike, data_files: tuple[str, ...] = ()) -> di
     return {str(p): p.stat().st_size for p in [path, *(path.parent / name for name in data_files)]}
 
 
+def model_bytes(path: str | os.PathLike) -> int:
+    """Bytes on disk of the model file at ``path`` and of the external data files it reads (its graph
+    read and checked by :func:`load_model_info`, the weights left on disk): a model's size, not its folder's."""
+    return sum(model_files(path, load_model_info(path, lazy=True)[1]).values())
+
+
 def value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
     """Element type and shape of every graph value, by name, from onnx shape inference.
 

@@ -32,8 +32,8 @@ from onnx import helper
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import SHAPE_OPS
-from graphcal.graph.scaling.find import _Values
 from graphcal.graph.targets import find_lookups, find_targets
+from graphcal.graph.values import ValueIndex
 from graphcal.types import Target
 
 _RMS_NORMS = {  # op type -> (scale input, outputs in the stream, outputs that are per-row statistics)
@@ -71,7 +71,7 @@ def residual_stream(model: onnx.ModelProto, base_dir: str | None = None) -> Stre
 class _Walk:
     def __init__(self, model: onnx.ModelProto, base_dir: str | None):
         self.model = model
-        self.index = _Values(model, base_dir)  # the graph's index, with constants' values and values' types
+        self.index = ValueIndex(model, base_dir)  # the graph's index, with constants' values and values' types
         self.by_node = {t.node: t for t in find_targets(model)[0]}
         self.lookups = find_lookups(model)
         self.nodes = {n.name: n for n in model.graph.node}

@@ -71,3 +71,12 @@ def test_large_typed_fields_and_strings_are_sized_exactly():
     assert io._estimated_size(_model([big])) is None
     assert io._estimated_size(_model([strings])) is None
     assert io.past_protobuf_limit(_model([big, strings])) is False
+
+
+def test_model_bytes_counts_the_model_file_and_the_data_it_reads_only(llama_dir, tmp_path):
+    """A model's size (tools/ report it): its file and its external data, not the other files beside it."""
+    onnx.save(onnx.load(llama_dir / "model.onnx"), tmp_path / "model.onnx", save_as_external_data=True,
+              location="weights.bin", size_threshold=0)
+    (tmp_path / "tokenizer.json").write_text("{}" * 1000)  # a companion file: not the model's
+    assert io.model_bytes(tmp_path / "model.onnx") == sum((tmp_path / n).stat().st_size for n in ("model.onnx", "weights.bin"))
+    assert io.model_bytes(llama_dir / "model.onnx") == (llama_dir / "model.onnx").stat().st_size

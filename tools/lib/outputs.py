@@ -2,8 +2,9 @@
 
 :func:`first_output` runs a model in a plain onnxruntime session (what a deployment runs: default
 settings unless ``level`` says otherwise), batch by batch, and returns its first output as float64.
-:func:`metrics` is SQNR and cosine against the fp32 output (and, given an attention mask, the mean
-cosine of the sentence embeddings, pooled as sentence-transformers pools them).
+:func:`metrics` is SQNR and cosine against the fp32 output (graphcal eval's own measures,
+graphcal.evaluation.agreement) and, given an attention mask, the mean cosine of the sentence
+embeddings, pooled as sentence-transformers pools them (the tools' own).
 """
 
 from __future__ import annotations
@@ -13,21 +14,17 @@ from pathlib import Path
 import numpy as np
 
 
-def providers(device: str) -> list[str]:
-    """onnxruntime's providers for ``--device cpu|cuda``."""
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-
-
 def first_output(model: Path, feeds: dict[str, np.ndarray], batch: int, level: str = "ORT_ENABLE_ALL",
                  device: str = "cpu") -> np.ndarray:
     """The model's first output over ``feeds`` (only the inputs it takes), ``batch`` samples a run,
-    onnxruntime at optimization ``level`` (ORT_ENABLE_ALL: its default, what a deployment runs), as float64."""
+    onnxruntime at optimization ``level`` (ORT_ENABLE_ALL: its default, what a deployment runs), as float64.
+    The session is graphcal bench's (graphcal.bench.session: default options, quiet)."""
     import onnxruntime as ort  # lazy: keeps the tools' --help fast
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    session = ort.InferenceSession(str(model), options, providers=providers(device))
+    from graphcal.bench.session import CPU, CUDA, open_session, options  # lazy: onnxruntime, as above
+
+    opts = options(graph_optimization_level=getattr(ort.GraphOptimizationLevel, level))
+    session = open_session(Path(model), opts, [CUDA, CPU] if device == "cuda" else [CPU])
     names = {i.name for i in session.get_inputs()}
     feeds = {k: v for k, v in feeds.items() if k in names}
     n = len(next(iter(feeds.values())))
@@ -39,9 +36,11 @@ def first_output(model: Path, feeds: dict[str, np.ndarray], batch: int, level: s
 def metrics(ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None) -> dict:
     """SQNR (dB) and cosine of ``got`` against ``ref``; with an attention ``mask``, the mean cosine of the
     masked-mean sentence embeddings too."""
-    err = got - ref
-    out = {"sqnr": float(10 * np.log10((ref ** 2).sum() / (err ** 2).sum())),
-           "cosine": float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))}
+    from graphcal.evaluation.agreement import Agreement  # graphcal eval's measures, streamed in float64
+
+    agreement = Agreement("output")
+    agreement.add(ref, got)
+    out = {"sqnr": agreement.sqnr_db, "cosine": agreement.cosine}
     if mask is not None and ref.ndim == 3:
         m = mask[..., None].astype(np.float64)
         a, b = (ref * m).sum(1) / m.sum(1), (got * m).sum(1) / m.sum(1)

@@ -39,7 +39,7 @@ from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, replace
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.heads import head_pairs
 from graphcal.graph.residual import residual_stream
-from graphcal.graph.scaling.find import _Values
+from graphcal.graph.values import ValueIndex
 from graphcal.graph.weight_path import weight_as_consumed
 
 METADATA_KEY = "graphcal.rotation"
@@ -167,7 +167,7 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     for w in {(t.weight, t.node) for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]}:
         readers_of[w[0]] = readers_of.get(w[0], 0) + 1
     edits: dict[tuple[str, int], list] = {}  # (node, input) -> [node, input, base name, new value]
-    values = _Values(model, base_dir)
+    values = ValueIndex(model, base_dir)
 
     def put(node: onnx.NodeProto, k: int, base: str, value: np.ndarray) -> None:
         edits[(node.name, k)] = [node, k, base, value]

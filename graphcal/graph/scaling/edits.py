@@ -8,8 +8,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphcal.graph.edit import Names, add_initializer, drop_dead_paths, place_after_producers
-from graphcal.graph.scaling.find import _Values, node_module
+from graphcal.graph.scaling.find import node_module
 from graphcal.graph.scaling.records import TAP_PREFIX, Mapping, Param
+from graphcal.graph.values import ValueIndex
 from graphcal.types import Target
 
 
@@ -17,7 +18,7 @@ def divide_params(model: onnx.ModelProto, params: list[Param], scales: dict[Para
                   base_dir: str | None = None) -> None:
     """Point each param's node at a new initializer holding its constant divided by the scales
     (``scales[param]``, one per channel); the old constant stays for its other readers."""
-    index = _Values(model, base_dir)
+    index = ValueIndex(model, base_dir)
     names = Names({t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output})
     old = set()
     for p in params:

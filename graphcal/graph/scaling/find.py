@@ -4,18 +4,16 @@ the mappings resolved by structure or by llm-compressor's names."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from graphcal.graph.index import SHAPE_OPS, GraphIndex
-from graphcal.graph.io import value_types
+from graphcal.graph.index import SHAPE_OPS
 from graphcal.graph.names import NameMatcher
 from graphcal.graph.scaling.records import SCOPE_OF_KIND, SCOPES, Candidate, Mapping, Param, Resolution
 from graphcal.graph.targets import scoped_module
-from graphcal.graph.weight_path import weight_as_consumed
+from graphcal.graph.values import ValueIndex
 from graphcal.types import NamedMapping, Target
 
 SHAPE_ONLY = SHAPE_OPS  # readers that see an activation's shape, not its values
@@ -27,45 +25,9 @@ _NORMS = {  # op type -> (domain, input indices of the per-channel scale and bia
     "SkipSimplifiedLayerNormalization": ("com.microsoft", (2,)),
 }
 
-class _Values(GraphIndex):
-    """The graph's index (:class:`graphcal.graph.index.GraphIndex`), and what smoothing also asks
-    of it: the values of constants (external ones read under ``base_dir``) and the types of values."""
-
-    def __init__(self, model: onnx.ModelProto, base_dir: str | None = None):
-        super().__init__(model.graph)
-        self.base_dir = base_dir
-        self._model = model
-
-    @cached_property
-    def types(self) -> dict:
-        """Element types and shapes of the graph's values (shape inference, on first use only)."""
-        return value_types(self._model)
-
-    def const(self, name: str, max_elements: int | None = None) -> np.ndarray | None:
-        """A constant's value (an initializer, maybe behind Identity, or a Constant node); None otherwise,
-        and None for one of more than ``max_elements`` elements (then nothing is read)."""
-        seen = 0
-        while name not in self.initializers:
-            node = self.producer_node(name)
-            if node is None or seen > 16:
-                return None
-            if node.op_type == "Identity":
-                name, seen = node.input[0], seen + 1
-                continue
-            if node.op_type == "Constant":
-                for a in node.attribute:
-                    if a.name == "value" and (max_elements is None or np.prod(a.t.dims) <= max_elements):
-                        return numpy_helper.to_array(a.t)
-            return None
-        init = self.initializers[name]
-        if max_elements is not None and np.prod(init.dims) > max_elements:
-            return None
-        return weight_as_consumed(init, [], self.initializers, self.base_dir)
-
-
 def candidates(model: onnx.ModelProto, found: list[Target], base_dir: str | None = None) -> list[Candidate]:
     """Every activation read by weight MatMul/Gemm targets, classified (graph order)."""
-    index = _Values(model, base_dir)
+    index = ValueIndex(model, base_dir)
     by_activation: dict[str, list[Target]] = {}
     for t in found:
         by_activation.setdefault(t.activation, []).append(t)
@@ -147,7 +109,7 @@ def _listed(names, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _target_outputs(index: _Values, found: list[Target]) -> dict[str, tuple[Target, Param | None]]:
+def _target_outputs(index: ValueIndex, found: list[Target]) -> dict[str, tuple[Target, Param | None]]:
     """A linear layer's output (after its bias Add, if any) -> (target, its bias as a Param)."""
     by_node = {t.node: t for t in found}
     out: dict[str, tuple[Target, Param | None]] = {}
@@ -172,7 +134,7 @@ def _target_outputs(index: _Values, found: list[Target]) -> dict[str, tuple[Targ
     return out
 
 
-def _classify(index: _Values, x: str, readers: list[Target], by_output) -> Candidate:
+def _classify(index: ValueIndex, x: str, readers: list[Target], by_output) -> Candidate:
     channels = readers[0].in_features
     balance = tuple(t.name for t in readers)
     reader_nodes = {t.node for t in readers}
@@ -223,7 +185,7 @@ def _classify(index: _Values, x: str, readers: list[Target], by_output) -> Candi
     return mul_candidate("")
 
 
-def _attention_value(index: _Values, merge: onnx.NodeProto, by_output):
+def _attention_value(index: ValueIndex, merge: onnx.NodeProto, by_output):
     """(v_proj, its bias, its output) when ``merge`` ends an attention that reads v_proj's output as V:
 
         y = v_proj(h) -> Reshape [b, s, heads, d] -> Transpose(0, 2, 1, 3) -> MatMul(probs, V)
@@ -267,7 +229,7 @@ def _attention_value(index: _Values, merge: onnx.NodeProto, by_output):
     return t, bias, y
 
 
-def only_single_reader(index: _Values, value: str, node: onnx.NodeProto) -> bool:
+def only_single_reader(index: ValueIndex, value: str, node: onnx.NodeProto) -> bool:
     if value in index.graph_output_set:
         return False
     readers = [n for n in index.value_readers(value) if n.op_type not in SHAPE_ONLY]
@@ -280,7 +242,7 @@ def _linear(index, x, balance, t: Target, bias: Param | None, tensor: str, chann
     return Candidate(x, balance, "linear", t.name, tensor, channels, params=(bias,) if bias else (), linear=t.name)
 
 
-def _const_shape(index: _Values, name: str, channels: int) -> tuple[int, ...] | None:
+def _const_shape(index: ValueIndex, name: str, channels: int) -> tuple[int, ...] | None:
     """The shape of a constant that scales or shifts each of ``channels`` channels (a scalar, [C]
     or [1, ..., C]); None when ``name`` is no such constant."""
     value = index.const(name)
@@ -291,7 +253,7 @@ def _const_shape(index: _Values, name: str, channels: int) -> tuple[int, ...] | 
     return None
 
 
-def _norm_params(index: _Values, node: onnx.NodeProto, x: str, channels: int) -> tuple[Param, ...] | None:
+def _norm_params(index: ValueIndex, node: onnx.NodeProto, x: str, channels: int) -> tuple[Param, ...] | None:
     """The per-channel constants of the norm (or constant scale) producing ``x``, or None."""
     y = node.output[0]
     if y != x:

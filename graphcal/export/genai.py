@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from graphcal.errors import GraphcalError, UsageError
+from graphcal.export.pretrained import Exported
+from graphcal.export.text import check_seq, tokenize_text
 from graphcal.output import check_output_dir, releases_outputs, reserve_output
 from graphcal.output.process import on_abort
 
@@ -32,12 +34,10 @@ BUILDER = "onnxruntime_genai.models.builder"
 @releases_outputs  # the -o reservation is released however the build ends
 def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, precision: str = "fp32",
                 provider: str = "cpu", text: str | os.PathLike | None = None, seq: int = 128,
-                num_samples: int | None = None, pack: bool = False):
+                num_samples: int | None = None, pack: bool = False) -> Exported:
     """``out_dir``: onnxruntime-genai's builder model of ``model_dir`` (model.onnx, its data,
-    genai_config.json, the tokenizer), and with ``text`` calib.npz. Returns graphcal.export.Exported."""
+    genai_config.json, the tokenizer), and with ``text`` calib.npz. Returns what it wrote (:class:`Exported`)."""
     import numpy as np  # lazy: kept off the CLI's start-up path
-
-    from graphcal.export import Exported, _tokenize_text, check_seq  # lazy: export imports this module lazily too
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if precision not in PRECISIONS or provider not in PROVIDERS:
@@ -61,7 +61,7 @@ def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, pre
         except (OSError, ValueError, KeyError) as e:
             raise GraphcalError(f"--text needs the model folder's config and tokenizer: {str(e).splitlines()[0]}") from e
         check_seq(seq, config)
-        arrays = _tokenize_text(tokenizer, text, ["input_ids", "attention_mask"], seq, num_samples, pack)
+        arrays = tokenize_text(tokenizer, text, ["input_ids", "attention_mask"], seq, num_samples, pack)
     slot = reserve_output(out_dir, sources, main=True)
 
     def write(tmp: Path) -> list[Path]:
@@ -78,13 +78,26 @@ def build_genai(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, pre
     return Exported(files, len(arrays["input_ids"]), float(1 - arrays["attention_mask"].mean()))
 
 
+def builder_command(model_dir: str | os.PathLike, out: str | os.PathLike, precision: str, provider: str,
+                    cache: str | os.PathLike, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """onnxruntime-genai's model builder as a command line: the transformers folder ``model_dir`` to
+    ``out`` at ``precision`` (its -p: fp32, fp16, int4) for ``provider`` (its -e), its download cache
+    ``cache`` (its -c), then ``extra``. Run it with :func:`builder_env` (offline). graphcal runs it at
+    fp32/fp16; tools/ also at int4."""
+    return [sys.executable, "-m", BUILDER, "-i", str(model_dir), "-o", str(out), "-p", precision, "-e", provider,
+            "-c", str(cache), *extra]
+
+
+def builder_env() -> dict[str, str]:
+    """The environment the builder runs in: this one, offline (nothing is downloaded)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def _run_builder(model_dir: Path, out: Path, precision: str, provider: str, cache: Path) -> None:
     """The builder in a child process, offline; its last error line becomes graphcal's one line."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    command = [sys.executable, "-m", BUILDER, "-i", str(model_dir), "-o", str(out), "-p", precision, "-e", provider,
-               "-c", str(cache)]
     with tempfile.TemporaryFile() as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        child = subprocess.Popen(builder_command(model_dir, out, precision, provider, cache), stdout=log,
+                                 stderr=subprocess.STDOUT, env=builder_env())
         with on_abort(child.kill):  # a signal stopping graphcal stops the builder too
             code = child.wait()
         if code != 0:

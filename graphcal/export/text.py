@@ -3,21 +3,27 @@
 ``--seq`` is checked against the model's context before anything heavy is loaded
 (:func:`check_seq`); a line is cut to what its first ``--seq`` tokens can span (:func:`cut_line`),
 or with ``--pack`` tokenized in pieces (:func:`split_line`), so one 32 MB line costs the tokenizer
-what the same text in lines does. Imports nothing heavy at module level.
+what the same text in lines does. :func:`tokenize_text` reads the --text file (bounded, regular files
+only) and tokenizes its lines. Imports nothing heavy at module level.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 
 from graphcal.errors import GraphcalError, UsageError
-from graphcal.limits import check_fits
+from graphcal.limits import check_fits, read_regular
+
+log = logging.getLogger("graphcal")
 
 #: --seq's bound when the model's config names no context length: 131,072 tokens, the longest
 #: context of common open models (Llama 3.1's 128K). Otherwise the config's own length bounds it
 #: (max_position_embeddings or its older names): positions past it are ones the model never learned.
 MAX_SEQ = 1 << 17
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+MAX_TEXT_BYTES = 1 << 30  # --text: a calibration text file is read whole
 MAX_TOKEN_CHARS = 1024  # a line is cut at --seq x the vocabulary's longest token, counted at most this long
 
 
@@ -160,3 +166,20 @@ def tokenize_lines(tokenizer, lines: list[str], names: list[str], seq: int, *, p
     if missing:
         raise GraphcalError(f"the tokenizer gives no {', '.join(missing)} for the model's inputs")
     return arrays
+
+
+def tokenize_text(tokenizer, text: str | os.PathLike, names: list[str], seq: int, num_samples: int | None,
+                  pack: bool) -> dict:
+    """``text``'s non-empty lines tokenized into the int64 arrays ``names`` (:func:`tokenize_lines`);
+    the file is read as a bounded regular file."""
+    raw = read_regular(text, "--text file", MAX_TEXT_BYTES, error=UsageError)  # regular files only, bounded
+    try:
+        lines = [line.strip() for line in raw.decode("utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--text {text} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if num_samples is not None and not pack:
+        lines = lines[:num_samples]
+    if not lines:
+        raise GraphcalError(f"{text} holds no non-empty lines")
+    log.info("tokenizing %s lines of %s", f"{len(lines):,}", text)
+    return tokenize_lines(tokenizer, lines, names, seq, pack=pack, num_samples=num_samples, source=str(text))
