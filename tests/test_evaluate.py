@@ -225,7 +225,7 @@ def test_external_data_models_in_two_folders_are_compared_in_one_graph(llama_dir
     calibrate(tmp_path / "fp32" / "model.onnx", llama_dir / "calib.npz", tmp_path / "deep" / "q", scheme="W8A8_STATIC")
     candidate = tmp_path / "deep" / "q" / "model.onnx"
     assert (candidate.parent / "model.onnx.data").exists()  # graphcal keeps the input's external form
-    import graphcal.evaluation.compare as evaluate_module
+    import graphcal.evaluation.models as evaluate_module
     import graphcal.graph.io as graph_io
 
     monkeypatch.setattr(graph_io, "LAZY_MIN_BYTES", 1)  # tiny-llama's weights are all under 1 MB: keep them on disk

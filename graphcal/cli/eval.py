@@ -67,7 +67,7 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
       graphcal eval models/tiny-llama/model.onnx out/model.onnx --data models/tiny-llama/heldout.npz
       graphcal eval fp32.onnx int4/model.onnx --data heldout.npz --fallback int8/model.onnx --size-budget 86
     """
-    from graphcal.evaluation import evaluate, format_html, format_text  # lazy: loads torch, onnx and onnxruntime
+    from graphcal.evaluation import EvalOptions, evaluate, format_html, format_text  # lazy: loads torch, onnx and onnxruntime
     from graphcal.output.file import replace_file  # lazy: with the evaluation above
 
     limited = click.get_current_context().get_parameter_source("time_limit") is not ParameterSource.DEFAULT
@@ -76,12 +76,12 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
         if limited and not (sensitivity or size_budget is not None or target_db is not None):
             raise UsageError("--time-limit bounds the runs of --sensitivity, --size-budget or --target-db; give one "
                              "of them")  # evaluate refuses the other flags that need one (--per-layer, --fallback)
-        report = evaluate(reference, quantized, data, batch_size=batch_size, num_samples=num_samples, level=level,
-                          isolated=isolated, sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
-                          size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,
-                          target_db=target_db,
-                          time_limit_s=time_limit * 60 if time_limit else None,
-                          writes=[("--html", html_path)] if html_path is not None else [])  # refused before any pass
+        options = EvalOptions(batch_size=batch_size, num_samples=num_samples, level=level, isolated=isolated,
+                              sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
+                              size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,
+                              target_db=target_db, time_limit_s=time_limit * 60 if time_limit else None,
+                              writes=(("--html", html_path),) if html_path is not None else ())  # refused before any pass
+        report = evaluate(reference, quantized, data, options)
         if html_path is not None:  # replaced whole (a temporary file renamed over it), never an input
             replace_file(html_path, format_html(report, f"{quantized} vs {reference}").encode("utf-8"))
         return report

@@ -10,9 +10,15 @@ go through onnx.reference.
 
 The package, by job:
 
-- ``compare``: :func:`evaluate`, the comparison runs (paired in one graph, apart, or isolated);
+- ``pipeline``: :func:`evaluate`, which only sequences the steps below, each returning a frozen record;
+- ``options``: :class:`EvalOptions`, what one eval is asked to do (the CLI builds it);
+- ``models``: the reference, the quantized model and the fallback, each loaded (and the reference
+  rotated, ``rotated``) once per eval;
+- ``compare``: the comparison runs (paired in one graph, apart, or isolated);
 - ``agreement``: :class:`Agreement`, the streaming statistics of one compared tensor;
+- ``switched``: the one switchable session (graph.switch) that sensitivity and mixing share;
 - ``sensitivity``: ``--sensitivity``, the quantized model with some layers back in float;
+- ``mixing``: ``--size-budget`` / ``--target-db``, the fallback's form for some layers;
 - ``report``: :class:`EvalReport`, what was found and the advice (flags, JSON);
 - ``formats``: the text and HTML reports;
 - ``candidate``: what eval reads of the models besides their outputs (written ignores, SmoothQuant record);
@@ -23,10 +29,11 @@ This module re-exports the names the CLI and tools import.
 
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.candidate import smoothable_layers
-from graphcal.evaluation.compare import LEVELS, evaluate
 from graphcal.evaluation.formats import format_html, format_text
 from graphcal.evaluation.kinds import kind_pattern
+from graphcal.evaluation.options import LEVELS, EvalOptions
+from graphcal.evaluation.pipeline import evaluate
 from graphcal.evaluation.report import EvalReport
 
-__all__ = ["LEVELS", "Agreement", "EvalReport", "evaluate", "format_html", "format_text", "kind_pattern",
-           "smoothable_layers"]
+__all__ = ["LEVELS", "Agreement", "EvalOptions", "EvalReport", "evaluate", "format_html", "format_text",
+           "kind_pattern", "smoothable_layers"]

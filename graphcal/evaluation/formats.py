@@ -87,8 +87,9 @@ def _mix_text(report: EvalReport) -> list[str]:
              f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.3g} MB)",
              f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)  chosen"]
     low = mix.low[0].noise
-    for u in sorted(plan.units, key=lambda u: -u.value):
-        promoted = 10 * math.log10(1 / (low - u.gain)) if 0 < low - u.gain else math.inf
+    for u in sorted(plan.units, key=lambda u: -mix.value(u)):
+        gain = mix.gains[u.name]
+        promoted = 10 * math.log10(1 / (low - gain)) if 0 < low - gain else math.inf
         lines.append(f"{u.name:<{width}}  {len(u.layers):>5}  {u.cost / 1e6:>8.2f}  {_fmt_db(promoted):>20}  "
                      f"{'yes' if u.name in mix.chosen else ''}")
     a = mix.outputs[0] if mix.outputs else mix.low[0]

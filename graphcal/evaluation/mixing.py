@@ -44,11 +44,11 @@ from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.candidate import written_config
 from graphcal.evaluation.kinds import layer_kind
-from graphcal.evaluation.rotated import rotated_as
+from graphcal.evaluation.models import EvalModels
 from graphcal.evaluation.sensitivity import measure_variants, quantized_layers
-from graphcal.graph.external import common_root, expected_bytes
-from graphcal.graph.io import load_model_info, runs_in_onnxruntime, value_types
-from graphcal.graph.switch import fp32_computed, layer_reads, switchable_model
+from graphcal.evaluation.switched import SwitchSession
+from graphcal.graph.external import expected_bytes
+from graphcal.graph.switch import fp32_computed, layer_reads
 from graphcal.graph.targets import find_lookups, find_targets, matches
 from graphcal.graph.ties import find_ties
 from graphcal.progress import Progress
@@ -60,7 +60,7 @@ MAX_TRIES = 3  # mixes measured for a target: the predicted one, then more units
 FLOAT = "float"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Unit:
     """Layers promoted together: a kind, a layer, or a lookup with its tied lm_head."""
 
@@ -68,21 +68,19 @@ class Unit:
     layers: list[str]
     saved: int  # bytes of initializers only these layers read in the low model
     added: int  # bytes their higher form stores
-    gain: float = math.nan  # measured: output noise power (relative) removed by promoting it in place
 
     @property
     def cost(self) -> int:
         return self.added - self.saved
 
-    @property
-    def value(self) -> float:
-        """Noise removed per byte added (free promotions first)."""
+    def value(self, gain: float) -> float:
+        """Noise removed per byte added, for the ``gain`` measured (free promotions first)."""
         if self.cost <= 0:
             return math.inf
-        return max(self.gain, 0.0) / self.cost
+        return max(gain, 0.0) / self.cost
 
 
-@dataclass
+@dataclass(frozen=True)
 class MixPlan:
     """What --size-budget / --target-db will run, known from the models before any pass."""
 
@@ -114,15 +112,20 @@ class MixPlan:
                 f"up to {self.mixes} mixes, the low model, and fp32 with each)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Mix:
     """The measured units and the chosen mix."""
 
     plan: MixPlan
     low: list[Agreement]  # every unit low: the low model's outputs against fp32
+    gains: dict[str, float]  # unit -> output noise power (relative) removed by promoting it in place, measured
     chosen: list[str]  # unit names, in the order taken
     outputs: list[Agreement] = field(default_factory=list)  # the chosen mix's outputs against fp32
     reached: bool = True  # the target met (always, under a budget)
+
+    def value(self, unit: Unit) -> float:
+        """``unit``'s noise removed per byte added, as measured."""
+        return unit.value(self.gains[unit.name])
 
     @property
     def bytes(self) -> int:
@@ -154,7 +157,7 @@ class Mix:
         return {"high": self.plan.high, "budget_bytes": self.plan.budget_bytes, "target_db": self.plan.target_db,
                 "low_bytes": self.plan.base_bytes, "low_sqnr_db": finite(self.low[0].sqnr_db),
                 "units": [{"name": u.name, "layers": u.layers, "bytes_added": u.cost,
-                           "noise_removed": u.gain, "chosen": u.name in self.chosen} for u in self.plan.units],
+                           "noise_removed": self.gains[u.name], "chosen": u.name in self.chosen} for u in self.plan.units],
                 "chosen": self.chosen, "bytes": self.bytes, "reached": self.reached,
                 "expected_outputs": [a.as_dict() for a in self.outputs], "flags": self.flags()}
 
@@ -182,15 +185,18 @@ def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
     return regex + names
 
 
-def plan_mix(reference: Path, low: Path, high: Path | None, *, per_layer: bool,
-             budget_bytes: int | None, target_db: float | None, ignored: list[str]) -> MixPlan:
+def plan_mix(models: EvalModels, *, per_layer: bool, budget_bytes: int | None, target_db: float | None,
+             ignored: list[str]) -> MixPlan:
     """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk)."""
     if (budget_bytes is None) == (target_db is None):
         raise UsageError("give one of --size-budget and --target-db")
-    (ref, _), (low_model, low_files) = load_model_info(reference, lazy=True), load_model_info(low, lazy=True)
-    high_model = load_model_info(high, lazy=True)[0] if high is not None else None
-    ref = rotated_as(ref, str(Path(reference).parent), low_model, high_model)  # --rotate: layers in one basis
-    base_bytes = sum((Path(low).parent / f).stat().st_size for f in [Path(low).name, *low_files])
+    if not models.in_onnxruntime:
+        raise GraphcalError("--size-budget and --target-db run in onnxruntime; these models need onnx.reference")
+    reference, low, high = models.reference.path, models.candidate.path, None
+    ref, low_model, high_model = models.reference.model, models.candidate.model, None
+    if models.fallback is not None:
+        high, high_model = models.fallback.path, models.fallback.model
+    base_bytes = sum(p.stat().st_size for p in models.candidate.on_disk)
     targets, lookups = find_targets(ref)[0], find_lookups(ref)
     layers = quantized_layers(low_model, ref, [*targets, *lookups])
     if not layers:
@@ -290,23 +296,12 @@ def _fields(scheme) -> dict:
     return out
 
 
-def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimization) -> Mix:
-    """The low model, each unit promoted in place, then the chosen mix(es), each against fp32."""
-    models = [(load_model_info(p, lazy=True)[0], p) for p in [reference, low, *([high] if high else [])]]
-    if not all(runs_in_onnxruntime(m) for m, _ in models):
-        raise GraphcalError("--size-budget and --target-db run in onnxruntime; these models need onnx.reference")
-    rotated_as(models[0][0], str(Path(reference).parent), *(m for m, _ in models[1:]))
-    folder = common_root(models)
-    ref_model = models[0][0]
-    types = {name: t.elem_type for name, t in value_types(ref_model).items()}
-    model, switches = switchable_model(ref_model, [m for m, _ in models[1:]], plan.fp32_layers, types)
-    del models, ref_model
-    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
-
-    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
-    del model
-    every = [s for names in switches.values() for s in names if s is not None]
-    off = {s: np.array(False) for s in every}
+def measure_mix(plan: MixPlan, session: SwitchSession, outputs, calib) -> Mix:
+    """The low model, each unit promoted in place, then the chosen mix(es), each against fp32, on eval's
+    switchable session (each layer's first switch: the low form; its second: the fallback's)."""
+    run, switches = session.run, {layer: session.switches[layer] for layer in plan.fp32_layers}
+    off = session.off  # every switch of the session, its layers besides the plan's too
+    every = list(off)
     units = plan.by_name
 
     def feeds(promoted: set[str]) -> dict[str, np.ndarray]:
@@ -329,29 +324,27 @@ def measure_mix(plan: MixPlan, reference, low, high, outputs, calib, optimizatio
         measured = measure_variants(run, off, variants, outputs, calib, bar)
         low_agree = measured.pop("")
         base = low_agree[0].noise
-        for u in plan.units:
-            u.gain = base - measured[u.name][0].noise
-        order = sorted(plan.units, key=lambda u: (-u.value, u.name))
+        gain = {u.name: base - measured[u.name][0].noise for u in plan.units}
+        order = sorted(plan.units, key=lambda u: (-u.value(gain[u.name]), u.name))
         if plan.budget_bytes is not None:
             chosen, room = [], plan.budget_bytes - plan.base_bytes
             for u in order:
-                if u.cost <= room and (u.gain > MIN_GAIN * base or u.cost <= 0):
+                if u.cost <= room and (gain[u.name] > MIN_GAIN * base or u.cost <= 0):
                     chosen.append(u.name)
                     room -= u.cost
-            mix = Mix(plan, low_agree, chosen)
-            mix.outputs = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
-            return mix
+            mixed = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
+            return Mix(plan, low_agree, gain, chosen, mixed)
         want = 10 ** (-plan.target_db / 10)
-        order = [u for u in order if u.gain > MIN_GAIN * base or u.cost <= 0]
-        gains = [max(u.gain, 0.0) for u in order]
+        order = [u for u in order if gain[u.name] > MIN_GAIN * base or u.cost <= 0]
+        gains = [max(gain[u.name], 0.0) for u in order]
         count = 0 if base <= want else _enough(gains, 0, base - want)
         for _ in range(MAX_TRIES):
-            mix = Mix(plan, low_agree, [u.name for u in order[:count]])
-            mix.outputs = measure_variants(run, off, {"mix": feeds(set(mix.chosen))}, outputs, calib, bar)["mix"]
-            mix.reached = mix.sqnr_db >= plan.target_db
+            chosen = [u.name for u in order[:count]]
+            mixed = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
+            mix = Mix(plan, low_agree, gain, chosen, mixed, reached=mixed[0].sqnr_db >= plan.target_db)
             if mix.reached or count >= len(order):
                 break
-            count += max(_enough(gains, count, mix.outputs[0].noise - want), 1)  # the shortfall, at measured rates
+            count += max(_enough(gains, count, mixed[0].noise - want), 1)  # the shortfall, at measured rates
         return mix
 
 

@@ -15,7 +15,7 @@ from graphcal.evaluation.sensitivity import Sensitivity
 from graphcal.graph.scaling import SCOPES
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalReport:
     outputs: list[Agreement]
     layers: list[Agreement]  # named by torch module, in graph order

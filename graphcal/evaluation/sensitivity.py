@@ -9,8 +9,8 @@ ranked by it, and the advice is then measured as well. Taking the worst kind, th
 those flags give. The quantized layers keep their own qparams, which do not depend on the other
 layers: observers see the fp32 model.
 
-Every run is one session over one model, built once (graph.switch): the fp32 model with each
-quantized layer behind a switch, fed per run. The fp32 outputs are that model with every switch
+Every run is one session over one model, built once and shared with the mix (graphcal.evaluation.switched
+over graph.switch): the fp32 model with each quantized layer behind a switch, fed per run. The fp32 outputs are that model with every switch
 off, so each batch runs once in fp32 and once per variant: :class:`SensitivityPlan` counts those
 runs before any pass (eval announces them, estimates their time from its own pass, and refuses a
 run past its time limit), and :func:`measure_sensitivity` makes them, the batches outermost so
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import onnx
@@ -33,10 +33,8 @@ from graphcal.data import batch_samples
 from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
-from graphcal.evaluation.rotated import rotated_as, rotation_key
-from graphcal.graph.external import common_root
-from graphcal.graph.io import load_model, load_model_info, runs_in_onnxruntime, value_types
-from graphcal.graph.switch import switchable_model
+from graphcal.evaluation.rotated import rotation_key
+from graphcal.evaluation.switched import SwitchSession
 from graphcal.progress import Progress
 
 log = logging.getLogger("graphcal")
@@ -73,18 +71,25 @@ def _rotation(record: dict) -> str:
     return f"{record.get('matrix', 'unknown matrix')}{', R2' if record.get('heads') else ''}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SensitivityPlan:
     """What --sensitivity will run, known from the models' structure before any pass."""
 
     layers: list  # the quantized targets
     per_layer: bool
-    kinds: dict[str, list[str]] = field(init=False)
 
-    def __post_init__(self):
-        self.kinds = {}
+    @cached_property
+    def kinds(self) -> dict[str, list[str]]:
+        """Kind -> its quantized layers, in graph order."""
+        kinds: dict[str, list[str]] = {}
         for t in self.layers:
-            self.kinds.setdefault(layer_kind(t.name), []).append(t.name)
+            kinds.setdefault(layer_kind(t.name), []).append(t.name)
+        return kinds
+
+    @property
+    def fp32_layers(self) -> dict[str, str]:
+        """Layer -> the fp32 node computing it: what the switchable session swaps."""
+        return {t.name: t.node for t in self.layers}
 
     @property
     def alone(self) -> dict[str, list[str]]:
@@ -109,20 +114,20 @@ class SensitivityPlan:
                 f"{self.options} options, and fp32 twice)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Option:
     """Advice: these kinds (and their layers) back in float, and the output agreement that gives."""
 
     kinds: list[str]
     layers: list[str]
-    outputs: list[Agreement] = field(default_factory=list)  # one per model output
+    outputs: list[Agreement]  # one per model output
 
     @property
     def sqnr_db(self) -> float:
         return self.outputs[0].sqnr_db if self.outputs else math.nan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sensitivity:
     """End-to-end loss of each kind (and layer) quantized alone, and the measured advice."""
 
@@ -160,43 +165,28 @@ def _pattern(kind: str, layers: list[str]) -> str:
     return kind_pattern(kind)
 
 
-def measure_sensitivity(plan: SensitivityPlan, reference, candidate, outputs, calib, optimization,
-                        ignored) -> Sensitivity:
-    """Each variant of ``plan`` alone, then the advice options, each compared with fp32 over the data."""
-    (ref_model, _), (cand_model, _) = load_model_info(reference, lazy=True), load_model_info(candidate, lazy=True)
-    ref_model = rotated_as(ref_model, str(Path(reference).parent), cand_model)  # --rotate: layers in one basis
-    folder = None
-    if runs_in_onnxruntime(cand_model):
-        folder = common_root([(ref_model, reference), (cand_model, candidate)])
-    else:  # onnx.reference runs it, with every weight in memory
-        ref_model, cand_model = load_model(reference), load_model(candidate)
-    types = {name: t.elem_type for name, t in value_types(ref_model).items()}
-    model, per_model = switchable_model(ref_model, [cand_model], {t.name: t.node for t in plan.layers}, types)
-    switches = {layer: names[0] for layer, names in per_model.items()}
-    del ref_model, cand_model
-    from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
-
-    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
-    del model
+def measure_sensitivity(plan: SensitivityPlan, session: SwitchSession, outputs, calib, ignored) -> Sensitivity:
+    """Each variant of ``plan`` alone, then the advice options, each compared with fp32 over the data,
+    on eval's switchable session (its quantized form: each layer's first switch)."""
+    switches = {layer: session.switches[layer][0] for layer in plan.fp32_layers}
     total = plan.runs * calib.num_samples if calib.num_samples else None
     with Progress("sensitivity", total, "sample") as bar:
-        alone = _measure(run, switches, plan.alone, outputs, calib, bar)
+        alone = _measure(session, switches, plan.alone, outputs, calib, bar)
         ranked = sorted(plan.kinds, key=lambda k: alone[k][0].sqnr_db)
         every = {t.name for t in plan.layers}
-        options = [Option(ranked[:n], [name for k in ranked[:n] for name in plan.kinds[k]])
-                   for n in range(1, plan.options + 1)]
-        measured = _measure(run, switches, {str(i): sorted(every - set(o.layers)) for i, o in enumerate(options)},
+        chosen = [(ranked[:n], [name for k in ranked[:n] for name in plan.kinds[k]]) for n in range(1, plan.options + 1)]
+        measured = _measure(session, switches, {str(i): sorted(every - set(layers)) for i, (_, layers) in enumerate(chosen)},
                             outputs, calib, bar)
-    for i, option in enumerate(options):
-        option.outputs = measured[str(i)]
+    options = [Option(kinds, layers, measured[str(i)]) for i, (kinds, layers) in enumerate(chosen)]
     return Sensitivity(plan.kinds, alone, options, list(ignored))
 
 
-def _measure(run, switches: dict[str, str], variants: dict[str, list[str]], outputs, calib, bar) -> dict[str, list[Agreement]]:
+def _measure(session: SwitchSession, switches: dict[str, str], variants: dict[str, list[str]], outputs, calib,
+             bar) -> dict[str, list[Agreement]]:
     """Each variant (its layers quantized, the rest in float) against fp32."""
-    off = {s: np.array(False) for s in switches.values()}
-    return measure_variants(run, off, {v: {**off, **{switches[name]: np.array(True) for name in layers}}
-                                       for v, layers in variants.items()}, outputs, calib, bar)
+    off = session.off
+    return measure_variants(session.run, off, {v: {**off, **{switches[name]: np.array(True) for name in layers}}
+                                               for v, layers in variants.items()}, outputs, calib, bar)
 
 
 def measure_variants(run, off: dict[str, np.ndarray], variants: dict[str, dict[str, np.ndarray]], outputs, calib,
