@@ -18,8 +18,11 @@ import onnx
 import pytest
 import torch
 
+#: the repository root, and its shipped test models (every test file finds its data from here, at any depth)
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "models"
 # llm-compressor's own outputs for SmoothQuant, GPTQ and AWQ (shared/ beside the repository)
-ALGORITHM_VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+ALGORITHM_VECTORS = REPO.parent / "shared" / "reference" / "algorithm_vectors.pt"
 
 
 def int8_kernels_saturate() -> bool:

@@ -15,7 +15,7 @@ from graphcal.cli import cli
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
 from graphcal.runtime import run_model
-from tests.helpers import sqnr_db
+from tests.helpers import MODELS, sqnr_db
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_in_graph_comparison_gives_the_numbers_of_fetched_tensors(model, scheme,
     from graphcal.evaluation import evaluate
     from graphcal.graph.compare import OUTPUT, SUMS, paired_model
 
-    folder = Path(__file__).resolve().parent.parent / "models" / model
+    folder = MODELS / model
     calibrate(folder / "model.onnx", folder / "calib.npz", tmp_path / "q", scheme=scheme)
     candidate = tmp_path / "q" / "model.onnx"
     fast = evaluate(folder / "model.onnx", candidate, folder / "heldout.npz", level=level)

@@ -17,8 +17,8 @@ import torch
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import observer_device, open_runtime
+from tests.graph.test_ort_forms import EXPECTED
 from tests.helpers import load_written, run_layers
-from tests.test_ort_forms import EXPECTED
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,9 +21,8 @@ from graphcal.cli import cli
 from graphcal.errors import UsageError
 from graphcal.graph.names import NameMatcher, check_pattern, match_name
 from graphcal.runtime import run_model
-from tests.helpers import sqnr_db
+from tests.helpers import REPO, sqnr_db
 
-REPO = Path(__file__).resolve().parent.parent
 HANG_GUARD_S = 60  # a hang guard, not a benchmark: the refusal itself takes well under a second
 H, FF = 128, 256
 

@@ -10,17 +10,15 @@
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
 
-from tests.helpers import EXPORTER_CHATTER
+from tests.helpers import EXPORTER_CHATTER, MODELS
 
-REPO = Path(__file__).resolve().parent.parent
-MODELS_DIR = REPO / "models"
+MODELS_DIR = MODELS
 MODEL_NAMES = ["tiny-llama", "tiny-bert"]
 INPUTS = {
     "tiny-llama": ["input_ids", "attention_mask"],

@@ -13,14 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
 WIDTH = 2048  # each MatMul of the chain: 2 x 2048^3 = 17 GFLOP, whatever the batch
 CHAIN = 48
 
@@ -52,7 +52,7 @@ def _stopped(args, marker, tmp_path, sig=signal.SIGTERM, env=None):
     # (``cmd &``) ignores SIGINT for it, the children inherit that, and graphcal rightly honours it
     proc = subprocess.Popen([sys.executable, "-m", "graphcal", "-v", *map(str, args)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     deadline = time.monotonic() + 120
