@@ -1,5 +1,5 @@
-"""A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/test_genai.py,
-tests/test_bench_kv.py, tests/test_genai_cuda.py): a random-weight Llama made with transformers, built
+"""A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/export/test_genai.py,
+tests/bench/test_decode.py, tests/export/test_genai_cuda.py): a random-weight Llama made with transformers, built
 offline by onnxruntime-genai's own model builder through ``graphcal export --genai fp32``; and the
 reference they generate by, onnxruntime-genai's own greedy loop."""
 

@@ -312,7 +312,7 @@ sq_stage:
 
 @pytest.mark.slow
 def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
-    """The smoothing of the case (its GPTQ weights: tests/test_gptq_awq_run.py)."""
+    """The smoothing of the case (its GPTQ weights: tests/algorithms/test_gptq_awq_run.py)."""
     from graphcal.config.recipe import parse_recipe, recipe_config
 
     case = next(c for c in vectors["e2e"] if c["name"] == "sq_gptq_w8a8")

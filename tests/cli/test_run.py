@@ -208,7 +208,7 @@ def test_onnxruntime_form_loads_at_its_default_level_and_keeps_the_numbers(runs,
     layers a last-bit difference can flip a later activation's rounding, so the bound is relative:
     the gap to BASIC is at least 6 dB under the quantization error (10 dB where nothing rounds on
     the way). Weight-only int schemes are compared at MatMulNBits accuracy level 0: at the
-    default level 4 the kernel also quantizes its input (tests/test_ort_forms.py bounds that)."""
+    default level 4 the kernel also quantizes its input (tests/graph/test_ort_forms.py bounds that)."""
     if INT8_SATURATES and scheme in ("W8A8", "W8A8_STATIC"):  # their u8 x s8 kernels
         pytest.skip(SATURATION_REASON)
     src, out, _ = runs(model_name, scheme, "onnxruntime")

@@ -92,7 +92,7 @@ def _minmax_scale(a: np.ndarray) -> torch.Tensor:
 
 def _run(args, *extra):
     # on the CPU: the references are computed in numpy, and a GPU's TF32 matmuls would move the
-    # second layer's input by more than the exact comparisons allow (tests/test_cuda.py has the CUDA pass)
+    # second layer's input by more than the exact comparisons allow (tests/calibration/test_cuda.py has the CUDA pass)
     return CliRunner().invoke(cli, ["run", *map(str, args), "--device", "cpu", *extra])
 
 

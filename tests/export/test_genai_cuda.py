@@ -63,4 +63,4 @@ def test_a_cuda_build_quantized_on_the_gpu_generates_on_the_gpu(cuda_build, tmp_
     print(f"{'-'.join(args)}: first token {tokens[0]} (fp16 {ref_tokens[0]}), logits {measured:.1f} dB")
     # random weights give near-uniform logits, so only the first token is sure to survive int4 noise
     assert tokens[0] == ref_tokens[0] and len(tokens) == STEPS
-    assert measured > 12  # fp32 CPU builds measure 19-28 dB (tests/test_genai.py); a broken layer gives ~0
+    assert measured > 12  # fp32 CPU builds measure 19-28 dB (tests/export/test_genai.py); a broken layer gives ~0
