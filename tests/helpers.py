@@ -242,19 +242,27 @@ def time_box(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def run_cli(*args, **kwargs):
+    """``graphcal ARGS`` in this process, as every test runs the CLI: click's CliRunner on graphcal.cli.cli,
+    each argument passed as ``str`` (paths welcome). ``kwargs`` go to ``CliRunner.invoke`` (``input``,
+    ``env``, ``catch_exceptions``). Returns click's Result: ``exit_code``, ``output`` (stdout and stderr),
+    ``stdout``, ``stderr``, ``exception``."""
+    from click.testing import CliRunner
+
+    from graphcal.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args], **kwargs)
+
+
 LAYER_NODES = ("/fc1/MatMul", "/fc3/MatMul", "/fc2/Gemm")  # the ``layers`` fixture's weight nodes
 
 
 def run_layers(layers, tmp_path, scheme, *extra) -> tuple:
     """`graphcal run --json` on the ``layers`` fixture's model: (written model path, JSON summary)."""
-    from click.testing import CliRunner
-
-    from graphcal.cli import cli
-
     folder, _ = layers
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out), "--device", "cpu", "--json", *extra])
+    result = run_cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", scheme, "-o", out,
+                     "--device", "cpu", "--json", *extra)
     assert result.exit_code == 0, result.output
     return out / "model.onnx", json.loads(result.stdout)
 

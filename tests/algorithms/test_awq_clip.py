@@ -15,14 +15,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from onnx import numpy_helper
 
 from graphcal.algorithms.awq import clip as awq_clip
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 
 def _inputs(tokens: int, columns: int, seed: int) -> torch.Tensor:
@@ -116,9 +115,6 @@ def test_nothing_to_clip(args):
     assert awq_clip.search(_weight(8, 64, 5), args, torch.eye(64)) is None
 
 
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
 
 def _record(folder):
     model = onnx.load(str(folder / "model.onnx"))
@@ -152,8 +148,8 @@ def test_awq_clip_end_to_end(llama_dir, tmp_path, scheme):
     flags = ["--data", llama_dir / "calib.npz", "--scheme", scheme, "--group-size", "32", "--algorithm", "awq",
              "--target", "qdq", "-q"]
     plain, clipped = tmp_path / "plain", tmp_path / "clipped"
-    assert _cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
-    result = _cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped)
+    assert run_cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
+    result = run_cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped)
     assert result.exit_code == 0, result.output
     record = _record(clipped)
     layers = {c["layer"].rsplit(".", 1)[1] for c in record["clip"]}
@@ -177,8 +173,8 @@ def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir,
     flags = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32", "--algorithm",
              "awq+gptq", "--target", "qdq", "-q"]
     plain, clipped = tmp_path / "plain", tmp_path / "clipped"
-    assert _cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
-    assert _cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped).exit_code == 0
+    assert run_cli("run", llama_dir / "model.onnx", *flags, "-o", plain).exit_code == 0
+    assert run_cli("run", llama_dir / "model.onnx", *flags, "--awq-clip", "-o", clipped).exit_code == 0
     a, b = load_file(str(plain / "qparams.safetensors")), load_file(str(clipped / "qparams.safetensors"))
     for name in a:
         if not name.endswith("weight_scale"):
@@ -193,14 +189,14 @@ def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir,
 
 
 def test_awq_clip_needs_awq(llama_dir):
-    result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--awq-clip")
+    result = run_cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--awq-clip")
     assert result.exit_code == 2 and "--awq-clip needs --algorithm awq" in result.output, result.output
 
 
 def test_inspect_lists_the_layers_the_clip_takes(llama_dir):
     args = ["inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq",
             "--awq-clip"]
-    text, report = _cli(*args), _cli(*args, "--json")
+    text, report = run_cli(*args), run_cli(*args, "--json")
     assert text.exit_code == 0 and report.exit_code == 0, text.output + report.output
     clip = json.loads(report.output)["awq"]["clip"]
     layers = json.loads(report.output)["quantized"]
@@ -217,8 +213,8 @@ def test_a_packed_qkv_is_clipped_and_generates(builder_model, tmp_path):
     flags = ["--data", calib, "--scheme", "W4A16", "--group-size", "32", "--algorithm", "awq", "--target", "qdq",
              "-q"]
     plain, clipped = tmp_path / "plain", tmp_path / "clipped"
-    assert _cli("run", folder / "model.onnx", *flags, "-o", plain).exit_code == 0
-    result = _cli("run", folder / "model.onnx", *flags, "--awq-clip", "-o", clipped)
+    assert run_cli("run", folder / "model.onnx", *flags, "-o", plain).exit_code == 0
+    result = run_cli("run", folder / "model.onnx", *flags, "--awq-clip", "-o", clipped)
     assert result.exit_code == 0, result.output
     a, b = _dequantized(plain), _dequantized(clipped)
     qkv = [k for k in a if "qkv_proj" in k]

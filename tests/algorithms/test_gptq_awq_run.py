@@ -23,14 +23,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import plan
-from graphcal.cli import cli
 from graphcal.data import graph_inputs, load_data
 from graphcal.graph.targets import torch_weight
-from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, sqnr_db
+from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, run_cli, sqnr_db
 
 VECTORS = ALGORITHM_VECTORS
 
@@ -236,8 +234,8 @@ def test_awq_on_some_mappings_and_some_samples(llama_dir, tmp_path):
                                          'AWQModifier: {mappings: [{smooth_layer: "re:.*up_proj$", '
                                          'balance_layers: ["re:.*down_proj$"]}]}'))
     out = tmp_path / "o"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
-                  "--awq-samples", "8", "-o", out, "-q")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                     "--awq-samples", "8", "-o", out, "-q")
     assert result.exit_code == 0, result.output
     record = json.loads(next(p.value for p in onnx.load(out / "model.onnx").metadata_props if p.key == "graphcal.awq"))
     assert [m["balance"] for m in record["mappings"]] == [["model.layers.0.mlp.down_proj"],
@@ -257,9 +255,6 @@ def test_awq_scores_parents_on_batches_spread_over_the_data(samples, batches, wa
     assert search_batches(calib, samples) == want
 
 
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
 
 @pytest.mark.slow
 def test_gptq_recipe_writes_llm_compressors_qparams_and_its_weights(vectors, llama, tmp_path):
@@ -272,8 +267,8 @@ def test_gptq_recipe_writes_llm_compressors_qparams_and_its_weights(vectors, lla
     np.savez(tmp_path / "calib.npz", **arrays)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(GPTQ_W4_RECIPE)
-    result = _cli("run", path, "--data", tmp_path / "calib.npz", "-o", tmp_path / "out", "--recipe", recipe,
-                  "--batch-size", 2, "--target", "qdq", "--json")
+    result = run_cli("run", path, "--data", tmp_path / "calib.npz", "-o", tmp_path / "out", "--recipe", recipe,
+                     "--batch-size", 2, "--target", "qdq", "--json")
     assert result.exit_code == 0, result.output
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
     written = load_file(str(tmp_path / "out" / "qparams.safetensors"))
@@ -284,9 +279,9 @@ def test_gptq_recipe_writes_llm_compressors_qparams_and_its_weights(vectors, lla
     got = _logits(tmp_path / "out" / "model.onnx", arrays)
     expected = _torch_logits(vectors, ref, arrays)
     rtn = tmp_path / "rtn"
-    assert _cli("run", path, "--data", tmp_path / "calib.npz", "-o", rtn, "--scheme",
-                '{"weights": {"num_bits": 4, "type": "int", "symmetric": false, "group_size": 32, "strategy": '
-                '"group"}}', "--target", "qdq").exit_code == 0
+    assert run_cli("run", path, "--data", tmp_path / "calib.npz", "-o", rtn, "--scheme",
+                   '{"weights": {"num_bits": 4, "type": "int", "symmetric": false, "group_size": 32, "strategy": '
+                   '"group"}}', "--target", "qdq").exit_code == 0
     assert sqnr_db(expected, got) > 60
     assert sqnr_db(expected, _logits(rtn / "model.onnx", arrays)) < 40
 
@@ -323,12 +318,12 @@ def test_awq_from_the_command_line_adds_no_node(llama, tmp_path):
     path, arrays, _, _ = llama
     np.savez(tmp_path / "calib.npz", **arrays)
     out = tmp_path / "out"
-    result = _cli("run", path, "--data", tmp_path / "calib.npz", "-o", out, "--scheme", "W4A16", "--group-size", 32,
-                  "--algorithm", "awq", "--target", "qdq", "--json")
+    result = run_cli("run", path, "--data", tmp_path / "calib.npz", "-o", out, "--scheme", "W4A16", "--group-size", 32,
+                     "--algorithm", "awq", "--target", "qdq", "--json")
     assert result.exit_code == 0, result.output
     rtn = tmp_path / "rtn"
-    assert _cli("run", path, "--data", tmp_path / "calib.npz", "-o", rtn, "--scheme", "W4A16", "--group-size", 32,
-                "--target", "qdq").exit_code == 0
+    assert run_cli("run", path, "--data", tmp_path / "calib.npz", "-o", rtn, "--scheme", "W4A16", "--group-size", 32,
+                   "--target", "qdq").exit_code == 0
     from collections import Counter
 
     a, b = onnx.load(str(out / "model.onnx")), onnx.load(str(rtn / "model.onnx"))
@@ -347,7 +342,7 @@ def test_awq_from_the_command_line_adds_no_node(llama, tmp_path):
     (["--awq-samples", "16"], "--awq-samples needs --algorithm awq"),
 ])
 def test_algorithm_flags(llama_dir, args, message):
-    result = _cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--group-size", "32", *args)
+    result = run_cli("inspect", llama_dir / "model.onnx", "--scheme", "W4A16", "--group-size", "32", *args)
     if message is None:
         assert result.exit_code == 0, result.output
     else:
@@ -360,12 +355,12 @@ def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monk
 
     monkeypatch.setattr(graphcal.algorithms.gptq.stage, "hessian_bytes", lambda targets: 1 << 60)
     flags = ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass"]
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o", *flags)
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o", *flags)
     assert result.exit_code == 1, result.output
     assert "GPTQ's one-pass Hessians needs" in result.output and "--gptq-order sequential" in result.output
     assert not (tmp_path / "o").exists()
     # inspect shares run's pre-flight checks (calibration.prepare), so it refuses the same run the same way
-    inspected = _cli("inspect", llama_dir / "model.onnx", *flags)
+    inspected = run_cli("inspect", llama_dir / "model.onnx", *flags)
     assert inspected.exit_code == 1 and inspected.output.strip().splitlines() == result.output.strip().splitlines()
 
 
@@ -377,8 +372,8 @@ def test_gptq_on_the_shipped_llama_beats_round_to_nearest(llama_dir, tmp_path):
     for label, extra in (("rtn", []), ("gptq", ["--algorithm", "gptq"]),
                          ("gptq1", ["--algorithm", "gptq", "--gptq-order", "one-pass"])):
         out = tmp_path / label
-        result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out, "--scheme",
-                      "W4A16", "--group-size", "32", "-q", *extra)
+        result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out, "--scheme",
+                         "W4A16", "--group-size", "32", "-q", *extra)
         assert result.exit_code == 0, result.output
         report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz")
         runs[label] = report.outputs[0].sqnr_db
@@ -426,9 +421,9 @@ def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, t
     from safetensors.torch import load_file
 
     common = ["--data", llama_dir / "calib.npz", "--scheme", "NVFP4A16", "--target", "qdq", "-q"]
-    assert _cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "rtn").exit_code == 0
-    result = _cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "gptq", "--algorithm", "gptq",
-                  "--gptq-order", order)
+    assert run_cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "rtn").exit_code == 0
+    result = run_cli("run", llama_dir / "model.onnx", *common, "-o", tmp_path / "gptq", "--algorithm", "gptq",
+                     "--gptq-order", order)
     assert result.exit_code == 0, result.output
     rtn, gptq = (load_file(str(tmp_path / d / "qparams.safetensors")) for d in ("rtn", "gptq"))
     assert rtn.keys() == gptq.keys() and any(k.endswith("weight_global_scale") for k in rtn)
@@ -449,8 +444,8 @@ def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, mo
     import graphcal.calibration.blockwise
 
     monkeypatch.setattr(graphcal.calibration.blockwise, "CACHE_SHARE", 1e-9)
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
-                  "--scheme", "W4A16", "--algorithm", algorithm)
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
+                     "--scheme", "W4A16", "--algorithm", algorithm)
     assert result.exit_code == 1, result.output
     line = result.output.strip().splitlines()[-1]
     assert "for 64 samples needs" in line and "--num-samples" in line, line
@@ -489,8 +484,8 @@ def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_pat
     original = graphcal.calibration.blockwise.Blockwise.check_cache
     monkeypatch.setattr(graphcal.calibration.blockwise.Blockwise, "check_cache",
                         lambda self, k, first, what="": (seen.append(sorted(first)), original(self, k, first, what))[1])
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
-                  "--scheme", "W4A16", "--algorithm", "gptq", "--ignore", "none", "--json")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
+                     "--scheme", "W4A16", "--algorithm", "gptq", "--ignore", "none", "--json")
     assert result.exit_code == 0, result.output
     assert "lm_head" in json.loads(result.stdout)["quantized"]
     assert seen and all("logits" not in names for names in seen), seen
@@ -518,9 +513,8 @@ def test_whole_model_awq_keeps_a_tied_table_tied(tied_builder_model, tmp_path):
     records = {}
     for name, extra in (("whole", ["--scheme-for", "Embedding=W4A16"]), ("head", [])):
         out = tmp_path / name
-        result = CliRunner().invoke(cli, [str(a) for a in (
-            "run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32", "--lm-head",
-            "--matmulnbits", "--algorithm", "awq", "-o", out, *extra)])
+        result = run_cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32", "--lm-head",
+                         "--matmulnbits", "--algorithm", "awq", "-o", out, *extra)
         assert result.exit_code == 0, result.output
         assert "both tables are stored" not in result.output
         written = onnx.load(str(out / "model.onnx"), load_external_data=False)

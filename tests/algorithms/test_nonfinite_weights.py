@@ -12,13 +12,11 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import numpy_helper
 
-from graphcal.cli import cli
 from graphcal.graph.targets import find_targets
 from graphcal.runtime import run_model
-from tests.helpers import sqnr_db
+from tests.helpers import run_cli, sqnr_db
 
 V_PROJ = "model.layers.1.self_attn.v_proj"
 LAYER0_OUT = "/model/layers.0/mlp/down_proj/MatMul_output_0"  # before the NaN: finite in fp32
@@ -47,8 +45,8 @@ def test_a_nan_weight_leaves_its_mappings_out_and_the_run_goes_on(nan_llama, lla
     folder, weight = nan_llama
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="graphcal"):
-        result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
-                                          "-o", str(out), *algorithm, "--skip-nonfinite-weights", "--json"])
+        result = run_cli("run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
+                         "-o", str(out), *algorithm, "--skip-nonfinite-weights", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index("{"):])
     assert V_PROJ in summary["ignored"]

@@ -14,7 +14,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 from compressed_tensors.transform.factory.matrix_multiply import RandomMatrixFactory
 from onnx import numpy_helper
@@ -22,7 +21,6 @@ from torch.nn import Parameter
 
 from graphcal.algorithms.rotation.fold import METADATA_KEY, rotate
 from graphcal.algorithms.rotation.hadamard import hadamard, orthogonal
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.io import load_model, save_model, unchecked_ops
@@ -30,10 +28,7 @@ from graphcal.graph.targets import find_targets
 from graphcal.graph.weight_path import weight_as_consumed
 from graphcal.runtime import run_model
 from tests.conftest import MODELS
-
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.helpers import run_cli
 
 
 @pytest.mark.parametrize("n", [1, 2, 12, 20, 36, 64, 128, 576, 768, 960, 1536, 2048])
@@ -122,8 +117,8 @@ def test_compressed_tensors_applying_the_recorded_transform_config_gives_the_rot
     recipe = tmp_path / "r1r2.yaml"
     recipe.write_text(R1_R2_RECIPE % kind)
     out = tmp_path / "out"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
-                  "-o", out, "-q")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                     "-o", out, "-q")
     assert result.exit_code == 0, result.output
     recorded = json.loads((out / "quantization_config.json").read_text())["transform_config"]
     config = TransformConfig.model_validate(recorded)
@@ -157,8 +152,8 @@ def test_compressed_tensors_applying_the_recorded_transform_config_gives_the_rot
 
 def test_a_run_without_a_rotation_records_an_empty_transform_config(llama_dir, tmp_path):
     """As compressed-tensors writes it for a model with no transform."""
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A16",
-                  "-o", tmp_path / "out", "-q")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A16",
+                     "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "out" / "quantization_config.json").read_text())["transform_config"] == {}
 
@@ -179,7 +174,7 @@ def _same_function(reference, rotated, calib, tmp_path):
     float rounding through graphcal eval, and a decode step over each model's own cache."""
     shutil.copytree(reference.parent, tmp_path / "rotated", ignore=shutil.ignore_patterns("model.onnx*"))
     save_model(rotated, tmp_path / "rotated" / "model.onnx", external=True, unchecked=unchecked_ops(rotated))
-    result = _cli("eval", reference, tmp_path / "rotated" / "model.onnx", "--data", calib, "--json")
+    result = run_cli("eval", reference, tmp_path / "rotated" / "model.onnx", "--data", calib, "--json")
     assert result.exit_code == 0, result.output
     outputs = {o["name"]: o["sqnr_db"] for o in json.loads(result.output.strip().splitlines()[-1])["outputs"]}
     for name, sqnr in outputs.items():  # float rounding only, except the values R2 turned per head
@@ -245,8 +240,8 @@ def test_a_kept_tie_quantizes_as_one_table_and_its_scale_stays_float(tied_builde
     folder, calib = tied_builder_model
     _tied_with_random_scales(folder, tmp_path / "src", np.random.default_rng(3))
     folder, out = tmp_path / "src", tmp_path / "out"
-    result = _cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32",
-                  "--lm-head", "--scheme-for", "Embedding=W4A16", "--matmulnbits", "--rotate", "R1", "-o", out)
+    result = run_cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W4A16", "--group-size", "32",
+                     "--lm-head", "--scheme-for", "Embedding=W4A16", "--matmulnbits", "--rotate", "R1", "-o", out)
     assert result.exit_code == 0, result.output
     assert "stored twice" not in result.output  # the untie warning
     assert ("rotated the residual stream first (Hadamard 64; R1): 12 weights and 5 norm scales folded; 1 table kept "
@@ -262,7 +257,7 @@ def test_a_kept_tie_quantizes_as_one_table_and_its_scale_stays_float(tied_builde
     (scale_node,) = record["scale_nodes"]
     assert len(record["kept_tied"]) == 1 and record["untied"] == []
     assert ops[scale_node].op_type == "MatMul"  # float: not quantized
-    result = _cli("eval", folder / "model.onnx", out / "model.onnx", "--data", calib, "--json")
+    result = run_cli("eval", folder / "model.onnx", out / "model.onnx", "--data", calib, "--json")
     assert result.exit_code == 0, result.output
     logits = next(o for o in json.loads(result.output.strip().splitlines()[-1])["outputs"] if o["name"] == "logits")
     assert logits["sqnr_db"] > 10  # a quantized model of the same function (broken: about 0 dB)
@@ -287,7 +282,7 @@ def _prefill_then_step(model, ids: np.ndarray) -> np.ndarray:
 def test_an_encoder_with_layernorm_is_refused_in_one_line(bert_dir, tmp_path):
     with pytest.raises(GraphcalError, match="LayerNormalization .* reads the residual stream"):
         rotate(load_model(bert_dir / "model.onnx"), str(bert_dir))
-    result = _cli("run", bert_dir / "model.onnx", "--data", bert_dir / "calib.npz", "--rotate", "-o", tmp_path / "o")
+    result = run_cli("run", bert_dir / "model.onnx", "--data", bert_dir / "calib.npz", "--rotate", "-o", tmp_path / "o")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.strip().splitlines()[-1].startswith("error: LayerNormalization")
     assert not (tmp_path / "o").exists()
@@ -298,14 +293,14 @@ def test_run_rotate_composes_and_records_the_rotation(llama_dir, tmp_path, extra
     before = (llama_dir / "model.onnx").read_bytes()
     out = tmp_path / "out"
     scheme = "W8A8_STATIC" if extra == ["--smoothquant"] else "W4A16"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme, "--rotate",
-                  "-o", out, "-q", *extra)
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme, "--rotate",
+                     "-o", out, "-q", *extra)
     assert result.exit_code == 0, result.output
     assert (llama_dir / "model.onnx").read_bytes() == before  # the input is never modified
     written = onnx.load(out / "model.onnx")
     record = json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))
     assert record["matrix"] == "Hadamard 128" and record["weights"] == 16 and record["norms"] == 5
-    result = _cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz", "--json")
+    result = run_cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz", "--json")
     assert result.exit_code == 0, result.output
     floor = 25 if scheme == "W8A8_STATIC" else 12  # unrotated: 30.8 and 13.4 dB on these random weights
     assert json.loads(result.output)["outputs"][0]["sqnr_db"] > floor  # a quantized model of the same function
@@ -315,13 +310,13 @@ def test_rotations_are_chosen_by_spinquants_names(tied_builder_model, tmp_path):
     folder, calib = tied_builder_model
     for value, heads in (("R1", 0), ("r1,R2", 2)):
         out = tmp_path / value.replace(",", "")
-        result = _cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W8A16", "--group-size", "32",
-                      "--rotate", value, "-o", out, "-q")
+        result = run_cli("run", folder / "model.onnx", "--data", calib, "--scheme", "W8A16", "--group-size", "32",
+                         "--rotate", value, "-o", out, "-q")
         assert result.exit_code == 0, result.output
         written = onnx.load(out / "model.onnx", load_external_data=False)
         assert json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))["heads"] == heads
     for bad in ("R3", "R2", "R1,R5"):
-        result = _cli("run", folder / "model.onnx", "--data", calib, "--rotate", bad, "-o", tmp_path / "bad")
+        result = run_cli("run", folder / "model.onnx", "--data", calib, "--rotate", bad, "-o", tmp_path / "bad")
         assert result.exit_code == 2 and "--rotate takes R1 or R1,R2" in result.output.strip().splitlines()[-1]
 
 
@@ -341,7 +336,7 @@ def test_a_spinquant_recipe_folds_its_rotations_as_rotate_does(tied_builder_mode
         recipe = tmp_path / f"{kind}.yaml"
         recipe.write_text(SPINQUANT_RECIPE % kind)
         out = tmp_path / kind
-        result = _cli("run", folder / "model.onnx", "--data", calib, "--recipe", recipe, "-o", out, "-q")
+        result = run_cli("run", folder / "model.onnx", "--data", calib, "--recipe", recipe, "-o", out, "-q")
         assert result.exit_code == 0, result.output
         written = onnx.load(out / "model.onnx", load_external_data=False)
         record = json.loads(next(p.value for p in written.metadata_props if p.key == METADATA_KEY))
@@ -363,7 +358,7 @@ def test_a_spinquant_recipe_folds_its_rotations_as_rotate_does(tied_builder_mode
 def test_what_a_spinquant_recipe_asks_that_graphcal_cannot_fold_is_refused(llama_dir, tmp_path, body, message):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(SPINQUANT_RECIPE.replace("{rotations: [R1, R2], transform_type: %s}", body))
-    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
+    result = run_cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
     assert result.exit_code == 2 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
 
@@ -372,7 +367,7 @@ def test_a_spinquant_modifier_after_the_quantizer_is_refused(llama_dir, tmp_path
     recipe = tmp_path / "r.yaml"
     recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {targets: [Linear], scheme: W8A16}\n"
                       "    SpinQuantModifier: {rotations: [R1]}\n")
-    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
+    result = run_cli("inspect", llama_dir / "model.onnx", "--recipe", recipe)
     assert result.exit_code == 2 and "comes after the modifier that quantizes" in result.output, result.output
 
 
@@ -387,24 +382,24 @@ def test_eval_measures_a_rotated_model_layer_by_layer_against_its_unrotated_fp32
     predicted (round to nearest: a layer's qparams do not depend on the others)."""
     calib, heldout = llama_dir / "calib.npz", llama_dir / "heldout.npz"
     for scheme in ("W4A16", "W8A16"):
-        _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", scheme, "--lm-head", "--rotate", "R1",
-                   "-o", tmp_path / scheme, "-q", "--json"))
+        _json(run_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", scheme, "--lm-head", "--rotate", "R1",
+                      "-o", tmp_path / scheme, "-q", "--json"))
     low, high = tmp_path / "W4A16" / "model.onnx", tmp_path / "W8A16" / "model.onnx"
-    report = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json"))
+    report = _json(run_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json"))
     layers = {layer["name"]: layer["sqnr_db"] for layer in report["layers"]}
     assert len(layers) == 15 and min(layers.values()) > 8  # measured 9.9-19.2 dB; unrotated fp32: writers ~0 dB
     low_bytes = sum(f.stat().st_size for f in low.parent.glob("model.onnx*"))
-    mix = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--fallback", high,
-                     "--size-budget", (low_bytes + 60_000) / 1e6, "--per-layer"))["mix"]
+    mix = _json(run_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--fallback", high,
+                        "--size-budget", (low_bytes + 60_000) / 1e6, "--per-layer"))["mix"]
     assert 0 < sum(u["chosen"] for u in mix["units"]) < len(mix["units"])
     predicted = mix["expected_outputs"][0]["sqnr_db"]
     assert predicted > mix["low_sqnr_db"] + 2
-    _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "--lm-head", "--rotate", "R1",
-               "-o", tmp_path / "mixed", "-q", "--json", *mix["flags"]))
-    measured = _json(_cli("eval", llama_dir / "model.onnx", tmp_path / "mixed" / "model.onnx", "--data", heldout,
-                          "--json"))["outputs"][0]["sqnr_db"]
+    _json(run_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "--lm-head", "--rotate", "R1",
+                  "-o", tmp_path / "mixed", "-q", "--json", *mix["flags"]))
+    measured = _json(run_cli("eval", llama_dir / "model.onnx", tmp_path / "mixed" / "model.onnx", "--data", heldout,
+                             "--json"))["outputs"][0]["sqnr_db"]
     assert measured == pytest.approx(predicted, abs=0.05)
-    sensitivity = _json(_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--sensitivity"))
+    sensitivity = _json(run_cli("eval", llama_dir / "model.onnx", low, "--data", heldout, "--json", "--sensitivity"))
     assert sensitivity["sensitivity"]["alone"]  # each kind measured (it swaps layers between the two)
 
 
@@ -416,10 +411,10 @@ def test_models_rotated_otherwise_are_refused_in_one_line_before_any_pass(llama_
             (tmp_path / "r.yaml").write_text(SPINQUANT_RECIPE.replace("rotations: [R1, R2], transform_type: %s",
                                                                       "rotations: [R1], transform_type: random-matrix")
                                              .replace("scheme: W8A8", "scheme: W8A16"))
-        _json(_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "-o", tmp_path / name, "-q",
-                   "--json", *extra))
-    result = _cli("eval", tmp_path / "r1" / "model.onnx", tmp_path / "random" / "model.onnx", "--data", calib,
-                  "--sensitivity")
+        _json(run_cli("run", llama_dir / "model.onnx", "--data", calib, "--scheme", "W4A16", "-o", tmp_path / name, "-q",
+                      "--json", *extra))
+    result = run_cli("eval", tmp_path / "r1" / "model.onnx", tmp_path / "random" / "model.onnx", "--data", calib,
+                     "--sensitivity")
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("error: the reference was rotated otherwise (Hadamard 128) than the quantized "
                                     "model (random orthogonal 128 (seed 0))")
@@ -429,13 +424,13 @@ def test_models_rotated_otherwise_are_refused_in_one_line_before_any_pass(llama_
 def test_a_stranger_s_rotation_record_is_checked_before_it_is_used(llama_dir, tmp_path, change):
     """eval re-applies the rotation a quantized model's metadata names: a record graphcal would not
     write is refused in one line, before any pass."""
-    _json(_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--rotate",
-               "R1", "-o", tmp_path / "q", "-q", "--json"))
+    _json(run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--rotate",
+                  "R1", "-o", tmp_path / "q", "-q", "--json"))
     model = onnx.load(tmp_path / "q" / "model.onnx")
     prop = next(p for p in model.metadata_props if p.key == METADATA_KEY)
     prop.value = json.dumps({k: v for k, v in {**json.loads(prop.value), **change}.items() if v is not None})
     onnx.save(model, tmp_path / "q" / "model.onnx")
-    result = _cli("eval", llama_dir / "model.onnx", tmp_path / "q" / "model.onnx", "--data", llama_dir / "calib.npz")
+    result = run_cli("eval", llama_dir / "model.onnx", tmp_path / "q" / "model.onnx", "--data", llama_dir / "calib.npz")
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("error: the graphcal.rotation record")
 
@@ -463,8 +458,8 @@ def test_r2_asked_where_no_attention_is_recognised_says_only_r1_was_folded(tmp_p
     """Optimum's export with a KV cache writes its attention in a form graphcal does not recognise
     (find_kv_states reports it): --rotate folds R1 and says that R2 was not."""
     folder = MODELS / "tiny-llama-optimum"
-    result = _cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", "W8A16", "--rotate",
-                  "-o", tmp_path / "out")
+    result = run_cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", "W8A16", "--rotate",
+                     "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "warning: --rotate R2: no attention's value and output projections were recognised" in result.output
     groups = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["transform_config"]["config_groups"]
@@ -475,14 +470,14 @@ def test_inspect_and_run_say_what_the_rotation_folds(llama_dir, tmp_path):
     """inspect --rotate (text and JSON) and run name the matrices, the weights and norms folded, and
     the attentions whose heads R2 turned."""
     args = [llama_dir / "model.onnx", "--scheme", "W4A16", "--rotate"]
-    result = _cli("inspect", *args)
+    result = run_cli("inspect", *args)
     assert result.exit_code == 0, result.output
     line = ("(Hadamard 128; R1,R2): 16 weights and 5 norm scales folded; R2 on 2 attention(s) (Hadamard 32)")
     assert f"rotation {line}" in result.output
-    result = _cli("inspect", *args, "--json")
+    result = run_cli("inspect", *args, "--json")
     assert result.exit_code == 0, result.output
     record = json.loads(result.output)["rotation"]
     assert record["heads"] == 2 and record["rotations"] == ["R1", "R2"] and record["weights"] == 16
-    result = _cli("run", *args, "--data", llama_dir / "calib.npz", "-o", tmp_path / "out")
+    result = run_cli("run", *args, "--data", llama_dir / "calib.npz", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert f"rotated the residual stream first {line}" in result.output

@@ -13,20 +13,16 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.algorithms.rotation.fold import rotate
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.runtime import run_model
+from tests.helpers import run_cli
 
 HIDDEN, FFN, VOCAB = 16, 32, 50
 DOWN = "model.layers.0.mlp.down_proj"
 
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def _toy(folder, down: str = "matmul", bias: tuple | None = None, self_residual: bool = False, seed: int = 0):
@@ -114,7 +110,7 @@ def test_a_run_with_a_gemm_o_proj_and_its_bias_rotated_writes_a_model_close_to_f
     """Through the CLI: exit 0, no warning, and the written W8A16 model stays near fp32."""
     path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,))
     out = tmp_path / "out"
-    result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", out)
+    result = run_cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", out)
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output
     feeds = {"ids": np.arange(16, dtype=np.int64) * 3 % VOCAB}
@@ -130,7 +126,7 @@ def test_a_gemm_writer_whose_bias_is_not_a_row_is_refused_in_one_line(tmp_path, 
     with pytest.raises(GraphcalError, match=f"Gemm /{DOWN.replace('.', '/')}/Gemm writes into the residual stream "
                                             "with a bias that is not a constant row"):
         rotate(onnx.load(path), str(tmp_path))
-    result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", tmp_path / "out")
+    result = run_cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", tmp_path / "out")
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines()[-1].startswith(f"error: Gemm /{DOWN.replace('.', '/')}/Gemm")
     assert not (tmp_path / "out").exists()
@@ -144,7 +140,7 @@ def test_a_weight_reading_the_stream_and_writing_into_it_takes_both_sides(tmp_pa
     _assert_float_error(want, got)
     assert "model.layers.0.mixer" in report.writes and "model.layers.0.mixer" in report.reads
     assert report.untied == []
-    result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", tmp_path / "out")
+    result = run_cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output and "tied" not in result.output
 
@@ -153,12 +149,12 @@ def test_a_weight_reading_the_stream_and_writing_into_it_takes_both_sides(tmp_pa
 def test_an_empty_rotate_is_a_usage_error_not_a_run_without_a_rotation(llama_dir, tmp_path, value):
     """``--rotate ''`` names no rotation: one usage line and exit 2, from run (nothing written) and inspect."""
     out = tmp_path / "out"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--rotate", value, "-o", out)
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--rotate", value, "-o", out)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines() == [f"error: --rotate takes R1 or R1,R2 (SpinQuant's names; R3 and R4 "
                                                   f"need online Hadamards, which graphcal does not write), got {value!r}"]
     assert not out.exists()
-    result = _cli("inspect", llama_dir / "model.onnx", f"--rotate={value}")
+    result = run_cli("inspect", llama_dir / "model.onnx", f"--rotate={value}")
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
 
 
@@ -171,8 +167,8 @@ def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(l
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {{rotations: {rotations}}}\n"
                       "    QuantizationModifier: {targets: [Linear], ignore: [lm_head], scheme: W8A16}\n")
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
-                  "-o", tmp_path / "out")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--recipe", recipe,
+                     "-o", tmp_path / "out")
     assert result.exit_code == 2 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
@@ -209,7 +205,7 @@ def test_a_rotation_that_drifts_from_fp32_is_refused_before_any_pass_and_nothing
     before = path.read_bytes()
     _corrupting(monkeypatch, edit)
     out = tmp_path / "out"
-    result = _cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", out)
+    result = run_cli("run", path, "--data", calib, "--scheme", "W8A16", "--group-size", "16", "--rotate", "R1", "-o", out)
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --rotate: the rotated model drifts from the model as given "

@@ -23,16 +23,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.algorithms.smoothquant.stage import collect, smoothing_scales
 from graphcal.calibration.plan import plan
-from graphcal.cli import cli
 from graphcal.config import Options, Smoothing, build_config, resolve
 from graphcal.data import graph_inputs, load_data
 from graphcal.graph.scaling import TAP_PREFIX
-from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, INT8_SATURATES, assert_within_ulps, reference_llama
+from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, INT8_SATURATES, assert_within_ulps, reference_llama, run_cli
 
 VECTORS = ALGORITHM_VECTORS
 CASES = [
@@ -569,12 +567,9 @@ quant_stage:
 """
 
 
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
 
 def _run(model_dir, out, *args):
-    return _cli("run", model_dir / "model.onnx", "--data", model_dir / "calib.npz", "-o", out, "-q", *args)
+    return run_cli("run", model_dir / "model.onnx", "--data", model_dir / "calib.npz", "-o", out, "-q", *args)
 
 
 def test_recipe_with_nested_mappings_smooths_what_it_names(llama_dir, tmp_path, llama_reference_scales):
@@ -614,7 +609,7 @@ def test_default_mappings_match_nothing_in_bert(bert_dir, tmp_path):
 
 
 def test_inspect_lists_the_mappings(llama_dir):
-    result = _cli("inspect", llama_dir / "model.onnx", "--smoothquant", "all", "--smoothing-strength", "0.6", "--json")
+    result = run_cli("inspect", llama_dir / "model.onnx", "--smoothquant", "all", "--smoothing-strength", "0.6", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)["smoothquant"]
     assert (report["scope"], report["strength"], report["algorithm"]) == ("all", 0.6, "smoothquant")
@@ -628,8 +623,8 @@ def test_inspect_lists_the_mappings(llama_dir):
 @pytest.mark.parametrize("command", ["run", "inspect"])
 def test_bad_smoothing_strength_is_one_line(llama_dir, tmp_path, command, value):
     out = tmp_path / "out"
-    result = _cli(command, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out,
-                  f"--smoothing-strength={value}")
+    result = run_cli(command, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out,
+                     f"--smoothing-strength={value}")
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "smoothing strength" in lines[0], result.output

@@ -16,10 +16,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 NODE = "/layer/proj/MatMul"  # the legacy exporter's naming: module "layer.proj"
 MODULE = "layer.proj"
@@ -102,7 +101,7 @@ def _save(model: onnx.ModelProto, path, external: bool = False):
 
 
 def _bench(*args):
-    return CliRunner().invoke(cli, ["bench", *map(str, args)])
+    return run_cli("bench", *map(str, args))
 
 
 def _bench_json(*args) -> dict:

@@ -16,13 +16,12 @@ import sys
 import numpy as np
 import onnxruntime as ort
 import pytest
-from click.testing import CliRunner
 
 from graphcal.bench.decode import cache_names, first_sample, plan, step_feeds
-from graphcal.cli import cli
 from graphcal.data import graph_inputs
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model_info
+from tests.helpers import run_cli
 
 FAST = ["--rounds", "2", "--warmup", "1", "--no-memory", "--device", "cpu"]
 LOOP = ["--genai-tokens", "4", "--genai-rounds", "1"]
@@ -33,8 +32,8 @@ def quantized(builder_model, tmp_path_factory):
     """graphcal's W4A16 output of the builder model: a drop-in genai folder."""
     folder, calib = builder_model
     out = tmp_path_factory.mktemp("kv") / "w4"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out),
-                                      "--scheme", "W4A16", "--group-size", "32"])
+    result = run_cli("run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out),
+                     "--scheme", "W4A16", "--group-size", "32")
     assert result.exit_code == 0, result.output
     return out / "model.onnx"
 
@@ -107,8 +106,8 @@ def test_past_inputs_find_their_present_outputs_by_layer_and_kind(tmp_path):
 
 def test_bench_times_the_decode_step_and_the_genai_loop(builder_model, quantized):
     folder, calib = builder_model
-    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                      *FAST, *LOOP, "--json"])
+    result = run_cli("bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                     *FAST, *LOOP, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert list(report["shapes"]) == ["decode", "prefill"] and report["shapes"]["prefill"]["past"] is None
@@ -135,8 +134,8 @@ def test_bench_times_the_decode_step_and_the_genai_loop(builder_model, quantized
     assert loop["ttft_ratio"] == pytest.approx(loop["quantized"]["ttft_median_s"] / loop["reference"]["ttft_median_s"])
     assert loop["decode_ratio"] == pytest.approx(loop["quantized"]["decode_median_s"] / loop["reference"]["decode_median_s"])
 
-    text = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                    *FAST, *LOOP, "--past", "5"])
+    text = run_cli("bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                   *FAST, *LOOP, "--past", "5")
     assert text.exit_code == 0, text.output
     lines = text.output.splitlines()
     assert any(line.startswith("decode (past 5) 1x1") and "reference" in line for line in lines), text.output
@@ -152,22 +151,22 @@ def test_the_genai_loop_is_skipped_in_one_line_where_it_cannot_run(builder_model
     bare.mkdir()
     for name in ("model.onnx", "model.onnx.data"):
         shutil.copy(quantized.parent / name, bare / name)
-    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(bare / "model.onnx"), "--data",
-                                      str(calib), *FAST, *LOOP])
+    result = run_cli("bench", str(folder / "model.onnx"), str(bare / "model.onnx"), "--data",
+                     str(calib), *FAST, *LOOP)
     assert result.exit_code == 0, result.output
     assert f"genai loop       skipped: {bare} holds no genai_config.json (not an onnxruntime-genai folder)" in result.output
     assert "decode (past 23) 1x1" in result.output  # the decode step needs no genai folder for the quantized model
 
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as when it is not installed
-    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                      *FAST, *LOOP, "--json"])
+    result = run_cli("bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                     *FAST, *LOOP, "--json")
     assert result.exit_code == 0, result.output
     loop = json.loads(result.output)["genai_loop"]
     assert not loop["measured"] and loop["reference"] is None and loop["ttft_ratio"] is None
     assert loop["skipped"].startswith("onnxruntime-genai is not installed")
 
-    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                      *FAST, "--genai-tokens", "0", "--no-decode"])
+    result = run_cli("bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                     *FAST, "--genai-tokens", "0", "--no-decode")
     assert result.exit_code == 0, result.output
     assert "genai loop       skipped: --genai-tokens 0" in result.output
     assert "decode           skipped: --no-decode" in result.output
@@ -175,8 +174,8 @@ def test_the_genai_loop_is_skipped_in_one_line_where_it_cannot_run(builder_model
 
 def test_a_past_longer_than_the_first_sample_is_a_usage_error(builder_model, quantized):
     folder, calib = builder_model
-    result = CliRunner().invoke(cli, ["bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
-                                      *FAST, "--past", "24"])
+    result = run_cli("bench", str(folder / "model.onnx"), str(quantized), "--data", str(calib),
+                     *FAST, "--past", "24")
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "--past 24: the data's first sample holds 24 tokens; a step over a past of 24 needs 25" in result.output
 
@@ -185,12 +184,12 @@ def test_a_model_without_kv_cache_keeps_its_shapes(llama_dir):
     """tiny-llama has no KV cache: the decode shape stays one token without a past, no genai loop."""
     args = [str(llama_dir / "model.onnx"), str(llama_dir / "model.onnx"), "--data", str(llama_dir / "heldout.npz"),
             *FAST]
-    report = json.loads(CliRunner().invoke(cli, ["bench", *args, "--json"]).output)
+    report = json.loads(run_cli("bench", *args, "--json").output)
     assert [(s["name"], s["batch"], s["seq"], s["past"]) for s in report["shapes"].values()] == [
         ("decode", 1, 1, None), ("prefill", 8, 32, None)]
     assert report["shapes"]["decode"]["inputs"] == {"attention_mask": [1, 1], "input_ids": [1, 1]}
     assert report["genai_loop"] is None
-    text = CliRunner().invoke(cli, ["bench", *args]).output
+    text = run_cli("bench", *args).output
     assert "decode 1x1" in text and "genai loop" not in text and "past" not in text
-    result = CliRunner().invoke(cli, ["bench", *args, "--past", "3"])
+    result = run_cli("bench", *args, "--past", "3")
     assert result.exit_code == 2 and "takes no past tensors (no KV cache)" in result.output

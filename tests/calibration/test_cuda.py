@@ -18,7 +18,7 @@ from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import observer_device, open_runtime
 from tests.graph.test_ort_forms import EXPECTED
-from tests.helpers import load_written, run_layers
+from tests.helpers import load_written, run_cli, run_layers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -181,21 +181,17 @@ def test_awq_and_its_clip_search_on_the_gpu_match_the_cpu(llama_dir, tmp_path):
     import json
 
     import onnx
-    from click.testing import CliRunner
 
-    from graphcal.cli import cli
 
     records, sqnr = {}, {}
     for device in ("cuda", "cpu"):
         out = tmp_path / device
-        result = CliRunner().invoke(cli, [str(a) for a in (
-            "run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16",
-            "--group-size", "32", "--algorithm", "awq", "--awq-clip", "--device", device, "-o", out, "-q")])
+        result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16",
+                         "--group-size", "32", "--algorithm", "awq", "--awq-clip", "--device", device, "-o", out, "-q")
         assert result.exit_code == 0, result.output
         model = onnx.load(str(out / "model.onnx"))
         records[device] = json.loads(next(p.value for p in model.metadata_props if p.key == "graphcal.awq"))
-        result = CliRunner().invoke(cli, [str(a) for a in ("eval", llama_dir / "model.onnx", out / "model.onnx",
-                                                           "--data", llama_dir / "heldout.npz", "--json")])
+        result = run_cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz", "--json")
         assert result.exit_code == 0, result.output
         sqnr[device] = json.loads(result.output)["outputs"][0]["sqnr_db"]
     cuda, cpu = records["cuda"], records["cpu"]

@@ -14,10 +14,9 @@ import shlex
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 LAYERS = [(576, 576, "model.layers.0.self_attn.q_proj"), (576, 1536, "model.layers.0.mlp.up_proj"),
           (1536, 576, "model.layers.0.mlp.down_proj"), (576, 576, "model.layers.1.self_attn.q_proj")]
@@ -41,9 +40,6 @@ def wide(tmp_path_factory):
     return folder
 
 
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
 
 def test_inspect_and_run_list_every_layer_the_group_does_not_divide(wide, tmp_path, monkeypatch):
     import graphcal.calibration.pipeline
@@ -54,7 +50,7 @@ def test_inspect_and_run_list_every_layer_the_group_does_not_divide(wide, tmp_pa
     monkeypatch.setattr(graphcal.calibration.pipeline, "run_activation_pass", no_pass)
     for command in (["inspect", wide / "model.onnx"],
                     ["run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o"]):
-        result = _cli(*command, "--scheme", "W4A16")
+        result = run_cli(*command, "--scheme", "W4A16")
         lines = result.output.strip().splitlines()
         assert result.exit_code == 1 and len(lines) == 1, result.output
         assert "group size 128 does not divide the input features of 3 of 4 targets" in lines[0]
@@ -64,14 +60,14 @@ def test_inspect_and_run_list_every_layer_the_group_does_not_divide(wide, tmp_pa
 
 
 def _advice(wide) -> str:
-    return _cli("inspect", wide / "model.onnx", "--scheme", "W4A16").output
+    return run_cli("inspect", wide / "model.onnx", "--scheme", "W4A16").output
 
 
 def test_the_suggested_group_size_pasted_into_run_works(wide, tmp_path):
     size = re.search(r"--group-size (\d+)", _advice(wide)).group(1)
     assert size == "64"
-    result = _cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", "W4A16",
-                  "--group-size", size, "--json")
+    result = run_cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", "W4A16",
+                     "--group-size", size, "--json")
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["quantized"]) == 4
     config = json.loads((tmp_path / "o" / "quantization_config.json").read_text())
@@ -79,15 +75,15 @@ def test_the_suggested_group_size_pasted_into_run_works(wide, tmp_path):
 
 
 def test_group_size_refuses_schemes_without_groups(wide, tmp_path):
-    result = _cli("inspect", wide / "model.onnx", "--scheme", "W8A8", "--group-size", "64")
+    result = run_cli("inspect", wide / "model.onnx", "--scheme", "W8A8", "--group-size", "64")
     assert result.exit_code == 2 and "--group-size applies to group and tensor_group weights" in result.output
 
 
 def test_the_suggested_ignore_pasted_into_run_leaves_exactly_those_layers_in_float(wide, tmp_path):
     flags = shlex.split(_advice(wide).split("or leave them in float: ", 1)[1].strip())
     assert flags[:2] == ["--ignore", "lm_head"]  # the default ignore is kept
-    result = _cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", "W4A16",
-                  "--json", *flags)
+    result = run_cli("run", wide / "model.onnx", "--data", wide / "calib.npz", "-o", tmp_path / "o", "--scheme", "W4A16",
+                     "--json", *flags)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["quantized"] == ["model.layers.0.mlp.down_proj"]  # in_features 1536 = 12 x 128
@@ -96,5 +92,5 @@ def test_the_suggested_ignore_pasted_into_run_leaves_exactly_those_layers_in_flo
 
 def test_dynamic_input_groups_are_checked_too(wide):
     scheme = '{"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8, "strategy": "group", "group_size": 100, "dynamic": true}}'
-    result = _cli("inspect", wide / "model.onnx", "--scheme", scheme)
+    result = run_cli("inspect", wide / "model.onnx", "--scheme", scheme)
     assert result.exit_code == 1 and "group size 100 does not divide the input features of 4 of 4 targets" in result.output

@@ -13,13 +13,11 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.taps import add_taps
 from graphcal.runtime import run_model
-from tests.helpers import ct_torch_reference, load_written, sqnr_db
+from tests.helpers import ct_torch_reference, load_written, run_cli, sqnr_db
 from tools.builders import build_tiny_llama
 
 PER_HEAD = '{"num_bits": 8, "type": "float", "strategy": "attn_head", "observer": "static_minmax"}'
@@ -32,8 +30,8 @@ def kv_run(tmp_path_factory):
 
     src = MODELS / "tiny-llama"
     out = tmp_path_factory.mktemp("kv")
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
-                                      "--scheme", "FP8", "--kv-cache-scheme", PER_HEAD, "-o", str(out), "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
+                     "--scheme", "FP8", "--kv-cache-scheme", PER_HEAD, "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     return src, out
 
@@ -122,8 +120,8 @@ def test_written_model_quantizes_kv_as_compressed_tensors_does(kv_run, tmp_path)
     assert np.median(margins) >= 15, margins
     # and the k/v Q/DQ matter: without them the model is further from compressed-tensors
     no_kv = tmp_path / "no_kv"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
-                                      "--scheme", "FP8", "-o", str(no_kv), "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
+                     "--scheme", "FP8", "-o", str(no_kv), "-q")
     assert result.exit_code == 0
     assert sqnr_db(ref, run_model(no_kv / "model.onnx", feeds)["logits"]) < sqnr_db(ref, got) - 10
 
@@ -134,15 +132,15 @@ def test_written_model_quantizes_kv_as_compressed_tensors_does(kv_run, tmp_path)
     (["--kv-cache-scheme", PER_HEAD, "--scheme", "FP8", "--target", "tensorrt"], 1, "TensorRT takes int8/fp8 key/value"),
 ])
 def test_bad_kv_cache_schemes(llama_dir, tmp_path, args, code, message):
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(tmp_path / "o"), *args])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(tmp_path / "o"), *args)
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
 
 
 def test_model_without_kv_cache_attention_warns(bert_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["run", str(bert_dir / "model.onnx"), "--data", str(bert_dir / "calib.npz"),
-                                      "--kv-cache-scheme", "FP8", "-o", str(tmp_path / "o"), "-q"])
+    result = run_cli("run", str(bert_dir / "model.onnx"), "--data", str(bert_dir / "calib.npz"),
+                     "--kv-cache-scheme", "FP8", "-o", str(tmp_path / "o"), "-q")
     assert result.exit_code == 0
     assert "warning: kv-cache scheme: no attention module" in result.output
     config, params = load_written(tmp_path / "o")
@@ -152,8 +150,8 @@ def test_model_without_kv_cache_attention_warns(bert_dir, tmp_path):
 def test_literal_qdq_form_keeps_per_head_quantize_linear(kv_run, tmp_path):
     src, _ = kv_run
     out = tmp_path / "qdq"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"), "--scheme",
-                                      "FP8", "--kv-cache-scheme", PER_HEAD, "--target", "qdq", "-o", str(out), "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(src / "calib.npz"), "--scheme",
+                     "FP8", "--kv-cache-scheme", PER_HEAD, "--target", "qdq", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     model = onnx.load(out / "model.onnx")
     kv_q = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith(("/k/QuantizeLinear", "/v/QuantizeLinear"))]

@@ -9,6 +9,7 @@ from graphcal.calibration.plan import plan
 from graphcal.config import build_config
 from graphcal.graph.taps import Reduction
 from graphcal.graph.targets import torch_weight
+from tests.helpers import run_cli
 
 
 def _observers(llama_dir, scheme: str, target: str = "onnxruntime"):
@@ -118,14 +119,11 @@ def test_run_and_inspect_agree_by_construction(llama_dir, tmp_path):
     """inspect reports the plan run executes: same quantized and ignored modules, opset and warnings."""
     import json
 
-    from click.testing import CliRunner
-
     from graphcal.calibration.pipeline import calibrate
-    from graphcal.cli import cli
 
     args = ["--scheme", "NVFP4", "--kv-cache-scheme", "FP8", "--ignore", "lm_head", "--ignore", "re:.*down_proj",
             "--target", "qdq"]
-    shown = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), *args, "--json"])
+    shown = run_cli("inspect", str(llama_dir / "model.onnx"), *args, "--json")
     assert shown.exit_code == 0, shown.output
     report = json.loads(shown.stdout)
     result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="NVFP4",

@@ -13,15 +13,14 @@ import json
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 
 import graphcal.calibration.activations
 import graphcal.limits
 from graphcal.calibration.activations import TAP_LIMIT_MB, _slices
 from graphcal.calibration.pipeline import calibrate
-from graphcal.cli import cli
 from graphcal.graph.taps import TapRequest, build_tapped, tap_bytes
 from graphcal.runtime import Runtime
+from tests.helpers import run_cli
 
 
 def _files(out):
@@ -108,13 +107,13 @@ def test_under_the_limit_one_pass(llama_dir, tmp_path, monkeypatch):
 
 def test_the_flag_reaches_the_pass(llama_dir, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8_STATIC", "--observer", "mse", "--tap-limit-mb", "1",
-                                      "-o", str(out), "--json"])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8_STATIC", "--observer", "mse", "--tap-limit-mb", "1",
+                     "-o", str(out), "--json")
     assert result.exit_code == 0, result.output
     assert any("the data ran 2 times" in w for w in json.loads(result.stdout)["warnings"])
-    bad = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                   "--tap-limit-mb", "0", "-o", str(tmp_path / "bad")])
+    bad = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                  "--tap-limit-mb", "0", "-o", str(tmp_path / "bad"))
     assert bad.exit_code == 2 and "--tap-limit-mb" in bad.output
 
 
@@ -136,8 +135,8 @@ quant_stage:
                               observer: percentile, observer_kwargs: {bins: 1048576}}
 """)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--recipe", str(recipe), "-o", str(out)])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--recipe", str(recipe), "-o", str(out))
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the observers' statistics need"), result.output
@@ -145,8 +144,8 @@ quant_stage:
     assert not out.exists() or not any(out.iterdir())
     # 8 distinct taps x 16 MB fit where there is room for them
     monkeypatch.setattr(graphcal.limits, "available_memory", lambda: 1 << 30)
-    ok = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                  "--recipe", str(recipe), "-o", str(out), "-q"])
+    ok = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                 "--recipe", str(recipe), "-o", str(out), "-q")
     assert ok.exit_code == 0, ok.output
 
 

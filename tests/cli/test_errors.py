@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 
 def invoke(model, data, out, *extra):
-    result = CliRunner().invoke(cli, ["run", str(model), "--data", str(data), "-o", str(out), *extra])
+    result = run_cli("run", str(model), "--data", str(data), "-o", str(out), *extra)
     text = result.output.strip()
     return result.exit_code, text
 
@@ -152,8 +151,8 @@ def test_cuda_requested_without_a_gpu(tmp_path, llama):
 
 
 def test_debug_shows_the_traceback(tmp_path, llama):
-    result = CliRunner().invoke(cli, ["run", str(tmp_path / "none.onnx"), "--data", str(llama[1]), "-o",
-                                      str(tmp_path / "o"), "--debug"])
+    result = run_cli("run", str(tmp_path / "none.onnx"), "--data", str(llama[1]), "-o",
+                     str(tmp_path / "o"), "--debug")
     assert result.exit_code != 0 and result.exception is not None
 
 

@@ -5,20 +5,15 @@ the shipped tiny llama (compared with itself: a flag that slipped through would 
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.errors import UsageError
 from graphcal.evaluation import evaluate
-
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.helpers import run_cli
 
 
 def _eval(llama_dir, *extra):
     model = llama_dir / "model.onnx"
-    return _cli("eval", model, model, "--data", llama_dir / "heldout.npz", *extra)
+    return run_cli("eval", model, model, "--data", llama_dir / "heldout.npz", *extra)
 
 
 def _parse_refusal(result, flag):
@@ -47,8 +42,8 @@ def test_eval_number_flags_refuse_nonfinite_and_out_of_range_values(llama_dir, f
 @pytest.mark.parametrize("verb", ["inspect", "run"])
 def test_run_and_inspect_number_flags_refuse_them_too(llama_dir, tmp_path, verb, flag, value):
     extra = ["--algorithm", "gptq"] if flag == "--dampening-frac" else []
-    result = _cli(verb, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
-                  "--scheme", "W8A8_STATIC", "--observer", "mse", *extra, flag, value)
+    result = run_cli(verb, llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
+                     "--scheme", "W8A8_STATIC", "--observer", "mse", *extra, flag, value)
     _parse_refusal(result, flag)
     assert not (tmp_path / "out").exists()
 
@@ -56,8 +51,8 @@ def test_run_and_inspect_number_flags_refuse_them_too(llama_dir, tmp_path, verb,
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
 def test_smoothing_strength_refuses_nonfinite_values_in_one_line(llama_dir, tmp_path, value):
     """ALPHA|auto: checked by the config as a recipe's smoothing_strength is, before any model is read."""
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
-                  "--smoothing-strength", value)
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
+                     "--smoothing-strength", value)
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error: smoothing strength must be a finite number from 0 to 1"), result.output
@@ -65,7 +60,7 @@ def test_smoothing_strength_refuses_nonfinite_values_in_one_line(llama_dir, tmp_
 
 def test_smoothing_strength_still_takes_auto_and_a_number(llama_dir):
     for value, shown in (("AUTO", "strength auto"), ("0.25", "strength 0.25")):
-        result = _cli("inspect", llama_dir / "model.onnx", "--smoothing-strength", value)
+        result = run_cli("inspect", llama_dir / "model.onnx", "--smoothing-strength", value)
         assert result.exit_code == 0 and shown in result.output, result.output
 
 

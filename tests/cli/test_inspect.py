@@ -12,14 +12,13 @@ import json
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.calibration.sizing import expected_model_size, size_parts
-from graphcal.cli import cli
 from graphcal.config import resolve_scheme
 from graphcal.graph.targets import find_targets
 from graphcal.types import QuantizedTarget
+from tests.helpers import run_cli
 
 LLAMA_GROUPS = {
     f"model.layers.{i}.{parent}": [f"model.layers.{i}.{parent}.{m}" for m in members]
@@ -37,7 +36,7 @@ SIZE_CASES = [(model, scheme) for model in ("tiny-llama", "tiny-bert") for schem
 
 
 def inspect(*args):
-    return CliRunner().invoke(cli, ["inspect", *map(str, args)])
+    return run_cli("inspect", *map(str, args))
 
 
 def inspect_json(*args) -> dict:
@@ -140,8 +139,8 @@ def test_expected_size_matches_the_written_model(tmp_path, model_name, scheme):
     target = "qdq" if "FP4" in scheme else "onnxruntime"
     expected = inspect_json(src / "model.onnx", "--scheme", scheme, "--target", target)["size"]["expected_bytes"]
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out), "--device", "cpu", "-q", "--target", target])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
+                     "--scheme", scheme, "-o", str(out), "--device", "cpu", "-q", "--target", target)
     assert result.exit_code == 0, result.output
     actual = (out / "model.onnx").stat().st_size
     # the rule counts weights, scales and zero points; graph records (Q/DQ nodes, initializer

@@ -23,14 +23,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import run_model
-from tests.helpers import INT8_SATURATES, SATURATION_REASON, ct_layer_reference, ct_torch_reference, load_written, sqnr_db
+from tests.helpers import INT8_SATURATES, SATURATION_REASON, ct_layer_reference, ct_torch_reference, load_written, run_cli, sqnr_db
 
 # scheme -> (format compressed-tensors infers, ONNX type of the stored weight, opset written, weight bits)
 SCHEMES = {
@@ -84,10 +82,9 @@ def runs(tmp_path_factory):
             src = MODELS / model_name
             before = _digest(src / "model.onnx")
             out = tmp_path_factory.mktemp(f"{model_name}-{scheme}-{target}")
-            result = CliRunner().invoke(cli, [
+            result = run_cli(
                 "run", str(src / "model.onnx"), "--data", str(src / "calib.npz"),
-                "--scheme", scheme, "-o", str(out), "--device", "cpu", "--target", target,
-            ])
+                "--scheme", scheme, "-o", str(out), "--device", "cpu", "--target", target)
             assert result.exit_code == 0, result.output
             assert _digest(src / "model.onnx") == before, "the input model was modified"
             done[model_name, scheme, target] = (src, out, result.output)
@@ -262,8 +259,8 @@ def test_other_export_forms(exported, tmp_path, form, llama_dir):
         data = {k: v[:8] for k, v in data.items()}
     np.savez(tmp_path / "calib.npz", **data)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(model_path), "--data", str(tmp_path / "calib.npz"),
-                                      "--scheme", "W8A8", "-o", str(out), "-q"])
+    result = run_cli("run", str(model_path), "--data", str(tmp_path / "calib.npz"),
+                     "--scheme", "W8A8", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     written = onnx.load(out / "model.onnx")
     onnx.checker.check_model(written, full_check=True)
@@ -280,7 +277,7 @@ def test_other_export_forms(exported, tmp_path, form, llama_dir):
 
 
 def test_help_tells_a_newcomer_what_to_type():
-    result = CliRunner().invoke(cli, ["run", "--help"])
+    result = run_cli("run", "--help")
     assert result.exit_code == 0
     assert "graphcal run models/tiny-llama/model.onnx --data" in result.output
     assert "W8A8_STATIC" in result.output
@@ -301,8 +298,8 @@ def test_help_tells_a_newcomer_what_to_type():
     ],
 )
 def test_bad_options_give_one_line_and_exit_code(llama_dir, tmp_path, args, code, message):
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(tmp_path / "o"), *args])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(tmp_path / "o"), *args)
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o").exists()
@@ -311,7 +308,7 @@ def test_bad_options_give_one_line_and_exit_code(llama_dir, tmp_path, args, code
 def test_bad_model_file(tmp_path, llama_dir):
     bad = tmp_path / "model.onnx"
     bad.write_bytes(b"\x08\x07garbage")
-    result = CliRunner().invoke(cli, ["run", str(bad), "--data", str(llama_dir / "calib.npz"), "-o", str(tmp_path / "o")])
+    result = run_cli("run", str(bad), "--data", str(llama_dir / "calib.npz"), "-o", str(tmp_path / "o"))
     assert result.exit_code == 1 and "not a readable ONNX model" in result.output
 
 
@@ -324,8 +321,8 @@ def test_imatrix_weights_get_activation_importance(llama_dir, tmp_path, runs):
     out = tmp_path / "imatrix"
     scheme = ('{"weights": {"num_bits": 8, "strategy": "channel", "observer": "imatrix_mse", '
               '"observer_kwargs": {"strict": true}}}')
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out)])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", scheme, "-o", str(out))
     assert result.exit_code == 0, result.output
     assert "calibrated on 64 samples" in result.output
     _, minmax = load_written(runs("tiny-llama", "W8A8")[1])
@@ -385,8 +382,8 @@ def test_tensorrt_nvfp4_form_computes_what_the_standard_form_does(runs, tmp_path
     from onnx.reference import ReferenceEvaluator
 
     out = tmp_path / "trt"
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "NVFP4", "--target", "tensorrt", "-o", str(out), "-q"])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "NVFP4", "--target", "tensorrt", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     model = onnx.load(out / "model.onnx")
     onnx.checker.check_model(model, full_check=True)
@@ -412,8 +409,8 @@ def test_tensorrt_nvfp4_form_computes_what_the_standard_form_does(runs, tmp_path
 @pytest.mark.parametrize("scheme", ["W8A8_STATIC", "FP8", "W4A16"])
 def test_tensorrt_forms_that_are_standard_onnx_are_written_as_for_qdq(runs, tmp_path, llama_dir, scheme):
     out = tmp_path / "trt"
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", scheme, "--target", "tensorrt", "-o", str(out), "-q"])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", scheme, "--target", "tensorrt", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     assert _digest(out / "model.onnx") == _digest(runs("tiny-llama", scheme, "qdq")[1] / "model.onnx")
 
@@ -429,8 +426,8 @@ def test_tensorrt_forms_that_are_standard_onnx_are_written_as_for_qdq(runs, tmp_
     ('{"weights": {"num_bits": 4, "strategy": "group", "group_size": 32}}', "int4 weights in blocks of 64 or 128"),
 ])
 def test_tensorrt_refuses_what_it_cannot_build(llama_dir, tmp_path, scheme, reason):
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", scheme, "--target", "tensorrt", "-o", str(tmp_path / "o")])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", scheme, "--target", "tensorrt", "-o", str(tmp_path / "o"))
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "--target tensorrt" in lines[0] and reason in lines[0], result.output
@@ -439,8 +436,8 @@ def test_tensorrt_refuses_what_it_cannot_build(llama_dir, tmp_path, scheme, reas
 
 @pytest.mark.parametrize("scheme", FP4)
 def test_fp4_is_refused_for_onnxruntime_and_written_for_qdq_with_a_warning(runs, llama_dir, tmp_path, scheme):
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(tmp_path / "o")])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", scheme, "-o", str(tmp_path / "o"))
     lines = result.output.strip().splitlines()
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert "no float4 kernels" in lines[0] and "--target qdq" in lines[0]
@@ -457,8 +454,8 @@ def test_external_data_in_gives_external_data_out(runs, tmp_path, llama_dir):
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=1024)
     before = _digest(src / "weights.bin")
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W4A16", "-o", str(out), "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W4A16", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "model.onnx.data",
                                                     "qparams.safetensors", "quantization_config.json"]
@@ -488,8 +485,8 @@ def test_fused_groups_share_the_written_global_scale(runs, scheme):
 def test_json_summary_for_scripts(llama_dir, tmp_path):
     import json
 
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json"])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["ignored"] == ["lm_head"] and len(summary["quantized"]) == 14
@@ -499,8 +496,8 @@ def test_json_summary_for_scripts(llama_dir, tmp_path):
 
 
 def test_verbose_logs_each_stage(llama_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["-v", "run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "-q"])
+    result = run_cli("-v", "run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "-q")
     assert result.exit_code == 0, result.output
     for line in ("graphcal: loaded", "graphcal: 15 weight MatMul/Gemm found, 14 to quantize",
                  "0 whole tensors and 8 reductions fetched per batch", "graphcal: observing and quantizing 14 weights",
@@ -527,8 +524,8 @@ def test_external_weights_stay_on_disk_until_read(tmp_path, llama_dir, runs, mon
         assert on_disk != bool(t.raw_data)
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer) == 16  # weights, embeddings
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8_STATIC", "-o", str(out), "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8_STATIC", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     inline = runs("tiny-llama", "W8A8_STATIC")[1]
     assert (out / "qparams.safetensors").read_bytes() == (inline / "qparams.safetensors").read_bytes()

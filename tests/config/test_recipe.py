@@ -7,14 +7,12 @@ import json
 
 import pytest
 import yaml
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphcal.cli import cli
 from graphcal.config.recipe import parse_recipe, recipe_config
 from graphcal.errors import UsageError
-from tests.helpers import load_written
+from tests.helpers import load_written, run_cli
 
 STAGED = """
 quant_stage:
@@ -28,8 +26,8 @@ quant_stage:
 
 
 def _run(model_dir, out, *args):
-    return CliRunner().invoke(cli, ["run", str(model_dir / "model.onnx"), "--data", str(model_dir / "calib.npz"),
-                                    "-o", str(out), "-q", *args])
+    return run_cli("run", str(model_dir / "model.onnx"), "--data", str(model_dir / "calib.npz"),
+                   "-o", str(out), "-q", *args)
 
 
 def _digest(path):
@@ -193,8 +191,8 @@ stage:
 @pytest.mark.parametrize("command", ["run", "inspect"])
 def test_a_key_given_twice_is_refused(llama_dir, tmp_path, text, key, lines, command):
     out = tmp_path / "o"
-    result = CliRunner().invoke(cli, [command, str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(out), "--recipe", str(_recipe(tmp_path, text))])
+    result = run_cli(command, str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(out), "--recipe", str(_recipe(tmp_path, text)))
     assert result.exit_code == 2, result.output
     out_lines = result.output.strip().splitlines()
     assert len(out_lines) == 1 and "Traceback" not in result.output, result.output

@@ -17,12 +17,11 @@ import re
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
 from graphcal.data import InputSpec, load_data
 from graphcal.errors import GraphcalError
+from tests.helpers import run_cli
 
 HEADS, SIZE, VOCAB, HIDDEN, LAYERS = 2, 4, 32, 8, 2
 NOTICE = "filled for an empty KV cache: 4 past tensors (past_key_values.*.key/value, length 0, 2 heads x 4"
@@ -112,9 +111,6 @@ def _empty_cache_arrays(ids, positions=True):
     return arrays
 
 
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
 
 def _scales(out):
     from safetensors.numpy import load_file
@@ -138,14 +134,14 @@ def test_run_on_token_ids_alone_equals_a_run_on_the_hand_made_empty_cache(tmp_pa
     ids = _ids(n=7)
     np.savez(tmp_path / "ids.npz", input_ids=ids)
     np.savez(tmp_path / "full.npz", **_empty_cache_arrays(ids, positions))
-    filled = _cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "--batch-size", 3,
-                  "-o", tmp_path / "filled")
+    filled = run_cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "--batch-size", 3,
+                     "-o", tmp_path / "filled")
     assert filled.exit_code == 0, filled.output
     notices = [line for line in filled.output.splitlines() if "filled for an empty KV cache" in line]
     want = NOTICE + "), attention_mask (ones)" + (", position_ids (0, 1, ... per row)" if positions else "")
     assert notices == [f"warning: {want}"]
-    full = _cli("run", model, "--data", tmp_path / "full.npz", "--scheme", "W8A8_STATIC", "--batch-size", 3,
-                "-o", tmp_path / "full")
+    full = run_cli("run", model, "--data", tmp_path / "full.npz", "--scheme", "W8A8_STATIC", "--batch-size", 3,
+                   "-o", tmp_path / "full")
     assert full.exit_code == 0, full.output
     assert "filled" not in full.output  # the data holds every input: nothing filled, nothing said
     got, want_scales = _scales(tmp_path / "filled"), _scales(tmp_path / "full")
@@ -239,12 +235,12 @@ def test_a_calibration_data_reader_is_filled_batch_by_batch(tmp_path):
 def test_eval_and_inspect_show_the_notice(tmp_path):
     model = _decoder(tmp_path / "m")
     np.savez(tmp_path / "ids.npz", input_ids=_ids(n=4))
-    inspect = _cli("inspect", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC")
+    inspect = run_cli("inspect", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC")
     assert inspect.exit_code == 0, inspect.output
     assert f"warning: {NOTICE}" in inspect.output
-    run = _cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "q", "-q")
+    run = run_cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "q", "-q")
     assert run.exit_code == 0, run.output
-    evaluated = _cli("eval", model, tmp_path / "q" / "model.onnx", "--data", tmp_path / "ids.npz", "--json")
+    evaluated = run_cli("eval", model, tmp_path / "q" / "model.onnx", "--data", tmp_path / "ids.npz", "--json")
     assert evaluated.exit_code == 0, evaluated.output
     assert f"warning: {NOTICE}" in evaluated.stderr
     assert json.loads(evaluated.stdout)["warnings"][0].startswith(NOTICE)
@@ -264,12 +260,12 @@ def test_symbolic_head_dims_come_from_genai_config(tmp_path):
     ids = _ids(n=4)
     np.savez(tmp_path / "ids.npz", input_ids=ids)
     np.savez(tmp_path / "full.npz", **_empty_cache_arrays(ids, positions=False))
-    filled = _cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "a")
+    filled = run_cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "a")
     assert filled.exit_code == 0, filled.output
     assert ("warning: filled for an empty KV cache: 4 past tensors (past_key_values.*.key/value, length 0, 2 heads x "
             "4; model.decoder.num_key_value_heads, model.decoder.head_size from genai_config.json), attention_mask "
             "(ones)") in filled.output
-    full = _cli("run", model, "--data", tmp_path / "full.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "b")
+    full = run_cli("run", model, "--data", tmp_path / "full.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "b")
     assert full.exit_code == 0, full.output
     got, want = _scales(tmp_path / "a"), _scales(tmp_path / "b")
     assert sorted(got) == sorted(want)
@@ -322,7 +318,7 @@ def test_a_missing_or_hostile_genai_config_is_refused_in_one_line(tmp_path, case
         (tmp_path / "elsewhere.json").write_text(good)
         config.symlink_to(tmp_path / "elsewhere.json")
     np.savez(tmp_path / "ids.npz", input_ids=_ids(n=2))
-    result = _cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "out")
+    result = run_cli("run", model, "--data", tmp_path / "ids.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "out")
     assert result.exit_code == 1
     assert re.search(message, _error_line(result)), result.output
     assert not (tmp_path / "out").exists()
@@ -337,7 +333,7 @@ def test_a_hostile_genai_config_is_not_read_when_nothing_needs_it(tmp_path):
     # run (and inspect, which says what run would do) refuses it all the same: -o would receive the
     # folder's genai_config.json (graphcal.output.companions), and a FIFO cannot be copied
     np.savez(tmp_path / "full.npz", **arrays)
-    result = _cli("inspect", model, "--data", tmp_path / "full.npz")
+    result = run_cli("inspect", model, "--data", tmp_path / "full.npz")
     assert result.exit_code == 1 and "genai_config.json is a FIFO, not a regular file" in result.output
 
 
@@ -385,8 +381,8 @@ def test_an_input_that_cannot_be_filled_is_refused_by_name_before_any_pass(tmp_p
         data["attention_mask"] = np.ones((2, 6), np.int64)
     np.savez(tmp_path / "d.npz", **data)
     for verb in ("inspect", "run"):
-        result = _cli(verb, model, "--data", tmp_path / "d.npz", "--scheme", "W8A8_STATIC",
-                      *(["-o", tmp_path / "out"] if verb == "run" else []))
+        result = run_cli(verb, model, "--data", tmp_path / "d.npz", "--scheme", "W8A8_STATIC",
+                         *(["-o", tmp_path / "out"] if verb == "run" else []))
         assert result.exit_code == 1, result.output
         assert re.search(message, _error_line(result)), result.output
     assert not (tmp_path / "out").exists()
@@ -428,7 +424,7 @@ def test_export_text_for_a_genai_folder_writes_token_data_that_runs(genai_folder
     folder, model = genai_folder
     lines = [[f"w{i}" for i in np.random.default_rng(n).integers(0, VOCAB - 3, 7)] for n in range(5)]
     (tmp_path / "calib.txt").write_text("\n".join(" ".join(line) for line in lines) + "\n")
-    result = _cli("export", folder, "-o", tmp_path / "data", "--text", tmp_path / "calib.txt", "--seq", 8, "--pack")
+    result = run_cli("export", folder, "-o", tmp_path / "data", "--text", tmp_path / "calib.txt", "--seq", 8, "--pack")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")) == ["calib.npz"]
     arrays = dict(np.load(tmp_path / "data" / "calib.npz"))
@@ -437,7 +433,7 @@ def test_export_text_for_a_genai_folder_writes_token_data_that_runs(genai_folder
     want = np.array(stream[:len(stream) // 8 * 8], np.int64).reshape(-1, 8)
     np.testing.assert_array_equal(arrays["input_ids"], want)
     np.testing.assert_array_equal(arrays["attention_mask"], np.ones_like(want))
-    run = _cli("run", model, "--data", tmp_path / "data" / "calib.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "q")
+    run = run_cli("run", model, "--data", tmp_path / "data" / "calib.npz", "--scheme", "W8A8_STATIC", "-o", tmp_path / "q")
     assert run.exit_code == 0, run.output
     assert "filled for an empty KV cache" in run.output
 
@@ -445,11 +441,11 @@ def test_export_text_for_a_genai_folder_writes_token_data_that_runs(genai_folder
 def test_export_for_a_genai_folder_needs_text_and_bounds_seq_by_its_context(genai_folder, tmp_path):
     folder, _ = genai_folder
     (tmp_path / "t.txt").write_text("w1 w2\n")
-    no_text = _cli("export", folder, "-o", tmp_path / "a")
+    no_text = run_cli("export", folder, "-o", tmp_path / "a")
     assert no_text.exit_code == 2 and "give --text to write calib.npz for it" in no_text.output
-    too_long = _cli("export", folder, "-o", tmp_path / "b", "--text", tmp_path / "t.txt", "--seq", 65)
+    too_long = run_cli("export", folder, "-o", tmp_path / "b", "--text", tmp_path / "t.txt", "--seq", 65)
     assert too_long.exit_code == 2
     assert "--seq 65 is past the model's context of 64 tokens (its config's model.context_length)" in too_long.output
-    dynamo = _cli("export", folder, "-o", tmp_path / "c", "--text", tmp_path / "t.txt", "--dynamo")
+    dynamo = run_cli("export", folder, "-o", tmp_path / "c", "--text", tmp_path / "t.txt", "--dynamo")
     assert dynamo.exit_code == 2 and "--dynamo and --opset do not apply" in dynamo.output
     assert not any((tmp_path / d).exists() for d in "abc")

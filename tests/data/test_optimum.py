@@ -13,11 +13,10 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.runtime import run_model
 from tests.conftest import MODELS
+from tests.helpers import run_cli
 
 OPTIMUM = MODELS / "tiny-llama-optimum"
 
@@ -50,15 +49,15 @@ def test_the_optimum_export_is_the_shipped_llama_with_a_kv_cache(llama_dir):
 ], ids=["w8a8-static-smoothquant", "w8a8", "gptq", "awq"])
 def test_an_optimum_export_calibrates_from_token_ids_alone(tmp_path, args, floor):
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(OPTIMUM / "model.onnx"), "--data", str(OPTIMUM / "calib.npz"),
-                                      "-o", str(out), *args])
+    result = run_cli("run", str(OPTIMUM / "model.onnx"), "--data", str(OPTIMUM / "calib.npz"),
+                     "-o", str(out), *args)
     assert result.exit_code == 0, result.output
     assert ("filled for an empty KV cache: 4 past tensors (past_key_values.*.key/value, length 0, 2 heads x 32), "
             "attention_mask (ones), position_ids (0, 1, ... per row)") in result.output
     if "--smoothquant" in args or "awq" in args:  # the folds found the decomposed RMSNorms before q/k/v and gate/up
         assert "activation(s) first" in result.output
-    result = CliRunner().invoke(cli, ["eval", str(OPTIMUM / "model.onnx"), str(out / "model.onnx"), "--data",
-                                      str(OPTIMUM / "heldout.npz"), "--json"])
+    result = run_cli("eval", str(OPTIMUM / "model.onnx"), str(out / "model.onnx"), "--data",
+                     str(OPTIMUM / "heldout.npz"), "--json")
     assert result.exit_code == 0, result.output
     outputs = {o["name"]: o["sqnr_db"] for o in json.loads(result.output.strip().splitlines()[-1])["outputs"]}
     print(args, {k: round(v, 1) for k, v in outputs.items()})

@@ -12,13 +12,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.calibration.pipeline import calibrate
-from graphcal.cli import cli
+from tests.helpers import run_cli
 from tests.observers.test_mse import reference_search
 
 B, S, H, HID = 4, 6, 8, 16
@@ -93,7 +92,7 @@ def _minmax_scale(a: np.ndarray) -> torch.Tensor:
 def _run(args, *extra):
     # on the CPU: the references are computed in numpy, and a GPU's TF32 matmuls would move the
     # second layer's input by more than the exact comparisons allow (tests/calibration/test_cuda.py has the CUDA pass)
-    return CliRunner().invoke(cli, ["run", *map(str, args), "--device", "cpu", *extra])
+    return run_cli("run", *map(str, args), "--device", "cpu", *extra)
 
 
 def _scales(out):
@@ -163,8 +162,7 @@ def test_no_attention_mask_is_a_one_line_usage_error(tmp_path):
     model = build_model(tmp_path / "model.onnx", with_mask=False)
     np.savez(tmp_path / "calib.npz", x=make_data()[0])
     for command in (["run", "-o", tmp_path / "o"], ["inspect"]):
-        result = CliRunner().invoke(cli, [*map(str, [command[0], model, "--data", tmp_path / "calib.npz",
-                                                     *command[1:]]), "--exclude-padding"])
+        result = run_cli(command[0], model, "--data", tmp_path / "calib.npz", *command[1:], "--exclude-padding")
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and str(tmp_path / "calib.npz") in lines[0] and "attention_mask" in lines[0], lines
@@ -176,7 +174,7 @@ def test_no_attention_mask_is_a_one_line_usage_error(tmp_path):
 
 def test_inspect_accepts_the_option(padded):
     model, data, *_ = padded
-    result = CliRunner().invoke(cli, ["inspect", str(model), "--data", str(data), "--exclude-padding"])
+    result = run_cli("inspect", str(model), "--data", str(data), "--exclude-padding")
     assert result.exit_code == 0, result.output
 
 

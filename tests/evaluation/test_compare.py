@@ -9,26 +9,24 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
 from graphcal.runtime import run_model
-from tests.helpers import MODELS, sqnr_db
+from tests.helpers import MODELS, run_cli, sqnr_db
 
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, llama_dir):
     out = tmp_path_factory.mktemp("q")
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8", "-o", str(out), "-q"])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8", "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
     return out / "model.onnx"
 
 
 def _eval(*args):
-    return CliRunner().invoke(cli, ["eval", *map(str, args)])
+    return run_cli("eval", *map(str, args))
 
 
 def test_numbers_match_onnxruntime_runs(llama_dir, quantized):
@@ -74,8 +72,8 @@ def test_text_and_html(llama_dir, quantized, tmp_path):
 
 def test_fp4_models_run_in_onnx_reference(llama_dir, tmp_path):
     out = tmp_path / "nv"
-    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                    "--scheme", "NVFP4A16", "--target", "qdq", "-o", str(out), "-q"]).exit_code == 0
+    assert run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                   "--scheme", "NVFP4A16", "--target", "qdq", "-o", str(out), "-q").exit_code == 0
     result = _eval(llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
                    "--num-samples", "2", "--json")
     assert result.exit_code == 0, result.output
@@ -98,8 +96,8 @@ def test_level_all_compares_what_onnxruntime_runs_by_default(llama_dir, tmp_path
     import onnxruntime as ort
 
     out = tmp_path / "w8a16"
-    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                    "--scheme", "W8A16", "-o", str(out), "-q"]).exit_code == 0
+    assert run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                   "--scheme", "W8A16", "-o", str(out), "-q").exit_code == 0
     reports = {}
     for level in ("basic", "all"):
         result = _eval(llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
@@ -142,8 +140,8 @@ def test_suggested_flags_keep_the_written_ignores_and_name_whole_kinds_by_patter
     assert flags == ["--ignore", "lm_head", "--ignore", r"re:.*\.mlp\.down_proj$",
                      "--ignore", "model.layers.1.self_attn.o_proj"]
     assert report.as_dict()["suggested_flags"] == flags
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json", *flags])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "o"), "--json", *flags)
     assert result.exit_code == 0, result.output
     assert sorted(json.loads(result.stdout)["ignored"]) == sorted(
         ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.o_proj"])
@@ -151,9 +149,9 @@ def test_suggested_flags_keep_the_written_ignores_and_name_whole_kinds_by_patter
 
 def test_eval_reads_the_ignores_the_quantized_model_was_written_with(llama_dir, tmp_path):
     out = tmp_path / "o"
-    assert CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                    "--scheme", "W8A8_STATIC", "--ignore", "lm_head", "--ignore",
-                                    "model.layers.0.mlp.up_proj", "-o", str(out), "-q"]).exit_code == 0
+    assert run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                   "--scheme", "W8A8_STATIC", "--ignore", "lm_head", "--ignore",
+                   "model.layers.0.mlp.up_proj", "-o", str(out), "-q").exit_code == 0
     from graphcal.evaluation import evaluate
 
     report = evaluate(llama_dir / "model.onnx", out / "model.onnx", llama_dir / "heldout.npz", num_samples=2)

@@ -13,24 +13,19 @@ import shlex
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.evaluation.mixing import MIN_GAIN
-
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.helpers import run_cli
 
 
 def _run(model, data, out, *flags):
-    result = _cli("run", model, "--data", data, "-o", out, "-q", "--json", *flags)
+    result = run_cli("run", model, "--data", data, "-o", out, "-q", "--json", *flags)
     assert result.exit_code == 0, result.output
     return json.loads(result.output.strip().splitlines()[-1])
 
 
 def _sqnr(reference, quantized, data) -> float:
-    result = _cli("eval", reference, quantized, "--data", data, "--json")
+    result = run_cli("eval", reference, quantized, "--data", data, "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["outputs"][0]["sqnr_db"]
 
@@ -45,7 +40,7 @@ def llama_forms(llama_dir, tmp_path_factory):
 
 
 def _mix(llama_dir, low, *flags):
-    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--json", *flags)
+    result = run_cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--json", *flags)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["mix"]
 
@@ -140,8 +135,8 @@ def test_a_tied_table_moves_with_its_lm_head_and_stays_one_table(tied_builder_mo
              "--scheme-for", f"Embedding={scheme}")
     low = tmp_path / "W4A16" / "model.onnx"
     low_bytes = sum(f.stat().st_size for f in low.parent.glob("model.onnx*"))
-    result = _cli("eval", folder / "model.onnx", low, "--data", calib, "--fallback", tmp_path / "W8A16" / "model.onnx",
-                  "--target-db", 200, "--json")
+    result = run_cli("eval", folder / "model.onnx", low, "--data", calib, "--fallback", tmp_path / "W8A16" / "model.onnx",
+                     "--target-db", 200, "--json")
     assert result.exit_code == 0, result.output
     mix = json.loads(result.output.strip().splitlines()[-1])["mix"]
     tied = next(u for u in mix["units"] if "model.embed_tokens" in u["layers"])
@@ -171,7 +166,7 @@ def test_bad_mixing_requests_are_refused_before_any_pass(llama_dir, llama_forms,
     bare = tmp_path / "bare.onnx"
     bare.write_bytes(low.read_bytes())
     args = [x.format(low=low, bare=bare) for x in extra]
-    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", *args)
+    result = run_cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", *args)
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error:") and fragment in last and "Traceback" not in result.output
@@ -182,7 +177,7 @@ def test_the_text_report_prints_the_flags_it_measured(llama_dir, llama_forms):
     low, high = llama_forms
     args = ["eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--fallback", high,
             "--size-budget", 1]
-    result = _cli(*args)
+    result = run_cli(*args)
     assert result.exit_code == 0, result.output
     line = next(ln for ln in result.output.splitlines() if ln.startswith("to write it, add to the command"))
     flags = shlex.split(line.split("model: ", 1)[1])
@@ -198,8 +193,8 @@ def test_a_fallback_config_linked_out_of_its_folder_is_refused(llama_dir, llama_
     outside = tmp_path / "elsewhere.json"
     outside.write_text((high.parent / "quantization_config.json").read_text())
     (folder / "quantization_config.json").symlink_to(outside)
-    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--fallback",
-                  folder / "model.onnx", "--size-budget", 1)
+    result = run_cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--fallback",
+                     folder / "model.onnx", "--size-budget", 1)
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]
     assert "leads out of the model's folder" in last and "Traceback" not in result.output

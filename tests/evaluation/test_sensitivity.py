@@ -12,17 +12,12 @@ import json
 import shlex
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
-
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.helpers import run_cli
 
 
 def _output_sqnr(model_dir, quantized) -> float:
-    result = _cli("eval", model_dir / "model.onnx", quantized, "--data", model_dir / "heldout.npz", "--json")
+    result = run_cli("eval", model_dir / "model.onnx", quantized, "--data", model_dir / "heldout.npz", "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["outputs"][0]["sqnr_db"]
 
@@ -30,11 +25,11 @@ def _output_sqnr(model_dir, quantized) -> float:
 @pytest.fixture(scope="module")
 def static_llama(llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sens") / "out"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
-                  "-o", out, "-q")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", out, "-q")
     assert result.exit_code == 0, result.output
-    result = _cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
-                  "--sensitivity", "--json")
+    result = run_cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
+                     "--sensitivity", "--json")
     assert result.exit_code == 0, result.output
     return out, json.loads(result.output)
 
@@ -45,8 +40,8 @@ def test_a_kind_alone_matches_a_run_that_quantizes_only_it(llama_dir, tmp_path, 
     alone = {a["name"]: a for a in report["sensitivity"]["alone"]}[kind]
     assert alone["layers"] == [f"model.layers.{i}.{kind}" for i in (0, 1)]
     out = tmp_path / "only"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
-                  "--targets", f"re:.*\\.{kind}$", "-o", out, "-q")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "--targets", f"re:.*\\.{kind}$", "-o", out, "-q")
     assert result.exit_code == 0, result.output
     assert alone["outputs"][0]["sqnr_db"] == pytest.approx(_output_sqnr(llama_dir, out / "model.onnx"), abs=0.05)
 
@@ -66,8 +61,8 @@ def test_pasted_advice_gives_the_predicted_result(llama_dir, tmp_path, static_ll
     now = report["outputs"][0]["sqnr_db"]
     assert predicted > now + 3
     pasted = tmp_path / "pasted"
-    result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
-                  "-o", pasted, "-q", *advice["flags"])
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", pasted, "-q", *advice["flags"])
     assert result.exit_code == 0, result.output
     assert _output_sqnr(llama_dir, pasted / "model.onnx") == pytest.approx(predicted, abs=0.05)
     config = json.loads((pasted / "quantization_config.json").read_text())
@@ -77,8 +72,8 @@ def test_pasted_advice_gives_the_predicted_result(llama_dir, tmp_path, static_ll
 
 def test_text_report_prints_the_measured_advice(llama_dir, static_llama):
     out, report = static_llama
-    result = _cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
-                  "--sensitivity")
+    result = run_cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
+                     "--sensitivity")
     assert result.exit_code == 0, result.output
     line = next(ln for ln in result.output.splitlines() if ln.startswith("advice: keep"))
     flags = shlex.split(line.split("run with ", 1)[1])
@@ -87,16 +82,16 @@ def test_text_report_prints_the_measured_advice(llama_dir, static_llama):
 
 def test_per_layer_and_smoothed_models(llama_dir, tmp_path, static_llama):
     out, _ = static_llama
-    result = _cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
-                  "--sensitivity", "--per-layer", "--json")
+    result = run_cli("eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz",
+                     "--sensitivity", "--per-layer", "--json")
     assert result.exit_code == 0, result.output
     names = {a["name"] for a in json.loads(result.output)["sensitivity"]["alone"]}
     assert "model.layers.1.mlp.down_proj" in names and "mlp.down_proj" in names
     smoothed = tmp_path / "sq"
-    assert _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
-                "--smoothquant", "-o", smoothed, "-q").exit_code == 0
-    result = _cli("eval", llama_dir / "model.onnx", smoothed / "model.onnx", "--data", llama_dir / "heldout.npz",
-                  "--sensitivity")
+    assert run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                   "--smoothquant", "-o", smoothed, "-q").exit_code == 0
+    result = run_cli("eval", llama_dir / "model.onnx", smoothed / "model.onnx", "--data", llama_dir / "heldout.npz",
+                     "--sensitivity")
     assert result.exit_code == 2 and "smoothed by SmoothQuant" in result.output
 
 
@@ -128,7 +123,7 @@ def test_the_switchable_model_is_fp32_with_every_switch_off_and_the_quantized_mo
 def test_sensitivity_says_its_runs_up_front_and_refuses_past_its_time_limit(llama_dir, static_llama, caplog):
     out, _ = static_llama
     args = ["eval", llama_dir / "model.onnx", out / "model.onnx", "--data", llama_dir / "heldout.npz", "--sensitivity"]
-    result = _cli(*args, "--per-layer", "--time-limit", "0.0001")
+    result = run_cli(*args, "--per-layer", "--time-limit", "0.0001")
     assert result.exit_code == 2
     # 1 + 7 + 14 runs (fp32, then each kind and layer alone), then 1 + 3 (fp32, then each option)
     assert "eval --sensitivity: 26 runs of the model over the data (7 kinds, 14 single layers, up to 3 options" in (
@@ -136,5 +131,5 @@ def test_sensitivity_says_its_runs_up_front_and_refuses_past_its_time_limit(llam
     refusal = result.output.strip().splitlines()[-1]
     assert refusal.startswith("error: --sensitivity would take about") and "drop --per-layer" in refusal
     assert "advice" not in result.output  # refused before the sensitivity passes
-    result = _cli(*args, "--time-limit", "0")  # no limit
+    result = run_cli(*args, "--time-limit", "0")  # no limit
     assert result.exit_code == 0, result.output

@@ -15,10 +15,9 @@ import os
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from tests.genai_models import STEPS, generate, sqnr
+from tests.helpers import run_cli
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
 
@@ -44,7 +43,7 @@ def test_a_builder_model_fails_onnx_checker_as_graphcal_finds_it(builder_model):
 def test_graphcal_output_is_a_genai_folder_that_generates_as_fp32_does(builder_model, tmp_path, args):
     folder, calib = builder_model
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out), *args])
+    result = run_cli("run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out), *args)
     assert result.exit_code == 0, result.output
     assert "filled for an empty KV cache: 4 past tensors" in result.output
     for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json"):  # the drop-in folder
@@ -66,9 +65,9 @@ def test_a_tied_builder_model_quantized_whole_generates_from_one_table(tied_buil
     int8 table beside int4 layers; onnxruntime-genai generates from it as from fp32."""
     folder, calib = tied_builder_model
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out),
-                                      "--scheme", "W4A16", "--group-size", "32", "--lm-head", "--matmulnbits",
-                                      "--scheme-for", f"lm_head={table}", "--scheme-for", f"Embedding={table}"])
+    result = run_cli("run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out),
+                     "--scheme", "W4A16", "--group-size", "32", "--lm-head", "--matmulnbits",
+                     "--scheme-for", f"lm_head={table}", "--scheme-for", f"Embedding={table}")
     assert result.exit_code == 0, result.output
     assert "quantized 11 MatMul/Gemm targets and 1 embedding lookup" in result.output
     model = onnx.load(out / "model.onnx")
@@ -95,8 +94,8 @@ def test_genai_config_naming_another_model_file_is_pointed_at_graphcals(builder_
     config["model"]["decoder"]["filename"] = "decoder.onnx"
     (src / "genai_config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(src / "decoder.onnx"), "--data", str(calib), "-o", str(out),
-                                      "--scheme", "W4A16", "--group-size", "32"])
+    result = run_cli("run", str(src / "decoder.onnx"), "--data", str(calib), "-o", str(out),
+                     "--scheme", "W4A16", "--group-size", "32")
     assert result.exit_code == 0, result.output
     written = json.loads((out / "genai_config.json").read_text())
     assert written["model"]["decoder"]["filename"] == "model.onnx"
@@ -120,8 +119,8 @@ def test_a_hostile_companion_file_is_refused_before_any_pass(llama_dir, tmp_path
     shutil.copy(llama_dir / "model.onnx", src / "model.onnx")
     (tmp_path / "secret.json").write_text("{}")
     make(src / "tokenizer.json", tmp_path)
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(tmp_path / "out"), "--scheme", "W8A8_STATIC"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(tmp_path / "out"), "--scheme", "W8A8_STATIC")
     assert result.exit_code == 1 and fragment in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
     assert "calibrat" not in result.output
@@ -134,7 +133,7 @@ def test_export_genai_says_in_one_line_what_the_builder_refused(builder_model, t
     hf = tmp_path / "hf"
     shutil.copytree(folder.parent / "hf", hf)
     (hf / "config.json").write_text('{"model_type": "no-such-architecture", "architectures": ["NoSuchForCausalLM"]}')
-    result = CliRunner().invoke(cli, ["export", str(hf), "--genai", "fp32", "-o", str(tmp_path / "out")])
+    result = run_cli("export", str(hf), "--genai", "fp32", "-o", str(tmp_path / "out"))
     assert result.exit_code == 1 and result.output.startswith("error: onnxruntime-genai's model builder failed")
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
@@ -144,7 +143,7 @@ def fp16_builder_model(builder_model, tmp_path_factory):
     """The same Llama built by the builder at fp16 (its q/k/v stay three MatMuls there)."""
     folder, calib = builder_model
     out = tmp_path_factory.mktemp("genai16") / "fp16"
-    result = CliRunner().invoke(cli, ["export", str(folder.parent / "hf"), "--genai", "fp16", "-o", str(out)])
+    result = run_cli("export", str(folder.parent / "hf"), "--genai", "fp16", "-o", str(out))
     assert result.exit_code == 0, result.output
     return out, calib
 
@@ -162,7 +161,7 @@ def test_every_scheme_writes_for_fp32_and_fp16_builds(builder_model, fp16_builde
 
     folder, calib = builder_model if build == "fp32" else fp16_builder_model
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out), *args])
+    result = run_cli("run", str(folder / "model.onnx"), "--data", str(calib), "-o", str(out), *args)
     assert result.exit_code == 0, result.output
     written = onnx.load(out / "model.onnx", load_external_data=False)
     assert unchecked_ops(written) == {"SimplifiedLayerNormalization"}  # back in the default domain
@@ -189,9 +188,9 @@ def test_a_bad_genai_config_is_refused_before_any_pass(llama_dir, tmp_path, text
     shutil.copy(llama_dir / "model.onnx", src / "model.onnx")
     (src / "genai_config.json").write_text(text)
     args = [str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"), "--scheme", "W8A8_STATIC"]
-    inspected = CliRunner().invoke(cli, ["inspect", *args])  # no pass at all: refused from the plan
+    inspected = run_cli("inspect", *args)  # no pass at all: refused from the plan
     assert inspected.exit_code == 1 and fragment in inspected.output, inspected.output
-    result = CliRunner().invoke(cli, ["run", *args, "-o", str(tmp_path / "out")])
+    result = run_cli("run", *args, "-o", str(tmp_path / "out"))
     assert result.exit_code == 1 and fragment in result.output, result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
@@ -205,19 +204,19 @@ def test_a_cuda_fp16_build_calibrates_on_the_cpu(builder_model, tmp_path, args):
     past's buffer in the tapped graph, and the output is held by eval (onnxruntime) against that model."""
     folder, calib = builder_model
     build = tmp_path / "cuda16"
-    result = CliRunner().invoke(cli, ["export", str(folder.parent / "hf"), "--genai", "fp16", "--genai-provider",
-                                      "cuda", "-o", str(build)])
+    result = run_cli("export", str(folder.parent / "hf"), "--genai", "fp16", "--genai-provider",
+                     "cuda", "-o", str(build))
     assert result.exit_code == 0, result.output
     model = onnx.load(build / "model.onnx", load_external_data=False)
     past = next(i for i in model.graph.input if i.name == "past_key_values.0.key")
     assert past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
     assert any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(build / "model.onnx"), "--data", str(calib), "-o", str(out), "-q",
-                                      *args])
+    result = run_cli("run", str(build / "model.onnx"), "--data", str(calib), "-o", str(out), "-q",
+                     *args)
     assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(cli, ["eval", str(build / "model.onnx"), str(out / "model.onnx"), "--data", str(calib),
-                                      "--json"])
+    result = run_cli("eval", str(build / "model.onnx"), str(out / "model.onnx"), "--data", str(calib),
+                     "--json")
     assert result.exit_code == 0, result.output
     logits = next(o for o in json.loads(result.output.strip().splitlines()[-1])["outputs"] if o["name"] == "logits")
     assert logits["sqnr_db"] > 10

@@ -15,10 +15,9 @@ import json
 import onnxruntime as ort
 import pytest
 import torch
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from tests.genai_models import STEPS, generate, sqnr
+from tests.helpers import run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,8 +34,8 @@ def cuda_build(builder_model, tmp_path_factory):
     """(the builder's CUDA fp16 folder, token-only calibration data) and its own greedy generation on CUDA."""
     folder, calib = builder_model
     build = tmp_path_factory.mktemp("genai_cuda") / "cuda16"
-    result = CliRunner().invoke(cli, ["export", str(folder.parent / "hf"), "--genai", "fp16", "--genai-provider",
-                                      "cuda", "-o", str(build)])
+    result = run_cli("export", str(folder.parent / "hf"), "--genai", "fp16", "--genai-provider",
+                     "cuda", "-o", str(build))
     assert result.exit_code == 0, result.output
     return build, calib, generate(build, "cuda")
 
@@ -53,8 +52,8 @@ def cuda_build(builder_model, tmp_path_factory):
 def test_a_cuda_build_quantized_on_the_gpu_generates_on_the_gpu(cuda_build, tmp_path, args):
     build, calib, (ref_tokens, ref_logits) = cuda_build
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(build / "model.onnx"), "--data", str(calib), "-o", str(out),
-                                      "--device", "cuda", *args])
+    result = run_cli("run", str(build / "model.onnx"), "--data", str(calib), "-o", str(out),
+                     "--device", "cuda", *args)
     assert result.exit_code == 0, result.output
     config = json.loads((out / "genai_config.json").read_text())
     assert config == json.loads((build / "genai_config.json").read_text())  # the CUDA provider options kept

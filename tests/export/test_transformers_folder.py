@@ -6,11 +6,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.graph.targets import find_targets
 from graphcal.runtime import run_model
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def test_export_then_run(folder, tmp_path, dynamo):
     path, model = folder
     out = tmp_path / "exported"
     args = ["export", str(path), "-o", str(out), "--text", str(path / "calib.txt"), "--seq", "24"]
-    result = CliRunner().invoke(cli, args + (["--dynamo"] if dynamo else []))
+    result = run_cli(*(args + (["--dynamo"] if dynamo else [])))
     assert result.exit_code == 0, result.output
     exported = onnx.load(out / "model.onnx")
     onnx.checker.check_model(exported, full_check=True)
@@ -53,17 +52,17 @@ def test_export_then_run(folder, tmp_path, dynamo):
     np.testing.assert_allclose(run_model(exported, feeds)["logits"], ref, rtol=1e-4, atol=1e-4)
     names = {t.name for t in find_targets(exported)[0]}
     assert "model.layers.0.self_attn.q_proj" in names and "lm_head" in names  # module names survive
-    run = CliRunner().invoke(cli, ["run", str(out / "model.onnx"), "--data", str(out / "calib.npz"),
-                                   "--scheme", "W8A8_STATIC", "--batch-size", "4", "-o", str(tmp_path / "q"), "-q"])
+    run = run_cli("run", str(out / "model.onnx"), "--data", str(out / "calib.npz"),
+                  "--scheme", "W8A8_STATIC", "--batch-size", "4", "-o", str(tmp_path / "q"), "-q")
     assert run.exit_code == 0, run.output
 
 
 def test_export_errors(tmp_path, folder):
-    result = CliRunner().invoke(cli, ["export", str(tmp_path), "-o", str(tmp_path / "o")])
+    result = run_cli("export", str(tmp_path), "-o", str(tmp_path / "o"))
     assert result.exit_code == 2 and "not a transformers model folder (no config.json)" in result.output
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(tmp_path / "o2"), "--text", str(empty)])
+    result = run_cli("export", str(folder[0]), "-o", str(tmp_path / "o2"), "--text", str(empty))
     assert result.exit_code == 1 and "holds no non-empty lines" in result.output
 
 
@@ -72,7 +71,7 @@ def test_export_past_the_protobuf_limit_writes_external_data(folder, tmp_path, m
 
     monkeypatch.setattr(graphcal.graph.io, "PROTOBUF_LIMIT", 1)  # as if the model were over 2 GB
     out = tmp_path / "big"
-    result = CliRunner().invoke(cli, ["export", str(folder[0]), "-o", str(out)])
+    result = run_cli("export", str(folder[0]), "-o", str(out))
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "model.onnx.data"]
     assert "model.onnx.data" in result.output
@@ -96,19 +95,19 @@ def test_export_pack_has_no_padding_and_says_how_much_padding_the_lines_had(fold
     path, _ = folder
     words = [line.split() for line in (path / "calib.txt").read_text().splitlines() if line.strip()]
     stream = [int(w[1:]) + 2 for line in words for w in line]  # the word-level ids: w0 is 2 (the test tokenizer has no EOS)
-    padded = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "a"), "--text", str(path / "calib.txt"),
-                                      "--seq", "24"])
+    padded = run_cli("export", str(path), "-o", str(tmp_path / "a"), "--text", str(path / "calib.txt"),
+                     "--seq", "24")
     assert padded.exit_code == 0, padded.output
     assert "12 samples x 24 tokens, 16.7% of them padding (--pack fills whole windows)" in padded.output  # 4 of 24
-    packed = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "b"), "--text", str(path / "calib.txt"),
-                                      "--seq", "24", "--pack"])
+    packed = run_cli("export", str(path), "-o", str(tmp_path / "b"), "--text", str(path / "calib.txt"),
+                     "--seq", "24", "--pack")
     assert packed.exit_code == 0, packed.output
     assert "10 samples x 24 tokens, 0.0% of them padding" in packed.output
     data = dict(np.load(tmp_path / "b" / "calib.npz"))
     np.testing.assert_array_equal(data["input_ids"], np.array(stream[:240]).reshape(10, 24))
     assert (data["attention_mask"] == 1).all()
-    few = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / "c"), "--text", str(path / "calib.txt"),
-                                   "--seq", "24", "--pack", "--num-samples", "3"])
+    few = run_cli("export", str(path), "-o", str(tmp_path / "c"), "--text", str(path / "calib.txt"),
+                  "--seq", "24", "--pack", "--num-samples", "3")
     assert few.exit_code == 0 and dict(np.load(tmp_path / "c" / "calib.npz"))["input_ids"].shape == (3, 24)
 
 
@@ -124,8 +123,8 @@ def test_a_seq_past_the_models_context_is_refused_before_anything_heavy(folder, 
     path, _ = folder
     work = tmp_path / "work"
     work.mkdir()
-    result = CliRunner().invoke(cli, ["export", str(path), "-o", str(work / "o"), "--text", str(path / "calib.txt"),
-                                      "--seq", "1000000000"])
+    result = run_cli("export", str(path), "-o", str(work / "o"), "--text", str(path / "calib.txt"),
+                     "--seq", "1000000000")
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert "--seq 1,000,000,000 is past the model's context of 128 tokens (its config's max_position_embeddings)" \
@@ -169,8 +168,8 @@ def test_one_long_line_costs_the_tokenizer_what_its_tokens_need(folder, tmp_path
 
     monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
     for name, extra in (("rows", []), ("packed", ["--pack"])):
-        result = CliRunner().invoke(cli, ["export", str(path), "-o", str(tmp_path / name), "--text", str(text),
-                                          "--seq", "32", *extra])
+        result = run_cli("export", str(path), "-o", str(tmp_path / name), "--text", str(text),
+                         "--seq", "32", *extra)
         assert result.exit_code == 0, result.output
     monkeypatch.undo()
     assert max(seen) <= 1 << 17 < len(long)

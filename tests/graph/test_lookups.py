@@ -16,10 +16,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 V, H = 300, 96  # 96 is no power of two: GatherBlockQuantized's per-row form pads its blocks and trims them
 
@@ -88,7 +87,7 @@ def _run(model, ids, level=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC):
 
 
 def _invoke(*args):
-    return CliRunner().invoke(cli, ["run", *map(str, args)])
+    return run_cli("run", *map(str, args))
 
 
 SCHEMES = [  # (--scheme-for Embedding=..., bits, strategy, symmetric, group)
@@ -173,8 +172,8 @@ def test_a_tie_given_two_formats_is_stored_twice_and_said(tmp_path):
 
 def test_a_tie_with_lm_head_in_float_is_said_with_the_flag_that_shares_it(tmp_path):
     _model(tmp_path / "m.onnx", tied="same")
-    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "m.onnx"), "--scheme", "W4A16", "--group-size", "32",
-                                      "--scheme-for", "Embedding=W4A16"])
+    result = run_cli("inspect", str(tmp_path / "m.onnx"), "--scheme", "W4A16", "--group-size", "32",
+                     "--scheme-for", "Embedding=W4A16")
     assert result.exit_code == 0, result.output
     assert "model.embed_tokens is tied to lm_head, which stays in float" in result.output
     assert "--lm-head quantizes lm_head" in result.output
@@ -257,7 +256,7 @@ def test_a_recipe_config_group_targets_embedding_as_llm_compressor_writes_it(tmp
           targets: [Embedding]
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
 """)
-    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "m.onnx"), "--recipe", str(recipe), "--matmulnbits"])
+    result = run_cli("inspect", str(tmp_path / "m.onnx"), "--recipe", str(recipe), "--matmulnbits")
     assert result.exit_code == 0, result.output
     assert "lookup   model.embed_tokens (node /model/embed_tokens/Gather, table [300, 96]): quantized, table; reads " \
            "lm_head's quantized weight (tied)" in result.output

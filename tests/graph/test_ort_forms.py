@@ -19,11 +19,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from click.testing import CliRunner
 from onnx import helper
 
-from graphcal.cli import cli
-from tests.helpers import INT8_SATURATES, LAYER_NODES, run_layers
+from tests.helpers import INT8_SATURATES, LAYER_NODES, run_cli, run_layers
 
 LAYERS = LAYER_NODES
 INT8_GROUP_TOKEN = ('{"weights": {"num_bits": 8, "strategy": "group", "group_size": 128}, "input_activations": '
@@ -156,8 +154,8 @@ def test_matmulnbits_for_int8_inputs_lets_the_kernel_quantize_them(layers, tmp_p
 ])
 def test_matmulnbits_refuses_what_it_cannot_write(layers, tmp_path, scheme, extra, message):
     folder, _ = layers
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(tmp_path / "o"), *extra])
+    result = run_cli("run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
+                     "--scheme", scheme, "-o", str(tmp_path / "o"), *extra)
     lines = result.output.strip().splitlines()
     assert result.exit_code != 0 and len(lines) == 1 and message in lines[0], result.output
     assert not (tmp_path / "o").exists()

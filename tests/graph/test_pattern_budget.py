@@ -8,19 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.errors import UsageError
 from graphcal.graph import names
 from graphcal.graph.names import NameMatcher, one_budget
+from tests.helpers import run_cli
 
 # ~50 ms a pattern over the tiny llama's names: overlapping alternatives, allowed by the nesting check
 SLOW = r"re:model\.layers\.\d\.(.|\w)*\d{i}$"
 
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def _recipe(tmp_path, ignore: list[str]):
@@ -59,7 +55,7 @@ def test_many_slow_patterns_are_refused_once_the_runs_budget_is_spent(llama_dir,
     counting = _Counting(monkeypatch)
     slow = [SLOW.format(i=i) for i in range(300)]
     flags = ["--recipe", _recipe(tmp_path, slow)] if via == "recipe" else [a for p in slow for a in ("--ignore", p)]
-    result = _cli("inspect", llama_dir / "model.onnx", *flags)
+    result = run_cli("inspect", llama_dir / "model.onnx", *flags)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
@@ -74,7 +70,7 @@ def test_many_cheap_patterns_select_as_compressed_tensors_does_matching_each_onc
     counting = _Counting(monkeypatch)
     cheap = [rf"re:model\.layers\.{i}\.mlp\.(gate|up)_proj$" for i in range(0, 600, 2)]  # layers 0 and 2 hit
     cheap += ["model.layers.1.self_attn.v_proj", r"re:.*o_proj", r"re:lm_head"]
-    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", _recipe(tmp_path, cheap), "--json")
+    result = run_cli("inspect", llama_dir / "model.onnx", "--recipe", _recipe(tmp_path, cheap), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     modules = [t["module"] for t in report["targets"]]
@@ -87,7 +83,7 @@ def test_many_cheap_patterns_select_as_compressed_tensors_does_matching_each_onc
 def test_more_patterns_than_a_run_may_match_are_refused(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(names, "MAX_PATTERNS", 50)
     ignore = [f"model.layers.{i}.mlp.up_proj" for i in range(60)]
-    result = _cli("inspect", llama_dir / "model.onnx", "--recipe", _recipe(tmp_path, ignore))
+    result = run_cli("inspect", llama_dir / "model.onnx", "--recipe", _recipe(tmp_path, ignore))
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "more than 50 module-name patterns" in lines[0], result.output

@@ -15,13 +15,11 @@ import onnx
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationArgs
 from onnx import numpy_helper
 
-from graphcal.cli import cli
 from graphcal.observers import Observer
-from tests.helpers import load_written
+from tests.helpers import load_written, run_cli
 
 NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
                  "scale_dtype": "torch.float8_e4m3fn"}
@@ -29,8 +27,8 @@ INT4_GROUP = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "gro
 
 
 def _run(llama_dir, out, *args):
-    result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(out), "-q", "--device", "cpu", *args])
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(out), "-q", "--device", "cpu", *args)
     assert result.exit_code == 0, result.output
     return load_written(out)
 

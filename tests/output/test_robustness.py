@@ -5,11 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.output import MANIFEST, TMP_MARKER
-from tests.helpers import PAUSE_POINTS, paused_run
+from tests.helpers import PAUSE_POINTS, paused_run, run_cli
 
 
 def _digests(folder):
@@ -18,8 +16,8 @@ def _digests(folder):
 
 
 def _run(model_dir, out, scheme):
-    result = CliRunner().invoke(cli, ["run", str(model_dir / "model.onnx"), "--data", str(model_dir / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out), "-q"])
+    result = run_cli("run", str(model_dir / "model.onnx"), "--data", str(model_dir / "calib.npz"),
+                     "--scheme", scheme, "-o", str(out), "-q")
     assert result.exit_code == 0, result.output
 
 
@@ -34,8 +32,8 @@ def test_runs_to_different_folders_are_byte_identical_manifest_included(tmp_path
     every file, the manifest included (it records sizes and sha256s, nothing of time or of -o)."""
     a, b = tmp_path / "one" / "A", tmp_path / "two" / "deeper" / "B"
     for out in (a, b):
-        result = CliRunner().invoke(cli, ["run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                          "-o", str(out), "-q"])
+        result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                         "-o", str(out), "-q")
         assert result.exit_code == 0, result.output
     assert sorted(p.name for p in a.iterdir()) == [MANIFEST, "model.onnx", "qparams.safetensors",
                                                    "quantization_config.json"]

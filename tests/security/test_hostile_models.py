@@ -15,15 +15,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.graph import io as graph_io
-from tests.helpers import time_box
+from tests.helpers import run_cli, time_box
 
 SECRET = b"TOP-SECRET-" * 64  # 704 bytes: exactly a [8, 22] float32 weight
 
@@ -68,7 +66,7 @@ def _save(folder: Path, weight, name="model.onnx", **kw) -> Path:
 
 
 def _run(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
+    result = run_cli(*args)
     return result.exit_code, result.output
 
 
@@ -234,8 +232,8 @@ def test_a_weight_holding_nan_is_an_error_naming_it_or_left_in_float_on_request(
     code, output = _run("run", path, "--data", folder / "calib.npz", "-o", tmp_path / "out", "-q")
     assert_refused(code, output, "proj: weight 'proj.weight' holds 2 NaN or Inf value(s)")
     assert not (tmp_path / "out").exists()
-    result = CliRunner().invoke(cli, ["run", str(path), "--data", str(folder / "calib.npz"), "-o",
-                                      str(tmp_path / "out"), "--json", "--skip-nonfinite-weights"])
+    result = run_cli("run", str(path), "--data", str(folder / "calib.npz"), "-o",
+                     str(tmp_path / "out"), "--json", "--skip-nonfinite-weights")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["quantized"] == ["fc"] and "proj" in summary["ignored"]
