@@ -254,6 +254,17 @@ def run_cli(*args, **kwargs):
     return CliRunner().invoke(cli, [str(a) for a in args], **kwargs)
 
 
+def run_cli_process(*args, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """``python -m graphcal ARGS`` in a child process, for the tests that need a real one (the exit code and
+    stderr that ``main`` gives, a fresh interpreter, a hang guard): text stdout and stderr captured, killed
+    past ``timeout`` seconds (TimeoutExpired fails the test), this checkout first on PYTHONPATH, ``env``
+    added to os.environ."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "graphcal", *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 LAYER_NODES = ("/fc1/MatMul", "/fc3/MatMul", "/fc2/Gemm")  # the ``layers`` fixture's weight nodes
 
 

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import load_file
 
 from graphcal.errors import GraphcalError
+from tests.helpers import run_cli_process
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -27,8 +28,7 @@ def _torchrun(nproc: int, *args, env=None, timeout=240):
 
 
 def _single(*args):
-    return subprocess.run([sys.executable, "-m", "graphcal", "run", *map(str, args), "--device", "cpu", "-q"],
-                          capture_output=True, text=True, timeout=240)
+    return run_cli_process("run", *args, "--device", "cpu", "-q", timeout=240)
 
 
 @pytest.mark.parametrize("scheme, flags", [
@@ -239,8 +239,7 @@ def test_two_nccl_ranks_on_two_gpus_write_what_one_gpu_writes(llama_dir, tmp_pat
                           "-m", "graphcal", "run", *map(str, common), "--device", "cuda", "-o", str(tmp_path / "two")],
                          capture_output=True, text=True, timeout=240, env=env)
     assert two.returncode == 0, two.stderr[-2000:]
-    one = subprocess.run([sys.executable, "-m", "graphcal", "run", *map(str, common), "--device", "cuda", "-q",
-                          "-o", str(tmp_path / "one")], capture_output=True, text=True, timeout=240)
+    one = run_cli_process("run", *common, "--device", "cuda", "-q", "-o", tmp_path / "one", timeout=240)
     assert one.returncode == 0, one.stderr[-2000:]
     for name in ("qparams.safetensors", "quantization_config.json"):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name

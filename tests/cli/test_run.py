@@ -28,7 +28,16 @@ from graphcal.graph.external import expected_bytes
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
 from graphcal.runtime import run_model
-from tests.helpers import INT8_SATURATES, SATURATION_REASON, ct_layer_reference, ct_torch_reference, load_written, run_cli, sqnr_db
+from tests.helpers import (
+    INT8_SATURATES,
+    SATURATION_REASON,
+    ct_layer_reference,
+    ct_torch_reference,
+    load_written,
+    run_cli,
+    run_cli_process,
+    sqnr_db,
+)
 
 # scheme -> (format compressed-tensors infers, ONNX type of the stored weight, opset written, weight bits)
 SCHEMES = {
@@ -334,21 +343,14 @@ def test_imatrix_weights_get_activation_importance(llama_dir, tmp_path, runs):
 
 
 def test_python_dash_m_and_console_script(tmp_path, bert_dir):
-    import subprocess
-    import sys
-
     out = tmp_path / "o"
-    proc = subprocess.run(
-        [sys.executable, "-m", "graphcal", "run", str(bert_dir / "model.onnx"), "--data", str(bert_dir / "calib.npz"),
-         "--scheme", "W8A8_STATIC", "--num-samples", "16", "--batch-size", "4", "-o", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
+    proc = run_cli_process("run", bert_dir / "model.onnx", "--data", bert_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                           "--num-samples", "16", "--batch-size", "4", "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert "calibrated on 16 samples in 4 batches with onnxruntime CPUExecutionProvider" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == [".graphcal-manifest.json", "model.onnx", "qparams.safetensors",
                                                     "quantization_config.json"]
-    bad = subprocess.run([sys.executable, "-m", "graphcal", "run", str(tmp_path / "missing.onnx"), "--data", "x.npz",
-                          "-o", str(tmp_path / "o2")], capture_output=True, text=True, timeout=300)
+    bad = run_cli_process("run", tmp_path / "missing.onnx", "--data", "x.npz", "-o", tmp_path / "o2")
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [f"error: model file not found: {tmp_path / 'missing.onnx'}"]
 
 

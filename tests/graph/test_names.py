@@ -4,11 +4,7 @@ does. Through the CLI, on a toy decoder built with onnx.helper (tests/graph/toy_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +12,7 @@ import pytest
 from graphcal.errors import UsageError
 from graphcal.graph.names import NameMatcher, check_pattern, match_name
 from tests.graph.toy_models import H, toy_decoder
-from tests.helpers import REPO, run_cli
+from tests.helpers import run_cli, run_cli_process
 
 HANG_GUARD_S = 60  # a hang guard, not a benchmark: the refusal itself takes well under a second
 
@@ -32,18 +28,11 @@ def decoder(tmp_path_factory):
                                                             ("decoder.self_attn", "decoder.mlp")])
 
 
-def _graphcal(args, cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m graphcal ARGS`` in a child, killed past the hang guard (TimeoutExpired fails the test)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "graphcal", *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=HANG_GUARD_S)
-
-
 @pytest.mark.parametrize("flag", ["--ignore", "--targets"])
 def test_a_backtracking_regex_flag_is_refused_at_once(decoder, tmp_path, flag):
     start = time.monotonic()
-    done = _graphcal(["run", decoder, "--data", decoder.parent / "calib.npz", "--scheme", "W4A16", "-o",
-                      tmp_path / "out", flag, "re:(.*.*)*q_projX"], tmp_path)
+    done = run_cli_process("run", decoder, "--data", decoder.parent / "calib.npz", "--scheme", "W4A16", "-o",
+                           tmp_path / "out", flag, "re:(.*.*)*q_projX", cwd=tmp_path, timeout=HANG_GUARD_S)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "re:(.*.*)*q_projX" in lines[0] and "Traceback" not in done.stderr, done.stderr
@@ -70,8 +59,8 @@ def test_a_backtracking_regex_in_a_recipe_mapping_is_refused_at_once(decoder, tm
         recipe = ("AWQModifier:\n  mappings: [{smooth_layer: 're:.*norm', balance_layers: ['re:(.*.*)*q_projX']}]\n"
                   "QuantizationModifier: {scheme: W4A16}\n")
     (tmp_path / "recipe.yaml").write_text(recipe)
-    done = _graphcal(["run", decoder, "--data", decoder.parent / "calib.npz", "--recipe", tmp_path / "recipe.yaml",
-                      "-o", tmp_path / "out"], tmp_path)
+    done = run_cli_process("run", decoder, "--data", decoder.parent / "calib.npz", "--recipe", tmp_path / "recipe.yaml",
+                           "-o", tmp_path / "out", cwd=tmp_path, timeout=HANG_GUARD_S)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "re:(.*.*)*q_projX" in lines[0], done.stderr
