@@ -1,5 +1,5 @@
-"""A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/test_genai.py,
-tests/test_bench_kv.py, tests/test_genai_cuda.py): a random-weight Llama made with transformers, built
+"""A tiny onnxruntime-genai builder model, shared by the tests that need one (tests/export/test_genai.py,
+tests/bench/test_decode.py, tests/export/test_genai_cuda.py): a random-weight Llama made with transformers, built
 offline by onnxruntime-genai's own model builder through ``graphcal export --genai fp32``; and the
 reference they generate by, onnxruntime-genai's own greedy loop."""
 
@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from click.testing import CliRunner
 
-from graphcal.cli import cli
+from tests.helpers import run_cli
 
 PROMPT = [1, 5, 9, 33, 70, 12]
 STEPS = 4
@@ -68,8 +67,8 @@ def build_tiny_genai(root: Path, tied: bool = False) -> tuple[Path, Path]:
     rng = np.random.default_rng(0)
     (root / "calib.txt").write_text("\n".join(" ".join(f"w{i}" for i in rng.integers(3, 256, 30)) for _ in range(20)))
     # graphcal export --genai: the builder, offline, and the text tokenized for its decoder
-    result = CliRunner().invoke(cli, ["export", str(root / "hf"), "--genai", "fp32", "-o", str(root / "fp32"),
-                                      "--text", str(root / "calib.txt"), "--seq", "24", "--pack"])
+    result = run_cli("export", str(root / "hf"), "--genai", "fp32", "-o", str(root / "fp32"),
+                     "--text", str(root / "calib.txt"), "--seq", "24", "--pack")
     assert result.exit_code == 0, result.output
     data = np.load(root / "fp32" / "calib.npz")
     assert set(data) == {"input_ids", "attention_mask"} and data["input_ids"].shape == (25, 24)

@@ -18,8 +18,11 @@ import onnx
 import pytest
 import torch
 
+#: the repository root, and its shipped test models (every test file finds its data from here, at any depth)
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "models"
 # llm-compressor's own outputs for SmoothQuant, GPTQ and AWQ (shared/ beside the repository)
-ALGORITHM_VECTORS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "algorithm_vectors.pt"
+ALGORITHM_VECTORS = REPO.parent / "shared" / "reference" / "algorithm_vectors.pt"
 
 
 def int8_kernels_saturate() -> bool:
@@ -239,19 +242,38 @@ def time_box(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def run_cli(*args, **kwargs):
+    """``graphcal ARGS`` in this process, as every test runs the CLI: click's CliRunner on graphcal.cli.cli,
+    each argument passed as ``str`` (paths welcome). ``kwargs`` go to ``CliRunner.invoke`` (``input``,
+    ``env``, ``catch_exceptions``). Returns click's Result: ``exit_code``, ``output`` (stdout and stderr),
+    ``stdout``, ``stderr``, ``exception``."""
+    from click.testing import CliRunner
+
+    from graphcal.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args], **kwargs)
+
+
+def run_cli_process(*args, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """``python -m graphcal ARGS`` in a child process, for the tests that need a real one (the exit code and
+    stderr that ``main`` gives, a fresh interpreter, a hang guard): text stdout and stderr captured, killed
+    past ``timeout`` seconds (TimeoutExpired fails the test), this checkout first on PYTHONPATH, ``env``
+    added to os.environ."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "graphcal", *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 LAYER_NODES = ("/fc1/MatMul", "/fc3/MatMul", "/fc2/Gemm")  # the ``layers`` fixture's weight nodes
 
 
 def run_layers(layers, tmp_path, scheme, *extra) -> tuple:
     """`graphcal run --json` on the ``layers`` fixture's model: (written model path, JSON summary)."""
-    from click.testing import CliRunner
-
-    from graphcal.cli import cli
-
     folder, _ = layers
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(folder / "model.onnx"), "--data", str(folder / "calib.npz"),
-                                      "--scheme", scheme, "-o", str(out), "--device", "cpu", "--json", *extra])
+    result = run_cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", scheme, "-o", out,
+                     "--device", "cpu", "--json", *extra)
     assert result.exit_code == 0, result.output
     return out / "model.onnx", json.loads(result.stdout)
 

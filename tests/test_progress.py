@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from click.testing import CliRunner
-
-from graphcal.cli import cli
 from graphcal.progress import Progress
+from tests.helpers import run_cli
 
 
 class Clock:
@@ -47,13 +45,12 @@ def test_unknown_total_has_no_time_left():
 
 
 def test_run_and_eval_log_their_progress_with_v(llama_dir, tmp_path):
-    runner = CliRunner()
-    result = runner.invoke(cli, ["-v", "run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                 "--scheme", "W8A8_STATIC", "-o", str(tmp_path / "out"), "-q"])
+    result = run_cli("-v", "run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
     assert "calibrating: 64/64 samples" in result.output and "samples/s in" in result.output
     assert "weights: 14/14 weights" in result.output
-    result = runner.invoke(cli, ["-v", "eval", str(llama_dir / "model.onnx"), str(tmp_path / "out" / "model.onnx"),
-                                 "--data", str(llama_dir / "heldout.npz")])
+    result = run_cli("-v", "eval", llama_dir / "model.onnx", tmp_path / "out" / "model.onnx", "--data",
+                     llama_dir / "heldout.npz")
     assert result.exit_code == 0, result.output
     assert "evaluating: 16/16 samples" in result.output

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import graphcal.runtime
-from graphcal.cli import cli
 from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
-from tests.helpers import INT8_SATURATES
+from tests.helpers import INT8_SATURATES, run_cli
 
 
 def test_the_probe_agrees_with_exact_integer_arithmetic(monkeypatch):
@@ -26,20 +24,20 @@ def test_inspect_and_run_warn_only_where_the_kernels_saturate(monkeypatch, llama
     monkeypatch.setattr(graphcal.runtime, "_SATURATES", saturates)
     model = str(llama_dir / "model.onnx")
     for scheme in ("W8A8", "W8A8_STATIC"):  # u8 x s8 kernels: DynamicQuantizeMatMul, MatMulIntegerToFloat
-        result = CliRunner().invoke(cli, ["inspect", model, "--scheme", scheme])
+        result = run_cli("inspect", model, "--scheme", scheme)
         assert result.exit_code == 0, result.output
         assert (INT8_SATURATION_NOTE in result.output) is saturates
     # weight-only int4 (MatMulNBits) and fp8 run no u8 x s8 kernel: no warning whatever the CPU
     for extra in (["--scheme", "W4A16", "--group-size", "32"], ["--scheme", "FP8"]):
-        result = CliRunner().invoke(cli, ["inspect", model, *extra])
+        result = run_cli("inspect", model, *extra)
         assert result.exit_code == 0, result.output
         assert INT8_SATURATION_NOTE not in result.output
     # and --target tensorrt / qdq write for other runtimes: no onnxruntime kernel to warn about
-    result = CliRunner().invoke(cli, ["inspect", model, "--scheme", "W8A8_STATIC", "--target", "tensorrt"])
+    result = run_cli("inspect", model, "--scheme", "W8A8_STATIC", "--target", "tensorrt")
     assert result.exit_code == 0 and INT8_SATURATION_NOTE not in result.output
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", model, "--data", str(llama_dir / "calib.npz"), "--scheme", "W8A8",
-                                      "-o", str(out), "--json"])
+    result = run_cli("run", model, "--data", str(llama_dir / "calib.npz"), "--scheme", "W8A8",
+                     "-o", str(out), "--json")
     assert result.exit_code == 0, result.output
     import json
 

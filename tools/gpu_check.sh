@@ -14,7 +14,7 @@
 # A warm machine is given back ~30 s after a call ends: make the calls back to back.
 #
 # It installs the wheels into /tmp/site (first on PYTHONPATH, so onnxruntime-gpu shadows the image's CPU
-# onnxruntime), runs the gpu-marked tests (tests/test_genai_cuda.py among them: the builder's CUDA fp16
+# onnxruntime), runs the gpu-marked tests (tests/export/test_genai_cuda.py among them: the builder's CUDA fp16
 # model quantized on the GPU, generated with by onnxruntime-genai-cuda on CUDA) and tools/genai_speed.py
 # (decode speed in onnxruntime-genai's loop on CUDA, graphcal's int4 against the builder's), and leaves
 # logs and tables in $OUT. Each step has its own time limit (GENAI_TESTS_S, GENAI_SPEED_S, GPU_TESTS_S).
@@ -39,12 +39,12 @@ except ImportError as e:
     print("onnxruntime-genai:", e)
 PY
 # the builder's CUDA model, quantized on the GPU and generated with on CUDA; then its speed; then the other GPU tests
-timeout "${GENAI_TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/test_genai_cuda.py 2>&1 \
+timeout "${GENAI_TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/export/test_genai_cuda.py 2>&1 \
   | tee "$out/pytest-genai-cuda.log" | grep -E " dB|passed|failed|rror" | tail -20
 # decode speed in onnxruntime-genai's loop on CUDA: graphcal's int4 against the builder's int4
 timeout "${GENAI_SPEED_S:-200}" python3 -m tools.genai_speed --provider cuda --work /tmp/genai-speed \
   --markdown "$out/genai-speed-cuda.md" --json "$out/genai-speed-cuda.json" 2>&1 | tee "$out/genai-speed.log" | tail -12
-timeout "${GPU_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/test_genai_cuda.py \
+timeout "${GPU_TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests --ignore=tests/export/test_genai_cuda.py \
   2>&1 | tee "$out/pytest-gpu.log" | tail -15
 # each scheme's form against fp32 on CUDA at onnxruntime's default settings (docs/speed-cuda.md; a call of its own):
 #   timeout 480 python3 tools/speed_table.py --device cuda --models tiny-llama tiny-bert bench-decoder --rounds 20 \

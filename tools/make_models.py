@@ -46,7 +46,7 @@ MODELS = {
     "tiny-bert": ("build_tiny_bert", 2000),
 }
 FILES = ("model.onnx", *DATASETS)
-__all__ = ["compare", "make_all", "make_model", "save_npz"]  # save_npz: tests/test_export.py reads it from here
+__all__ = ["compare", "make_all", "make_model", "save_npz"]  # save_npz: tests/export/test_exporter.py reads it from here
 
 
 def make_model(name: str, out_dir: str | Path) -> list[Path]:

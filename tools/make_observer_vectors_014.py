@@ -21,7 +21,7 @@ What it computes, with llm-compressor 0.14.0.1's own code on small fixed tensors
 Tensors are written exactly: float tensors as the int32 bit patterns of their fp32 values (bf16 and
 fp8 values are exact in fp32), with their dtype and shape. The output is a Python module
 (``tests/observers/llmc014_vectors.py``) read by ``tests/observers/test_llmc014_vectors.py`` and
-``tests/test_gptq_actorder014.py``; the tests do not need llm-compressor.
+``tests/algorithms/test_gptq_actorder.py``; the tests do not need llm-compressor.
 
 Usage (a separate virtual environment: llm-compressor pins its own compressed-tensors and transformers)::
 

@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from graphcal.calibration import pipeline
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.graph.external import is_external, read_tensor_bytes
 from graphcal.graph.io import load_model_info
+from tests.helpers import run_cli
 
 K, N = 512, 1024  # a 2 MB fp32 weight: past the 1 MB threshold, so run reads it lazily (graph.wire)
 
@@ -81,8 +80,8 @@ CHANGES = {"overwritten": _overwrite, "renamed": _rename_over}
 
 
 def _run(model_path: Path, out: Path):
-    result = CliRunner().invoke(cli, ["run", str(model_path), "--data", str(model_path.parent / "calib.npz"),
-                                      "-o", str(out), "-q"])
+    result = run_cli("run", str(model_path), "--data", str(model_path.parent / "calib.npz"),
+                     "-o", str(out), "-q")
     return result.exit_code, result.output
 
 
@@ -169,5 +168,5 @@ def test_a_model_changed_while_eval_runs_it_gives_no_report(model, monkeypatch, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compare, "_check_time", changed_then_check)
-    result = CliRunner().invoke(cli, ["eval", str(path), str(path), "--data", str(path.parent / "calib.npz")])
+    result = run_cli("eval", str(path), str(path), "--data", str(path.parent / "calib.npz"))
     _assert_refused(result.exit_code, result.output, changing)

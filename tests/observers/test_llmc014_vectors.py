@@ -13,7 +13,7 @@ tensors and kwargs and asks for the same qparams, bit for bit:
 * ``imatrix_mse`` split over two data-parallel ranks (gloo), reduced with graphcal's ``merge``;
 * what an ``expand`` below 1 does (a ValueError for the MSE observers; imatrix searches from it).
 
-The end-to-end tests through a recipe and through flags are in tests/test_expand_e2e.py.
+The end-to-end tests through a recipe and through flags are in tests/observers/test_expand_run.py.
 """
 
 from __future__ import annotations

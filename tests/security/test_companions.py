@@ -13,12 +13,11 @@ import re
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
 import graphcal.calibration.pipeline
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.output.companions import copy_companions, find_companions
+from tests.helpers import run_cli
 
 SECRET = b'{"secret": "outside the model folder"}'
 
@@ -89,8 +88,8 @@ def test_a_run_whose_tokenizer_is_swapped_mid_run_writes_nothing(llama_dir, tmp_
 
     monkeypatch.setattr(graphcal.calibration.pipeline, "copy_companions", swapped_then_copied)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
-                                      "-o", str(out), "--scheme", "W8A16", "-q"])
+    result = run_cli("run", str(src / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+                     "-o", str(out), "--scheme", "W8A16", "-q")
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == 1 and len(errors) == 1, result.output
     assert f"{src / 'tokenizer.json'} was replaced since the run began" in errors[0]

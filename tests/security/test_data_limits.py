@@ -19,15 +19,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphcal.data.npz as gnpz  # check_memory reads _available_memory here
-from graphcal.cli import cli
 from graphcal.data import InputSpec, graph_inputs, load_data
 from graphcal.errors import GraphcalError
-from tests.helpers import time_box
+from tests.helpers import run_cli, time_box
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
 
@@ -41,7 +39,7 @@ SPECS = [
 
 
 def _invoke(model, data, out, *extra):
-    result = CliRunner().invoke(cli, ["run", str(model), "--data", str(data), "-o", str(out), "-q", *extra])
+    result = run_cli("run", str(model), "--data", str(data), "-o", str(out), "-q", *extra)
     return result.exit_code, result.output
 
 

@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.cli import cli
 from graphcal.errors import GraphcalError
 from graphcal.graph import io as graph_io
-from tests.helpers import time_box
+from tests.helpers import run_cli, run_cli_process, time_box
 
 SECRET = b"TOP-SECRET-" * 64  # 704 bytes: exactly a [8, 22] float32 weight
 
@@ -68,7 +64,7 @@ def _save(folder: Path, weight, name="model.onnx", **kw) -> Path:
 
 
 def _run(*args):
-    result = CliRunner().invoke(cli, [str(a) for a in args])
+    result = run_cli(*args)
     return result.exit_code, result.output
 
 
@@ -161,8 +157,7 @@ def test_external_data_in_a_constant_attribute_is_checked_too(folder, tmp_path):
 def test_a_model_file_that_is_a_fifo_is_refused_without_hanging(folder, tmp_path):
     fifo = folder / "fifo.onnx"
     os.mkfifo(fifo)
-    proc = subprocess.run([sys.executable, "-m", "graphcal", "inspect", str(fifo)], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_cli_process("inspect", fifo, timeout=120)
     assert proc.returncode != 0
     assert "a FIFO, not a regular file" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -188,8 +183,7 @@ def test_a_weight_path_that_loops_is_refused_not_walked_forever(folder, tmp_path
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
     path = folder / "model.onnx"
     path.write_bytes(model.SerializeToString())
-    proc = subprocess.run([sys.executable, "-m", "graphcal", "run", str(path), "--data", str(folder / "calib.npz"),
-                           "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    proc = run_cli_process("run", path, "--data", folder / "calib.npz", "-o", tmp_path / "out", timeout=120)
     assert proc.returncode == 1 and "has a cycle" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -234,8 +228,8 @@ def test_a_weight_holding_nan_is_an_error_naming_it_or_left_in_float_on_request(
     code, output = _run("run", path, "--data", folder / "calib.npz", "-o", tmp_path / "out", "-q")
     assert_refused(code, output, "proj: weight 'proj.weight' holds 2 NaN or Inf value(s)")
     assert not (tmp_path / "out").exists()
-    result = CliRunner().invoke(cli, ["run", str(path), "--data", str(folder / "calib.npz"), "-o",
-                                      str(tmp_path / "out"), "--json", "--skip-nonfinite-weights"])
+    result = run_cli("run", str(path), "--data", str(folder / "calib.npz"), "-o",
+                     str(tmp_path / "out"), "--json", "--skip-nonfinite-weights")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["quantized"] == ["fc"] and "proj" in summary["ignored"]
@@ -301,9 +295,8 @@ def _billion_laughs() -> str:
 def test_hostile_recipes_are_refused_quickly(llama_dir, tmp_path, make, fragment):
     recipe = tmp_path / "recipe.yaml"
     make(recipe)
-    proc = subprocess.run([sys.executable, "-m", "graphcal", "run", str(llama_dir / "model.onnx"), "--data",
-                           str(llama_dir / "calib.npz"), "-o", str(tmp_path / "out"), "--recipe", str(recipe)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli_process("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
+                           "--recipe", recipe, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 

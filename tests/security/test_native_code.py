@@ -14,10 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.data.genai_native import strip_native
+from tests.helpers import run_cli
 
 MARKER_ENV = "GRAPHCAL_TEST_MARKER"
 # a custom ops library that registers no op: RegisterCustomOps returns no error (a null OrtStatus*)
@@ -97,8 +96,8 @@ def test_run_never_copies_a_custom_ops_library_into_the_output(hostile, tmp_path
     marker = tmp_path / "marker"
     monkeypatch.setenv(MARKER_ENV, str(marker))
     before = (evil / "genai_config.json").read_bytes()
-    result = CliRunner().invoke(cli, ["run", str(evil / "model.onnx"), "--data", str(calib), "-o", str(tmp_path / "out"),
-                                      "--scheme", "W4A16", "--group-size", "32", "-q"])
+    result = run_cli("run", str(evil / "model.onnx"), "--data", str(calib), "-o", str(tmp_path / "out"),
+                     "--scheme", "W4A16", "--group-size", "32", "-q")
     assert result.exit_code == 0, result.output
     written = json.loads((tmp_path / "out" / "genai_config.json").read_text())
     options = written["model"]["decoder"]["session_options"]
@@ -127,7 +126,7 @@ def test_bench_loads_no_library_a_model_folder_names(hostile, tmp_path, monkeypa
 
     monkeypatch.setattr(og, "Config", config)
     model = str(evil / "model.onnx")
-    result = CliRunner().invoke(cli, ["bench", model, model, "--data", str(calib), *FAST])
+    result = run_cli("bench", model, model, "--data", str(calib), *FAST)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["genai_loop"]["measured"], report["genai_loop"]  # the loop ran, without the library
@@ -140,15 +139,15 @@ def test_bench_loads_no_library_a_model_folder_names(hostile, tmp_path, monkeypa
 
     other = tmp_path / "other.so"
     other.write_bytes(library.read_bytes())
-    wrong = CliRunner().invoke(cli, ["bench", model, model, "--data", str(calib), *FAST, "--allow-custom-ops", str(other)])
+    wrong = run_cli("bench", model, model, "--data", str(calib), *FAST, "--allow-custom-ops", str(other))
     assert wrong.exit_code == 2 and not marker.exists(), wrong.output
     errors = [line for line in wrong.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "names 'libmarker.so', another library" in errors[0], wrong.output
 
     # asked by the flag, naming the library the config names: loaded (the marker shows loading is seen)
     handed.clear()
-    allowed = CliRunner().invoke(cli, ["bench", model, model, "--data", str(calib), *FAST, "--allow-custom-ops",
-                                       str(library)])
+    allowed = run_cli("bench", model, model, "--data", str(calib), *FAST, "--allow-custom-ops",
+                      str(library))
     assert allowed.exit_code == 0, allowed.output
     assert json.loads(allowed.output)["genai_loop"]["measured"]
     assert marker.read_text() == "loaded\n"

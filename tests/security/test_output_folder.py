@@ -19,18 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
 from graphcal.output import MANIFEST, TMP_MARKER, reserve_output
-from tests.helpers import paused_run
+from tests.helpers import paused_run, run_cli
 
 OURS = [MANIFEST, "model.onnx", "qparams.safetensors", "quantization_config.json"]
 
 
 def run(model_dir, out, *extra, model=None, data=None):
-    return CliRunner().invoke(cli, ["run", str(model or model_dir / "model.onnx"), "--data",
-                                    str(data or model_dir / "calib.npz"), "-o", str(out), "-q", *extra])
+    return run_cli("run", str(model or model_dir / "model.onnx"), "--data",
+                   str(data or model_dir / "calib.npz"), "-o", str(out), "-q", *extra)
 
 
 def one_error(result, fragment):
@@ -371,13 +369,13 @@ def test_export_follows_the_same_rules(tmp_path):
     (out / "model.onnx").write_bytes(b"my own model")
     (out / "notes.txt").write_text("mine")
     before = snapshot(out)
-    result = CliRunner().invoke(cli, ["export", str(model_dir), "-o", str(out)])
+    result = run_cli("export", str(model_dir), "-o", str(out))
     one_error(result, f"output folder {out} holds files graphcal did not write (model.onnx, notes.txt)")
     assert snapshot(out) == before
     link = tmp_path / "link"
     link.symlink_to(out)
-    one_error(CliRunner().invoke(cli, ["export", str(model_dir), "-o", str(link)]), "is a symbolic link to")
-    one_error(CliRunner().invoke(cli, ["export", str(model_dir), "-o", str(tmp_path)]), "would overwrite the input")
+    one_error(run_cli("export", str(model_dir), "-o", str(link)), "is a symbolic link to")
+    one_error(run_cli("export", str(model_dir), "-o", str(tmp_path)), "would overwrite the input")
 
 
 def _never(*_args, **_kwargs):

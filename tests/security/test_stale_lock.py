@@ -10,10 +10,7 @@ import subprocess
 import sys
 import time
 
-from click.testing import CliRunner
-
-from graphcal.cli import cli
-from tests.helpers import paused_run
+from tests.helpers import paused_run, run_cli
 
 
 def _argv(model_dir, out):
@@ -35,7 +32,7 @@ def test_a_run_after_a_sigkilled_one_says_so_once_and_succeeds(tmp_path, bert_di
     proc.communicate()
     assert lock.exists()  # the killed run's lock stays
 
-    result = CliRunner().invoke(cli, _argv(bert_dir, out))
+    result = run_cli(*_argv(bert_dir, out))
     assert result.exit_code == 0, result.output
     (line,) = _stale_lines(result.output)
     assert line.startswith(f"warning: the previous graphcal run on -o {out} (pid {proc.pid}, started ")
@@ -59,12 +56,12 @@ def test_the_line_names_a_reused_pid_and_an_older_lock_but_not_an_empty_one(tmp_
     }
     for name, (text, said) in cases.items():
         lock.write_text(text)
-        result = CliRunner().invoke(cli, _argv(bert_dir, out))
+        result = run_cli(*_argv(bert_dir, out))
         assert result.exit_code == 0, (name, result.output)
         lines = _stale_lines(result.output)
         assert len(lines) == int(said), (name, result.output)
         assert not lock.exists(), name
     lock.write_text(json.dumps({"graphcal": os.getpid(), "ticks": 1, "started": 1.0e9,
                                 "command": "graphcal run big.onnx"}))
-    (line,) = _stale_lines(CliRunner().invoke(cli, _argv(bert_dir, out)).output)
+    (line,) = _stale_lines(run_cli(*_argv(bert_dir, out)).output)
     assert f"(pid {os.getpid()}, started " in line and ": graphcal run big.onnx)" in line

@@ -18,7 +18,7 @@ or, for a parent that is one linear layer, ``gram.LayerLoss``, the same MSE from
 matrix with no run at all. Nothing here knows about graphs.
 
 Source: ``shared/reference/algorithms.md`` §4 (statistics §4.3, grid search and application §4.4) and
-the bit-exactness notes of §7, checked against its ``awq`` test vectors (tests/test_awq.py): sums of
+the bit-exactness notes of §7, checked against its ``awq`` test vectors (tests/algorithms/test_awq.py): sums of
 |x| and the loss in fp32, w_mean and duo-scaled scales in fp64, every weight change computed in fp64
 and rounded once to the weight's dtype (identical to torch's type promotion for one * or /).
 """
