@@ -13,13 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from graphcal.cli import cli
-
-
-def _cli(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +23,7 @@ def forms(llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("loads")
     for name, extra in (("plain", []), ("rotated", ["--rotate", "R1"])):
         for scheme in ("W4A16", "W8A16"):
-            result = _cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme,
+            result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme,
                           "--lm-head", *extra, "-o", root / name / scheme, "-q")
             assert result.exit_code == 0, result.output
     return root
@@ -70,7 +65,7 @@ def test_eval_sensitivity_and_mix_load_each_model_once(llama_dir, forms, counted
     model for both the sensitivity passes and the mix; and both measured."""
     low, high = forms / name / "W4A16" / "model.onnx", forms / name / "W8A16" / "model.onnx"
     low_bytes = sum(f.stat().st_size for f in low.parent.glob("model.onnx*"))
-    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--num-samples", 2,
+    result = run_cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--num-samples", 2,
                   "--json", "--sensitivity", "--fallback", high, "--size-budget", (low_bytes + 60_000) / 1e6)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -84,7 +79,7 @@ def test_a_plain_eval_of_a_rotated_model_loads_and_rotates_once(llama_dir, forms
     """The comparison alone, on a rotated model kept apart (--isolated: whole models, not the paired graph):
     each model parsed once, the reference rotated once, no switchable model."""
     low = forms / "rotated" / "W4A16" / "model.onnx"
-    result = _cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--num-samples", 2,
+    result = run_cli("eval", llama_dir / "model.onnx", low, "--data", llama_dir / "heldout.npz", "--num-samples", 2,
                   "--json", "--isolated")
     assert result.exit_code == 0, result.output
     assert counted["parsed"] == {p.resolve(): 1 for p in (llama_dir / "model.onnx", low)}
