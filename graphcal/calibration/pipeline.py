@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,11 +34,13 @@ from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.prepare import Prepared, prepare
+from graphcal.calibration.result import CalibrationResult, scheme_label
 from graphcal.calibration.rotation_check import check_rotation
 from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
 from graphcal.calibration.sizing import float_weight_bytes
 from graphcal.calibration.weights import WeightResult, quantize_weights
-from graphcal.config import Options, resolve
+from graphcal.config import Options, RunConfig, resolve
+from graphcal.config.options import with_keywords
 from graphcal.data import Calibration, data_paths
 from graphcal.graph import identity
 from graphcal.graph.io import runs_in_onnxruntime, save_model
@@ -52,36 +53,6 @@ from graphcal.runtime import check_loads, observer_device
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 log = logging.getLogger("graphcal")
-
-
-@dataclass
-class CalibrationResult:
-    """What a run did and wrote."""
-
-    output_dir: Path
-    files: list[Path]
-    targets: list[QuantizedTarget]
-    ignored: list[str]
-    provider: str | None  # None when no activation pass was needed
-    num_samples: int
-    num_batches: int
-    seconds: float
-    warnings: list[str] = field(default_factory=list)
-    forms: list[str] = field(default_factory=list)  # what onnxruntime runs (plan.RunPlan.forms)
-    rank: int = 0  # under torchrun: this process's rank (only rank 0 writes)
-    world: int = 1
-    padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
-    exclude_padding: bool = False  # padded positions were left out of the activation statistics
-    smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.scaling.Mapping.describe)
-    awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
-    gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
-    rotation: dict | None = None  # --rotate: what was folded in first (algorithms.rotation.fold.Rotation.as_dict)
-    float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
-    model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
-
-    @property
-    def qparams(self) -> dict[str, torch.Tensor]:
-        return qparam_tensors(self.targets)
 
 
 class Plain:
@@ -109,34 +80,30 @@ PRE_TRANSFORMS: tuple[type[PreTransform], ...] = (AWQ, SmoothQuant)
 
 @releases_outputs  # the -o reservation below is released however calibrate ends
 @one_budget()  # every module-name pattern of the run on one matching budget (graph.names)
-def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | None = None, config=None,
-              targets=None, ignore=None, observer: str | None = None, kv_cache: str | None = None, recipe=None,
-              device: str = "auto", target: str = "onnxruntime", matmulnbits: int | None = None,
-              batch_size: int | None = None, num_samples: int | None = None, progress: bool = False,
-              reduce_in_graph: bool = True, skip_nonfinite_weights: bool = False, exclude_padding: bool = False,
-              smoothquant: str | None = None, smoothing_strength: float | None = None, algorithm: str | None = None,
-              group_size: int | None = None, gptq_order: str | None = None,
-              tap_limit_mb: float | None = None) -> CalibrationResult:
+def calibrate(model: str | Path, data, output_dir: str | Path, options: Options | None = None, *,
+              config: RunConfig | None = None, **keywords) -> CalibrationResult:
     """Calibrate ``model`` on ``data`` (an .npz, a folder of them, a mapping of arrays, or an
     onnxruntime CalibrationDataReader) and write the QDQ model and its metadata to ``output_dir``.
 
-    The settings are `graphcal run`'s flags, resolved as run resolves them (graphcal.config.resolve:
-    a flag given beats the ``recipe``); ``config`` (a resolved RunConfig) replaces them all. ``target``
-    is the runtime the model is written for: "onnxruntime", "tensorrt" or "qdq". docs/usage.md
-    describes every setting; ``graphcal run --help`` too.
+    ``options`` (graphcal.Options) holds every `graphcal run` flag, which the CLI builds from its
+    flags; ``keywords`` are its fields by name, over it (``calibrate(model, data, out,
+    scheme="W8A8_STATIC")``). The config fields are resolved as run resolves them
+    (graphcal.config.resolve: a flag given beats the ``recipe``); ``config`` (a resolved RunConfig)
+    replaces them all. docs/usage.md describes every setting; ``graphcal run --help`` too.
     """
     start = time.perf_counter()
+    options = with_keywords(options, keywords)
+    label = scheme_label(options.scheme, options.recipe, config.scheme_name if config is not None else None)
+    config = config or resolve(options)  # before -o: a flag refused before anything is checked or read
     slot = reserve_output(Path(output_dir), [Path(model), *data_paths(data)])  # checks -o, locks it (rank 0)
-    config = config or resolve(Options(
-        scheme=scheme, targets=_tuple(targets), ignore=_tuple(ignore), observer=observer, kv_cache=kv_cache,
-        recipe=recipe, smoothquant=smoothquant, smoothing_strength=smoothing_strength, algorithm=algorithm,
-        group_size=group_size, gptq_order=gptq_order))
-    ready = prepare(model, config, target=target, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
-                    num_samples=num_samples, exclude_padding=exclude_padding, device=device, join=True,
-                    reduce_in_graph=reduce_in_graph)
+    device, progress, exclude_padding = options.device, options.progress, options.exclude_padding
+    ready = prepare(model, config, target=options.target, matmulnbits=options.matmulnbits, data=data,
+                    batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
+                    device=device, join=True, reduce_in_graph=options.reduce_in_graph)
     run, calib = ready.plan, ready.calib
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
-                            reduce_in_graph, exclude_padding, ready.inputs, tap_limit_mb, skip_nonfinite_weights)
+                            options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
+                            options.skip_nonfinite_weights)
     if run.rotation is not None:  # before any pass: a rotation that drifts from the model as given goes no further
         sqnr = check_rotation(model, run.model, run.rotation, calib.first_batch(), device, settings.device_id)
         log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",
@@ -151,12 +118,13 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
     torch_device = observer_device(activations.provider, device, settings.device_id)
     rounding = rounding_for(run, observers, calib, settings, scales)
     weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
-                                                skip_nonfinite_weights, progress)
+                                                options.skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float
     files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
                      slot.warnings)
+    result.scheme = label
     result.float_bytes = float_weight_bytes(qdq_model)
     result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
     return result
@@ -235,6 +203,3 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
 
     return write
 
-
-def _tuple(values) -> tuple[str, ...] | None:
-    return None if values is None else tuple(values)

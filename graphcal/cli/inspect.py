@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
+from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, options_from_flags, output_option
 from graphcal.output import check_output_dir
 
 
@@ -19,9 +19,7 @@ from graphcal.output import check_output_dir
 @options(*CONFIG_OPTIONS, *PASS_OPTIONS)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sorted keys) instead of the table.")
 @DEBUG_OPTION
-def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, target_runtime, smoothquant,
-                    smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights,
-                    exclude_padding, tap_limit_mb, as_json, debug, **algorithm):
+def inspect_command(model, data, output, as_json, debug, **flags):
     """Show what `graphcal run` would do to MODEL, without calibrating or writing anything.
 
     Takes every option run takes, so it can stand in for run as a dry run. Lists every weight
@@ -38,13 +36,14 @@ def inspect_command(model, data, output, scheme, targets, ignore, observer, kv_c
 
     def call():
         from graphcal.calibration.prepare import prepare  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
+        from graphcal.config import resolve  # lazy: loads torch and onnx
 
         if output is not None:
             check_output_dir(output, [model, *([data] if data is not None else [])])
-        config = resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant, smoothing_strength,
-                                 **algorithm)
-        ready = prepare(model, config, target=target_runtime, matmulnbits=matmulnbits, data=data, batch_size=batch_size,
-                        num_samples=num_samples, exclude_padding=exclude_padding, device=device)
+        options = options_from_flags(flags)
+        ready = prepare(model, resolve(options), target=options.target, matmulnbits=options.matmulnbits, data=data,
+                        batch_size=options.batch_size, num_samples=options.num_samples,
+                        exclude_padding=options.exclude_padding, device=options.device)
         report = from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
         report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
         return report

@@ -206,13 +206,18 @@ PASS_OPTIONS = (
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
 
-def resolve_options(scheme, targets, ignore, observer, kv_cache, recipe, smoothquant=None, smoothing_strength=None,
-                    **algorithm):
-    """The run's config from the command line: flags given override the recipe (graphcal.config.resolve);
-    ``algorithm``: --algorithm, --group-size and the GPTQ/AWQ knobs, by Options field name."""
-    from graphcal.config import Options, resolve  # lazy: loads torch and onnx; graphcal --help stays fast
+#: a click parameter's name -> the graphcal.Options field it sets, where the two differ
+FIELD_OF_FLAG = {"target_runtime": "target"}
+#: the repeatable flags: a tuple of what was given, None when none was
+REPEATABLE = ("targets", "ignore", "scheme_for")
 
-    return resolve(Options(scheme=scheme, targets=tuple(targets) or None, ignore=tuple(ignore) or None,
-                           observer=observer, kv_cache=kv_cache, recipe=recipe, smoothquant=smoothquant,
-                           smoothing_strength=smoothing_strength, **algorithm))
 
+def options_from_flags(flags: dict, **more):
+    """The one record (graphcal.Options) from run's and inspect's CONFIG_OPTIONS and PASS_OPTIONS, by
+    click parameter name; ``more``: the fields the command sets itself (run's progress)."""
+    from graphcal.config import Options  # lazy: loads torch and onnx; graphcal --help stays fast
+
+    fields = {FIELD_OF_FLAG.get(name, name): value for name, value in flags.items()}
+    for name in REPEATABLE:
+        fields[name] = tuple(fields[name]) or None
+    return Options(**fields, **more)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, output_option, resolve_options
+from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, options_from_flags, output_option
 
 
 @click.command()
@@ -20,9 +20,7 @@ from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, dat
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
-def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe, target_runtime, smoothquant,
-        smoothing_strength, matmulnbits, batch_size, num_samples, device, skip_nonfinite_weights, exclude_padding,
-        tap_limit_mb, as_json, quiet, debug, **algorithm):
+def run(model, data, output, as_json, quiet, debug, **flags):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -32,85 +30,32 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
     from graphcal.calibration.pipeline import calibrate  # lazy: loads torch, onnxruntime and compressed-tensors
 
     def call():
-        return calibrate(
-            model, data, output, config=resolve_options(scheme, targets, ignore, observer, kv_cache, recipe,
-                                                        smoothquant, smoothing_strength, **algorithm),
-            device=device, target=target_runtime, matmulnbits=matmulnbits, batch_size=batch_size, num_samples=num_samples,
-            progress=not (quiet or as_json), skip_nonfinite_weights=skip_nonfinite_weights,
-            exclude_padding=exclude_padding, tap_limit_mb=tap_limit_mb,
-        )
+        return calibrate(model, data, output, options_from_flags(flags, progress=not (quiet or as_json)))
 
     result = guarded(call, debug)
     if result.rank != 0:
         return  # under torchrun, rank 0 reports
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    if as_json:
-        click.echo(json.dumps({
-            "quantized": [i.target.name for i in result.targets], "ignored": result.ignored,
-            "provider": result.provider, "samples": result.num_samples, "batches": result.num_batches,
-            "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
-            "warnings": result.warnings, "onnxruntime_kernels": result.forms,
-            "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
-            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq, "rotation": result.rotation,
-            "model_bytes": result.model_bytes, "float_bytes": result.float_bytes,
-        }, sort_keys=True))
-        return
-    if quiet:
-        return
-    lookups = sum(1 for i in result.targets if i.target.op_type == "Gather")
-    n = len(result.targets) - lookups
-    label = f"recipe {recipe.name}" if recipe is not None and scheme is None else scheme_label(scheme or "W8A8")
-    click.echo(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''}"
-               + (f" and {lookups} embedding lookup{'s' if lookups != 1 else ''}" if lookups else "")
-               + f" with {label}" + (f"; left in float: {', '.join(result.ignored)}" if result.ignored else ""))
-    if result.model_bytes:
-        click.echo(f"written model: {result.model_bytes / 1e6:.1f} MB, of which {result.float_bytes / 1e6:.1f} MB "
-                   f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
-                   "norms, biases, scales)")
+    # --- the transforms' summaries (rotation, SmoothQuant, AWQ, GPTQ): their JSON keys and text lines ---
+    transforms = {"smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq, "rotation": result.rotation}
+    lines = []
     if result.rotation is not None:
         from graphcal.algorithms.rotation.fold import summary  # lazy: loads onnx and numpy, off the --help path
-        click.echo(f"rotated the residual stream first ({summary(result.rotation)}")
+        lines.append(f"rotated the residual stream first ({summary(result.rotation)}")
     if result.smoothed:
-        click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
+        lines.append(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
     if result.awq:
-        click.echo(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
-                   "before it (graphcal inspect lists them)")
+        lines.append(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
+                     "before it (graphcal inspect lists them)")
     if result.gptq is not None:
         order = "layer block by layer block" if result.gptq["order"] == "sequential" else "Hessians from one pass"
-        click.echo(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
-                   + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
-                      if result.gptq["rtn_fallback"] else ""))
-    if result.provider is None and (result.awq or result.gptq is not None):
-        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches (GPTQ / AWQ; the "
-                   "scheme has no static activations to observe)")
-    elif result.provider is None:
-        click.echo("calibration pass: not needed (the scheme has no static activations to observe)")
-    else:
-        ranks = f" across {result.world} ranks" if result.world > 1 else ""
-        click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
-                   f"with onnxruntime {result.provider}")
-    if result.padding_share is not None:
-        if result.provider is None and (result.awq or result.gptq is not None):
-            what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"
-        elif result.provider is None:
-            what = "no activation statistics are taken for this scheme"
-        elif result.exclude_padding:
-            what = "left out of the statistics"
-        else:
-            what = "--exclude-padding leaves them out of the statistics"
-        click.echo(f"calibration data: {result.padding_share:.1%} of positions are padding (attention_mask == 0); "
-                   + what)
-    if result.forms:
-        click.echo("in onnxruntime (CPU, default settings) the quantized layers run as:")
-        for line in result.forms:
-            click.echo(f"  {line}")
-        click.echo("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/speed.md has "
-                   "numbers)")
-    click.echo(f"done in {result.seconds:.1f} s; wrote:")
-    for f in result.files:
-        click.echo(f"  {f}")
-
-
-def scheme_label(scheme: str) -> str:
-    return "a custom scheme" if scheme.lstrip().startswith("{") else scheme.upper()
+        lines.append(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
+                     + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
+                        if result.gptq["rtn_fallback"] else ""))
+    # --- end of the transforms' summaries ---
+    if as_json:
+        click.echo(json.dumps(result.as_dict(transforms), sort_keys=True))
+    elif not quiet:
+        for line in result.summary_lines(lines):
+            click.echo(line)

@@ -9,13 +9,14 @@ ignore lm_head).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from graphcal.config.records import (
     ALGORITHMS,
     DEFAULT_IGNORE,
     DEFAULT_SCHEME,
     DEFAULT_TARGETS,
+    ROTATION_TYPES,
     ROTATIONS,
     AWQSettings,
     GPTQSettings,
@@ -33,12 +34,14 @@ from graphcal.types import enum_value
 
 @dataclass(frozen=True)
 class Options:
-    """What the user asked for, from flags or the Python API; None means "not given".
+    """Every option of `graphcal run`, from its flags or the Python API (``calibrate(model, data,
+    output_dir, options)``): the one record both build, so the API reaches every flag.
 
-    :func:`resolve` turns it into the run's :class:`RunConfig`: the one place where flags and a
-    recipe meet, with one rule: a flag given overrides what the recipe says, and a recipe fills
-    what no flag gives; without a recipe, what is not given takes graphcal's defaults
-    (W8A8, targets Linear, ignore lm_head).
+    The config fields (scheme ... rotation_type): None means "not given". :func:`resolve` turns
+    them into the run's :class:`RunConfig`: the one place where flags and a recipe meet, with one
+    rule: a flag given overrides what the recipe says, and a recipe fills what no flag gives;
+    without a recipe, what is not given takes graphcal's defaults (W8A8, targets Linear, ignore
+    lm_head). The pass fields (device ... tap_limit_mb) say how the run goes; they have defaults.
     """
 
     scheme: str | None = None
@@ -62,6 +65,38 @@ class Options:
     scheme_for: tuple[str, ...] | None = None  # "TARGET=SCHEME": one more config group each
     lm_head: bool | None = None  # quantize lm_head: "lm_head" leaves the ignore list
     rotate: str | None = None  # --rotate: "R1", or "R1,R2" (SpinQuant's default), folded in before calibrating
+    rotation_type: str | None = None  # a recipe's SpinQuant transform_type (no flag): "hadamard", "random-hadamard", ...
+    # how the run goes (`graphcal run`'s pass flags)
+    device: str = "auto"  # --device: "auto", "cpu" or "cuda"
+    target: str = "onnxruntime"  # --target: the runtime the model is written for: "onnxruntime", "tensorrt", "qdq"
+    matmulnbits: int | None = None  # --matmulnbits: MatMulNBits' accuracy_level (None: DequantizeLinear weights)
+    batch_size: int | None = None  # --batch-size (None: the model's fixed batch, else 8)
+    num_samples: int | None = None  # --num-samples (None: every sample)
+    progress: bool = False  # progress bars (run: unless --quiet or --json)
+    reduce_in_graph: bool = True  # activation reductions inside onnxruntime's graph (no flag; False: in torch)
+    skip_nonfinite_weights: bool = False  # --skip-nonfinite-weights
+    exclude_padding: bool = False  # --exclude-padding
+    tap_limit_mb: float | None = None  # --tap-limit-mb (None: 1024)
+
+    def __post_init__(self):  # a list given from Python kept as the tuple a frozen record holds
+        for name in ("targets", "ignore", "scheme_for"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+
+def with_keywords(options: Options | None, keywords: dict) -> Options:
+    """``options`` (None: every default) with ``keywords`` by field name over it: the keyword form
+    ``calibrate(model, data, out, scheme="W8A8")`` mapped onto the one record."""
+    if options is None:
+        options = Options()
+    elif not isinstance(options, Options):
+        raise TypeError(f"options must be a graphcal.Options, got {type(options).__name__}")
+    unknown = sorted(set(keywords) - {f.name for f in fields(Options)})
+    if unknown:
+        raise TypeError(f"unexpected keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                        "(graphcal.Options lists every option)")
+    return replace(options, **keywords) if keywords else options
 
 
 def resolve(options: Options) -> RunConfig:
@@ -80,6 +115,8 @@ def resolve(options: Options) -> RunConfig:
         config.ignore = [p for p in config.ignore if p != "lm_head"]
     if options.rotate is not None:  # "" too: refused by check_rotations, never a run without a rotation
         config.rotate = check_rotations(options.rotate)
+    if options.rotation_type is not None:
+        config.rotation_type = check_rotation_type(options.rotation_type)
     if options.smoothquant is not None or options.smoothing_strength is not None:
         smoothing = config.smoothing or Smoothing()
         if options.smoothquant is not None:
@@ -154,6 +191,13 @@ def check_rotations(text: str) -> tuple[str, ...]:
         raise UsageError(f"--rotate takes R1 or R1,R2 (SpinQuant's names; R3 and R4 need online Hadamards, which "
                          f"graphcal does not write), got {shown(str(text))!r}")
     return names
+
+
+def check_rotation_type(kind) -> str:
+    """The rotation's matrix, by SpinQuantModifier's transform_type names."""
+    if kind not in ROTATION_TYPES:
+        raise UsageError(f"rotation_type takes one of {', '.join(ROTATION_TYPES)}, got {shown(str(kind))!r}")
+    return kind
 
 
 def _number(value):

@@ -91,6 +91,7 @@ class AWQSettings:
 
 
 ROTATIONS = ("R1", "R2")  # the rotations graphcal folds into the weights (SpinQuant's names; R3/R4 are online)
+ROTATION_TYPES = ("hadamard", "random-hadamard", "random-matrix")  # SpinQuantModifier's transform_type
 
 
 @dataclass

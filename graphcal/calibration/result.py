@@ -1,0 +1,110 @@
+"""What a run did and wrote (:class:`CalibrationResult`), and its summary as `graphcal run` prints it:
+the text lines and the ``--json`` object, beside the record they describe."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from graphcal.output.metadata import qparam_tensors
+from graphcal.types import QuantizedTarget
+
+
+@dataclass
+class CalibrationResult:
+    """What a run did and wrote."""
+
+    output_dir: Path
+    files: list[Path]
+    targets: list[QuantizedTarget]
+    ignored: list[str]
+    provider: str | None  # None when no activation pass was needed
+    num_samples: int
+    num_batches: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+    forms: list[str] = field(default_factory=list)  # what onnxruntime runs (plan.RunPlan.forms)
+    rank: int = 0  # under torchrun: this process's rank (only rank 0 writes)
+    world: int = 1
+    padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
+    exclude_padding: bool = False  # padded positions were left out of the activation statistics
+    smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.scaling.Mapping.describe)
+    awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
+    gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
+    rotation: dict | None = None  # --rotate: what was folded in first (algorithms.rotation.fold.Rotation.as_dict)
+    float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
+    model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
+    scheme: str = "W8A8"  # the scheme as the summary names it (scheme_label)
+
+    @property
+    def qparams(self) -> dict[str, torch.Tensor]:
+        return qparam_tensors(self.targets)
+
+    def as_dict(self, transforms: dict | None = None) -> dict:
+        """The summary `graphcal run --json` prints; ``transforms``: the transforms' own keys, added."""
+        return {
+            "quantized": [i.target.name for i in self.targets], "ignored": self.ignored,
+            "provider": self.provider, "samples": self.num_samples, "batches": self.num_batches,
+            "ranks": self.world, "seconds": round(self.seconds, 3), "files": [str(f) for f in self.files],
+            "warnings": self.warnings, "onnxruntime_kernels": self.forms,
+            "padding_share": self.padding_share, "exclude_padding": self.exclude_padding,
+            "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, **(transforms or {}),
+        }
+
+    def summary_lines(self, transform_lines: list[str] = ()) -> list[str]:
+        """The summary `graphcal run` prints, line by line; ``transform_lines`` (what the transforms
+        did) go after the size line, before the pass's."""
+        lines = []
+        lookups = sum(1 for i in self.targets if i.target.op_type == "Gather")
+        n = len(self.targets) - lookups
+        lines.append(f"quantized {n} MatMul/Gemm target{'s' if n != 1 else ''}"
+                     + (f" and {lookups} embedding lookup{'s' if lookups != 1 else ''}" if lookups else "")
+                     + f" with {self.scheme}" + (f"; left in float: {', '.join(self.ignored)}" if self.ignored else ""))
+        if self.model_bytes:
+            lines.append(f"written model: {self.model_bytes / 1e6:.1f} MB, of which {self.float_bytes / 1e6:.1f} MB "
+                         f"({self.float_bytes / self.model_bytes:.0%}) is still float (weights left unquantized, "
+                         "norms, biases, scales)")
+        lines += transform_lines
+        searched = self.awq or self.gptq is not None  # AWQ and GPTQ read the data without an activation pass
+        if self.provider is None and searched:
+            lines.append(f"calibrated on {self.num_samples} samples in {self.num_batches} batches (GPTQ / AWQ; the "
+                         "scheme has no static activations to observe)")
+        elif self.provider is None:
+            lines.append("calibration pass: not needed (the scheme has no static activations to observe)")
+        else:
+            ranks = f" across {self.world} ranks" if self.world > 1 else ""
+            lines.append(f"calibrated on {self.num_samples} samples in {self.num_batches} batches{ranks} "
+                         f"with onnxruntime {self.provider}")
+        if self.padding_share is not None:
+            if self.provider is None and searched:
+                what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"
+            elif self.provider is None:
+                what = "no activation statistics are taken for this scheme"
+            elif self.exclude_padding:
+                what = "left out of the statistics"
+            else:
+                what = "--exclude-padding leaves them out of the statistics"
+            lines.append(f"calibration data: {self.padding_share:.1%} of positions are padding (attention_mask == 0); "
+                         + what)
+        if self.forms:
+            lines.append("in onnxruntime (CPU, default settings) the quantized layers run as:")
+            lines += [f"  {line}" for line in self.forms]
+            lines.append("  measure it: graphcal bench MODEL OUTPUT/model.onnx --data HELDOUT.npz (docs/speed.md has "
+                         "numbers)")
+        lines.append(f"done in {self.seconds:.1f} s; wrote:")
+        lines += [f"  {f}" for f in self.files]
+        return lines
+
+
+def scheme_label(scheme: str | None, recipe: str | os.PathLike | None, config_name: str | None = None) -> str:
+    """The scheme as the summary names it: "recipe NAME" (a recipe and no --scheme), a preset's
+    name, "a custom scheme" (JSON); ``config_name``: a resolved RunConfig's, given instead of both."""
+    if recipe is not None and scheme is None:
+        return f"recipe {Path(recipe).name}"
+    if scheme is None and config_name is not None:
+        return {"custom": "a custom scheme", "recipe": "a recipe"}.get(config_name, config_name)
+    scheme = scheme or "W8A8"
+    return "a custom scheme" if scheme.lstrip().startswith("{") else scheme.upper()
