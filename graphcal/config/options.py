@@ -81,7 +81,9 @@ class Options:
     def __post_init__(self):  # a list given from Python kept as the tuple a frozen record holds
         for name in ("targets", "ignore", "scheme_for"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
+            if isinstance(value, str):  # one pattern given bare ("Linear"), not its letters
+                object.__setattr__(self, name, (value,))
+            elif value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
 
 

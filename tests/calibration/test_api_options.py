@@ -8,13 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import graphcal
-from graphcal.cli import cli
 from graphcal.cli.run import run as run_command
 from graphcal.config import Options, resolve
 from graphcal.errors import UsageError
+from tests.helpers import run_cli
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -81,7 +80,7 @@ def test_every_run_flag_reaches_calibrate_in_the_record(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pipeline, "calibrate", fake_calibrate)
     args = [arg for flag, _, _ in FLAGS.values() for arg in flag]
-    out = CliRunner().invoke(cli, ["run", "m.onnx", "--data", "d.npz", "-o", str(tmp_path / "out"), *args])
+    out = run_cli("run", "m.onnx", "--data", "d.npz", "-o", tmp_path / "out", *args)
     assert out.exit_code == 0, out.output
     assert seen["keywords"] == {}
     assert (seen["model"], seen["data"], seen["output_dir"]) == (Path("m.onnx"), Path("d.npz"), tmp_path / "out")
@@ -99,7 +98,7 @@ def test_run_without_flags_gives_the_default_record(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(pipeline, "calibrate", lambda m, d, o, options=None, **kw: seen.append((options, kw))
                         or CalibrationResult(o, [], [], [], None, 0, 0, 0.0, rank=1))
-    out = CliRunner().invoke(cli, ["run", "m.onnx", "--data", "d.npz", "-o", str(tmp_path / "out")])
+    out = run_cli("run", "m.onnx", "--data", "d.npz", "-o", tmp_path / "out")
     assert out.exit_code == 0, out.output
     assert seen == [(Options(progress=True), {})]
 
@@ -110,6 +109,9 @@ def test_keywords_map_onto_the_record():
     assert with_keywords(None, {"scheme": "W8A8_STATIC", "targets": ["a", "b"]}) == Options(scheme="W8A8_STATIC",
                                                                                             targets=("a", "b"))
     assert with_keywords(Options(device="cpu"), {"n_grid": 5}) == Options(device="cpu", n_grid=5)
+    # one pattern given bare is one pattern, not its letters
+    assert with_keywords(None, {"targets": "Linear", "ignore": "lm_head"}) == Options(targets=("Linear",),
+                                                                                      ignore=("lm_head",))
     with pytest.raises(TypeError, match="sheme"):
         with_keywords(None, {"sheme": "W8A8"})
     with pytest.raises(TypeError, match="graphcal.Options"):
