@@ -26,8 +26,8 @@ import torch
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.algorithms.smoothquant.stage import collect, smoothing_scales
 from graphcal.calibration.plan import plan
+from graphcal.calibration.transforms.smoothquant import collect, smoothing_scales
 from graphcal.cli import cli
 from graphcal.config import Options, Smoothing, build_config, resolve
 from graphcal.data import graph_inputs, load_data

@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from graphcal.algorithms.awq.stage import AWQ
-from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
-from graphcal.algorithms.gptq.stage import rounding_for
-from graphcal.calibration.rotation_check import check_rotation
 from graphcal.algorithms.rotation.fold import transform_config
-from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.prepare import Prepared, prepare
+from graphcal.calibration.rotation_check import check_rotation
 from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
 from graphcal.calibration.sizing import float_weight_bytes
+from graphcal.calibration.transforms.awq import AWQ
+from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod
+from graphcal.calibration.transforms.gptq import rounding_for
+from graphcal.calibration.transforms.smoothquant import SmoothQuant
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, resolve
 from graphcal.data import Calibration, data_paths

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphcal.algorithms.gptq.stage import check_one_pass
-from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.distributed import Dist, from_env
 from graphcal.calibration.plan import RunPlan, plan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms.gptq import check_one_pass
+from graphcal.calibration.transforms.smoothquant import SmoothQuant
 from graphcal.config import RunConfig
 from graphcal.data import Calibration, check_padding_input, data_label, graph_inputs, load_data
 from graphcal.errors import UsageError

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:  # typing only: these modules import this one
-    from graphcal.algorithms.channel_scales import ChannelScales
     from graphcal.calibration.activations import PassResult
     from graphcal.calibration.distributed import Dist
     from graphcal.calibration.observe import ObserverSet
     from graphcal.calibration.plan import RunPlan
+    from graphcal.calibration.transforms.channel_scales import ChannelScales
     from graphcal.data import Calibration
     from graphcal.types import QuantizedTarget, Target
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.algorithms.channel_scales import ChannelScales
 from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.algorithms.gptq.math import quantize_weight
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, PassSettings
+from graphcal.calibration.transforms.channel_scales import ChannelScales
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest, gram

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from graphcal.algorithms.channel_scales import ChannelScales, check_scales, taps_of
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms.channel_scales import ChannelScales, check_scales, taps_of
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.scaling import TAP_PREFIX, Mapping

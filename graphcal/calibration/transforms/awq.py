@@ -13,7 +13,7 @@
         as Q(W * s) / s for each candidate s; a parent that is the layer itself (down_proj, o_proj)
         is not run: its output's MSE is tr(dW G dW^T) from the input's Gram matrix G (gram.LayerLoss)
         --> the s whose parent output is nearest the float one (graphcal.algorithms.awq.math.search)
-    --> ChannelScales (graphcal.algorithms.channel_scales): the weight pass multiplies each balance weight's columns by s
+    --> ChannelScales (graphcal.calibration.transforms.channel_scales): the weight pass multiplies each balance weight's columns by s
         (a linear smooth layer's rows are divided), and fold() divides the norm's scale and bias.
 
 The statistics come from the float model: AWQ changes no function (only the rounding to come),
@@ -36,12 +36,12 @@ import torch
 from graphcal.algorithms.awq.clip import search as clip_search
 from graphcal.algorithms.awq.gram import Gram, LayerLoss
 from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
-from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import parent_inputs, parent_output
