@@ -120,13 +120,14 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
     from graphcal.calibration.transforms.gptq import Sequential
     from graphcal.calibration.transforms.smoothquant import collect
     from graphcal.calibration.weights import quantize_weights
+    from graphcal.config import Smoothing
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
     run = plan(path, _config(recipe, tmp_path))
     assert {t.name for t in run.chosen} == set(ref["weight_codes"])
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
-    smoothed = collect(run, calib, device="cpu") if run.smoothing is not None else None
+    smoothed = collect(run, calib, device="cpu") if run.decision(Smoothing) is not None else None
     observers = ObserverSet(run)
     rounding = Sequential(run, calib, PassSettings(device="cpu"), smoothed)
 

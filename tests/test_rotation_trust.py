@@ -220,7 +220,7 @@ def test_a_rotation_that_drifts_from_fp32_is_refused_before_any_pass_and_nothing
 
 def test_the_check_measures_the_rotated_model_against_fp32_to_float_error(tmp_path):
     """check_rotation's measure on an exact rotation: over 100 dB (float error), far above the floor."""
-    from graphcal.calibration.rotation_check import check_rotation
+    from graphcal.calibration.transforms.rotation import check_rotation
 
     path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,), self_residual=True)
     model = onnx.load(path)

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import torch
 
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from graphcal.algorithms.gptq.hessian import HessianObserver
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.config import observer_name
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest

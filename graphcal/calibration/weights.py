@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, Rounding
 from graphcal.calibration.transforms.channel_scales import ChannelScales
 from graphcal.errors import GraphcalError

@@ -52,8 +52,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
             "ranks": result.world, "seconds": round(result.seconds, 3), "files": [str(f) for f in result.files],
             "warnings": result.warnings, "onnxruntime_kernels": result.forms,
             "padding_share": result.padding_share, "exclude_padding": result.exclude_padding,
-            "smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq, "rotation": result.rotation,
-            "model_bytes": result.model_bytes, "float_bytes": result.float_bytes,
+            "model_bytes": result.model_bytes, "float_bytes": result.float_bytes, **result.transform_json(),
         }, sort_keys=True))
         return
     if quiet:
@@ -68,20 +67,9 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         click.echo(f"written model: {result.model_bytes / 1e6:.1f} MB, of which {result.float_bytes / 1e6:.1f} MB "
                    f"({result.float_bytes / result.model_bytes:.0%}) is still float (weights left unquantized, "
                    "norms, biases, scales)")
-    if result.rotation is not None:
-        from graphcal.algorithms.rotation.fold import summary  # lazy: loads onnx and numpy, off the --help path
-        click.echo(f"rotated the residual stream first ({summary(result.rotation)}")
-    if result.smoothed:
-        click.echo(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
-    if result.awq:
-        click.echo(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
-                   "before it (graphcal inspect lists them)")
-    if result.gptq is not None:
-        order = "layer block by layer block" if result.gptq["order"] == "sequential" else "Hessians from one pass"
-        click.echo(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
-                   + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
-                      if result.gptq["rtn_fallback"] else ""))
-    if result.provider is None and (result.awq or result.gptq is not None):
+    for line in result.transform_lines():  # each transform's own words (graphcal.calibration.transforms)
+        click.echo(line)
+    if result.provider is None and result.read_data_blockwise:
         click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches (GPTQ / AWQ; the "
                    "scheme has no static activations to observe)")
     elif result.provider is None:
@@ -91,7 +79,7 @@ def run(model, data, output, scheme, targets, ignore, observer, kv_cache, recipe
         click.echo(f"calibrated on {result.num_samples} samples in {result.num_batches} batches{ranks} "
                    f"with onnxruntime {result.provider}")
     if result.padding_share is not None:
-        if result.provider is None and (result.awq or result.gptq is not None):
+        if result.provider is None and result.read_data_blockwise:
             what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"
         elif result.provider is None:
             what = "no activation statistics are taken for this scheme"

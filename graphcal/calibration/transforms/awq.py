@@ -33,20 +33,23 @@ from dataclasses import dataclass
 
 import torch
 
+from graphcal.algorithms.awq.clip import clip_layers
 from graphcal.algorithms.awq.clip import search as clip_search
 from graphcal.algorithms.awq.gram import Gram, LayerLoss
 from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms.base import PlanScope, Transform
 from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod
+from graphcal.config import AWQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import parent_inputs, parent_output
 from graphcal.graph.parents import layer_output
-from graphcal.graph.scaling import Mapping
+from graphcal.graph.scaling import Mapping, Resolution, candidates, resolve
 from graphcal.graph.targets import torch_weight
 from graphcal.progress import Progress
 from graphcal.types import Target
@@ -69,7 +72,7 @@ class _Search:
 def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
     """AWQ's scales for every mapping of ``run.awq`` (ChannelScales of ScaleMethod.AWQ)."""
     settings = run.config.awq
-    mappings = list(run.awq.mappings)
+    mappings = list(run.decision(AWQSettings).mappings)
     walk = Blockwise(run, calib, device=device, device_id=device_id)
     by_name = {t.name: t for t in run.found}
     block_of = {t.name: k for k, b in enumerate(walk.blocks) for t in b.targets}
@@ -88,7 +91,7 @@ def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: i
             reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
         plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
     used = search_batches(calib, settings.search_samples)  # the batches every multi-layer parent is scored on
-    clipping = set(run.awq_clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
+    clipping = set(run.decision(AWQSettings).clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
     clips: dict[str, torch.Tensor] = {}
     clipped: list[dict] = []
     scales: dict[str, torch.Tensor] = {}
@@ -225,16 +228,92 @@ class _Parent:
 
 
 
-class AWQ:
-    """AWQ as the pipeline's pre-transform (graphcal.calibration.seams.PreTransform): its scales
-    searched block by block before the activation pass, whose observers then see x * (1/s)."""
+@dataclass(frozen=True)
+class AWQDecision:
+    """AWQ's plan: its mappings (graph.scaling.Resolution) and the layers --awq-clip searches."""
+
+    resolution: Resolution
+    clip: tuple[str, ...] = ()
+
+    @property
+    def mappings(self) -> list[Mapping]:
+        return self.resolution.mappings
+
+    @property
+    def notes(self) -> list[str]:
+        return self.resolution.notes
+
+
+@dataclass(frozen=True)
+class AWQRecord:
+    """AWQ's result: its mappings as scaled (graph.scaling.Mapping.describe)."""
+
+    mappings: tuple[str, ...]
+
+    @property
+    def read_data(self) -> bool:
+        """It read the data block by block (besides any activation pass)."""
+        return bool(self.mappings)
+
+
+class AWQ(Transform):
+    """AWQ as one unit: its mappings at plan time, its refusals, and as the pipeline's pre-transform
+    (graphcal.calibration.seams.PreTransform) its scales searched block by block before the
+    activation pass, whose observers then see x * (1/s); its record and summaries."""
+
+    settings_type = AWQSettings
+    key = "awq"
+    reads_blocks = True
 
     def __init__(self, run: RunPlan):
         self.run, self._scales = run, None
 
+    # -- the plan ------------------------------------------------------------------------------
+
+    @classmethod
+    def resolve(cls, scope: PlanScope, settings: AWQSettings) -> AWQDecision:
+        """AWQ's mappings in this graph: activations whose scales fold exactly into the norm or
+        linear layer before them (no node added), by structure or by llm-compressor's names.
+        Found by structure, a mapping into an lm_head that a quantized lookup reads as its table is
+        left out (llm-compressor's mappings never scale lm_head): scaled, the table would be stored twice."""
+        resolution = resolve(candidates(scope.model, scope.found, scope.base_dir), scope.chosen, "all",
+                             settings.mappings, what="AWQ")
+        if settings.mappings is None and scope.tied:
+            shared = {head for lookup, head in scope.tied.items() if scope.shares(lookup, head)}
+            for m in [m for m in resolution.mappings if shared & set(m.balance)]:
+                resolution.mappings.remove(m)
+                log.info("AWQ: %s left out: %s is tied to a quantized lookup, which reads its weight (one table "
+                         "stored)", m.describe(), ", ".join(sorted(shared & set(m.balance))))
+        log.info("AWQ: %d mappings to search", len(resolution.mappings))
+        return AWQDecision(resolution, clip_layers(scope.chosen, scope.schemes) if settings.clip else ())
+
+    @classmethod
+    def notes(cls, decision: AWQDecision, settings: AWQSettings) -> list[str]:
+        notes = list(decision.notes) if settings.mappings is not None else []
+        if not decision.mappings:
+            notes.append("AWQ: no activation of the quantized layers can be scaled with an exact fold into a norm "
+                         "or linear layer; nothing to search (graphcal inspect lists why)")
+        return notes
+
+    @classmethod
+    def scaled(cls, decision: AWQDecision | None) -> set[str]:
+        scaled = set()
+        for m in decision.mappings if decision is not None else ():
+            scaled.update(m.balance)
+            if m.candidate.linear:
+                scaled.add(m.candidate.linear)
+        return scaled
+
+    @classmethod
+    def reads_data_per_block(cls, run: RunPlan, decision: AWQDecision | None) -> bool:
+        return decision is not None
+
+    # -- the passes ----------------------------------------------------------------------------
+
     @classmethod
     def for_plan(cls, run: RunPlan) -> AWQ | None:
-        return cls(run) if run.awq is not None and run.awq.mappings else None
+        decision = run.decision(AWQSettings)
+        return cls(run) if decision is not None and decision.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         # under torchrun every rank searches over all the data (the search is deterministic, so every
@@ -251,3 +330,48 @@ class AWQ:
 
     def scales(self) -> ChannelScales:
         return self._scales
+
+    # -- reports -------------------------------------------------------------------------------
+
+    @classmethod
+    def record(cls, run: RunPlan, done) -> AWQRecord | None:
+        scales = done.scales
+        if scales is None or scales.method is not ScaleMethod.AWQ:
+            return None
+        return AWQRecord(tuple(scales.describe()))
+
+    @classmethod
+    def result_lines(cls, record: AWQRecord | None) -> list[str]:
+        if record is None or not record.mappings:
+            return []
+        return [f"AWQ: scaled {len(record.mappings)} activation(s) first, each folded into the norm or linear layer "
+                "before it (graphcal inspect lists them)"]
+
+    @classmethod
+    def result_json(cls, record: AWQRecord | None):
+        return list(record.mappings) if record is not None else []
+
+    @classmethod
+    def inspect_lines(cls, run: RunPlan, decision: AWQDecision | None, settings: AWQSettings | None,
+                      blocks: list[str]) -> list[str]:
+        if decision is None:
+            return []
+        lines = [f"awq      {len(decision.mappings)} mapping(s), duo_scaling {settings.duo_scaling}, "
+                 f"n_grid {settings.n_grid}:"]
+        lines += [f"  {m.describe()}" for m in decision.mappings]
+        lines += [f"  {n}" for n in decision.notes]
+        if decision.clip:
+            lines.append(f"  clip search (--awq-clip) on {len(decision.clip)} layer(s): "
+                         + ", ".join(list(decision.clip)[:3]) + (" ..." if len(decision.clip) > 3 else ""))
+        return lines
+
+    @classmethod
+    def inspect_json(cls, run: RunPlan, decision: AWQDecision | None, settings: AWQSettings | None, blocks: list[str]):
+        if decision is None:
+            return None
+        return {
+            "duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid,
+            "mappings": [{"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
+                          "activation": m.candidate.activation} for m in decision.mappings],
+            "not_scaled": list(decision.notes), "blocks": blocks, "clip": list(decision.clip),
+        }

@@ -22,7 +22,7 @@ import torch
 from onnx import numpy_helper
 
 from graphcal.algorithms.awq.clip import clip
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes

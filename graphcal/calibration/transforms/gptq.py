@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.algorithms.gptq.math import quantize_weight
 from graphcal.calibration.blockwise import Blockwise
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, PassSettings
+from graphcal.calibration.transforms.base import Transform
 from graphcal.calibration.transforms.channel_scales import ChannelScales
+from graphcal.config import GPTQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest, gram
@@ -256,3 +258,73 @@ def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
     finally:
         runtime.close()
     return hessians
+
+
+@dataclass(frozen=True)
+class GPTQRecord:
+    """GPTQ's result: its order, how many layers it rounded, those rounded to nearest instead."""
+
+    order: str
+    layers: int
+    rtn_fallback: tuple[str, ...] = ()
+    read_data = True  # its Hessians: from the activation pass, or block by block
+
+    def as_dict(self) -> dict:
+        return {"order": self.order, "layers": self.layers, "rtn_fallback": list(self.rtn_fallback)}
+
+
+class GPTQ(Transform):
+    """GPTQ as one unit, the weight pass's rounding strategy (graphcal.calibration.seams.Rounding):
+    its refusals, its rounding (:class:`OnePass` or :class:`Sequential`), its record and summaries."""
+
+    settings_type = GPTQSettings
+    key = "gptq"
+    reads_blocks = True
+
+    @classmethod
+    def reads_data_per_block(cls, run: RunPlan, decision) -> bool:
+        return run.config.gptq.order == "sequential"
+
+    @classmethod
+    def check(cls, run: RunPlan, calib: Calibration | None, dist, settings: PassSettings) -> None:
+        if run.config.gptq.order == "one-pass":
+            check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
+
+    @classmethod
+    def rounding(cls, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None):
+        return rounding_for(run, observers, calib, settings, scales)
+
+    @classmethod
+    def record(cls, run: RunPlan, done) -> GPTQRecord | None:
+        rounding = done.rounding
+        if rounding is None:
+            return None
+        return GPTQRecord(run.config.gptq.order, len(rounding.log.losses), tuple(rounding.log.rtn_fallback))
+
+    @classmethod
+    def result_lines(cls, record: GPTQRecord | None) -> list[str]:
+        if record is None:
+            return []
+        order = "layer block by layer block" if record.order == "sequential" else "Hessians from one pass"
+        return [f"GPTQ ({order}): {record.layers} weights rounded"
+                + (f"; {len(record.rtn_fallback)} to nearest (Hessian not positive definite)"
+                   if record.rtn_fallback else "")]
+
+    @classmethod
+    def result_json(cls, record: GPTQRecord | None):
+        return record.as_dict() if record is not None else None
+
+    @classmethod
+    def inspect_lines(cls, run: RunPlan, decision, settings: GPTQSettings | None, blocks: list[str]) -> list[str]:
+        if settings is None:
+            return []
+        g = settings
+        return [f"gptq     {g.order}, block_size {g.block_size}, dampening_frac {g.dampening_frac:g}, actorder "
+                f"{'static' if g.actorder == 'default' else g.actorder}"
+                + (f"; {len(blocks)} layer blocks: {', '.join(blocks[:3])}"
+                   + (" ..." if len(blocks) > 3 else "") if blocks else "")]
+
+    @classmethod
+    def inspect_json(cls, run: RunPlan, decision, settings: GPTQSettings | None, blocks: list[str]):
+        return None if settings is None else {**asdict(settings), "blocks": blocks}

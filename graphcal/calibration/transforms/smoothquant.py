@@ -25,6 +25,7 @@ graphcal.algorithms.smoothquant.math's. :class:`SmoothQuant` is the pipeline's p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,13 +33,15 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import PassSettings
-from graphcal.calibration.transforms.channel_scales import ChannelScales, check_scales, taps_of
+from graphcal.calibration.transforms.base import PlanScope, Transform
+from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod, check_scales, taps_of
+from graphcal.config import Smoothing
 from graphcal.data import Calibration
-from graphcal.errors import GraphcalError
-from graphcal.graph.scaling import TAP_PREFIX, Mapping
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.graph.scaling import TAP_PREFIX, Mapping, Resolution, candidates, resolve
 from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import torch_weight
 from graphcal.observers import Observer
@@ -132,7 +135,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
     an ObserverSet built with :func:`taps_of` the mappings): (ChannelScales, the pass's PassResult).
     ``mappings``: those to apply (default: the plan's); with ``skip_nonfinite``, one whose smooth
     layer's output holds NaN or Inf is left out with a warning (:func:`finite_ranges`)."""
-    mappings = list(run.smoothing.mappings if mappings is None else mappings)
+    mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
                   inputs=inputs, tap_limit_mb=tap_limit_mb)
@@ -198,7 +201,7 @@ def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
             mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None) -> ChannelScales:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
-    mappings = list(run.smoothing.mappings if mappings is None else mappings)
+    mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches, tolerate=skip_nonfinite)
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
@@ -294,17 +297,77 @@ def _why_not_finite(m: Mapping, lo: torch.Tensor, hi: torch.Tensor, strength: fl
     return f"range^{strength:g} / (2 max|W|)^{1 - strength:g} overflows"
 
 
-class SmoothQuant:
-    """SmoothQuant as the pipeline's pre-transform (graphcal.calibration.seams.PreTransform): its
-    ranges taken in the activation pass (or in one pass before it), its scales after."""
+@dataclass(frozen=True)
+class SmoothQuantRecord:
+    """SmoothQuant's result: its mappings as applied (graph.scaling.Mapping.describe)."""
+
+    mappings: tuple[str, ...]
+    read_data = False  # its ranges come with the activation pass
+
+
+def _scaled_layers(resolution: Resolution | None) -> set[str]:
+    """The layers a resolution's mappings rescale: the balance layers, and a linear smooth layer."""
+    scaled = set()
+    for m in resolution.mappings if resolution is not None else ():
+        scaled.update(m.balance)
+        if m.candidate.linear:
+            scaled.add(m.candidate.linear)
+    return scaled
+
+
+class SmoothQuant(Transform):
+    """SmoothQuant as one unit: its mappings at plan time, its refusals, and as the pipeline's
+    pre-transform (graphcal.calibration.seams.PreTransform) its ranges taken in the activation pass
+    (or in one pass before it), its scales after; its record and summaries."""
+
+    settings_type = Smoothing
+    key = "smoothquant"
 
     def __init__(self, run: RunPlan):
         self.run, self._scales = run, None
-        self.mappings = list(run.smoothing.mappings)  # those applied: --skip-nonfinite-weights may leave some out
+        self.mappings = list(run.decision(Smoothing).mappings)  # those applied: --skip-nonfinite-weights may leave some out
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    @classmethod
+    def resolve(cls, scope: PlanScope, settings: Smoothing) -> Resolution:
+        """SmoothQuant's mappings in this graph (graph.scaling)."""
+        resolution = resolve(candidates(scope.model, scope.found, scope.base_dir), scope.chosen, settings.scope,
+                             settings.mappings, settings.ignore)
+        log.info("SmoothQuant: %d mappings to smooth", len(resolution.mappings))
+        return resolution
+
+    @classmethod
+    def notes(cls, decision: Resolution, settings: Smoothing) -> list[str]:
+        notes = list(decision.notes) if settings.mappings is not None else []
+        if not decision.mappings:
+            notes.append("SmoothQuant: nothing to smooth" + (
+                f" with --smoothquant {settings.scope}; graphcal inspect --smoothquant mul lists what each "
+                "scope would smooth" if settings.mappings is None and settings.scope != "mul" else ""))
+        return notes
+
+    @classmethod
+    def scaled(cls, decision: Resolution | None) -> set[str]:
+        return _scaled_layers(decision)
+
+    @classmethod
+    def check(cls, run: RunPlan, calib: Calibration | None, dist, settings: PassSettings) -> None:
+        """A CalibrationDataReader is read once: refused where SmoothQuant needs a pass of its own."""
+        if calib is None or calib.rereadable or (smoothquant := cls.for_plan(run)) is None:
+            return
+        why = smoothquant.second_pass(settings)
+        if why is not None:  # the rule smooth_and_calibrate follows, asked before anything is read
+            raise UsageError(f"SmoothQuant needs a pass over the data of its own here ({why}), and a "
+                             "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
+                             "or use an observer SmoothQuant replays from the calibration pass (static_minmax per tensor "
+                             "or per group, W8A8_STATIC's default)")
+
+    # -- the passes ----------------------------------------------------------------------------
 
     @classmethod
     def for_plan(cls, run: RunPlan) -> SmoothQuant | None:
-        return cls(run) if run.smoothing is not None and run.smoothing.mappings else None
+        decision = run.decision(Smoothing)
+        return cls(run) if decision is not None and decision.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         """The ranges come with the activation pass; with --skip-nonfinite-weights, the mappings that
@@ -321,7 +384,7 @@ class SmoothQuant:
         plan, as the pipeline will build them), so calibration.prepare can ask before any pass."""
         if observers is None:
             observers = ObserverSet(self.run, self.taps())
-        smoothed = {m.tapped for m in self.run.smoothing.mappings}
+        smoothed = {m.tapped for m in self.run.decision(Smoothing).mappings}
         return second_pass([c for c in observers.consumers if c.tensor in smoothed], dist=settings.dist,
                            exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
@@ -332,3 +395,47 @@ class SmoothQuant:
 
     def scales(self) -> ChannelScales:
         return self._scales
+
+    # -- reports -------------------------------------------------------------------------------
+
+    @classmethod
+    def record(cls, run: RunPlan, done) -> SmoothQuantRecord | None:
+        scales = done.scales
+        if scales is None or scales.method is not ScaleMethod.SMOOTHQUANT:
+            return None
+        return SmoothQuantRecord(tuple(scales.describe()))
+
+    @classmethod
+    def result_lines(cls, record: SmoothQuantRecord | None) -> list[str]:
+        if record is None or not record.mappings:
+            return []
+        return [f"smoothed {len(record.mappings)} activation(s) first (SmoothQuant; graphcal inspect lists them)"]
+
+    @classmethod
+    def result_json(cls, record: SmoothQuantRecord | None):
+        return list(record.mappings) if record is not None else []
+
+    @classmethod
+    def inspect_lines(cls, run: RunPlan, decision: Resolution | None, settings: Smoothing | None, blocks) -> list[str]:
+        if decision is None:
+            return []
+        strength = "auto (searched per mapping)" if settings.search else f"{settings.strength:g}"
+        lines = [f"smoothquant {len(decision.mappings)} mapping(s), strength {strength}"
+                 + (f", {settings.algorithm}" if settings.algorithm != "smoothquant" else "") + ":"]
+        lines += [f"  {m.describe()}" for m in decision.mappings]
+        lines += [f"  {n}" for n in decision.notes]
+        return lines
+
+    @classmethod
+    def inspect_json(cls, run: RunPlan, decision: Resolution | None, settings: Smoothing | None, blocks):
+        if decision is None:
+            return None
+        return {
+            "strength": "auto" if settings.search else settings.strength,
+            "algorithm": settings.algorithm,
+            "scope": settings.scope,
+            "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                          "balance": list(m.balance), "activation": m.candidate.activation}
+                         for m in decision.mappings],
+            "not_smoothed": list(decision.notes),
+        }
