@@ -178,17 +178,17 @@ def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(l
 
 
 def _corrupting(monkeypatch, edit):
-    """Make the plan's rotation fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
-    import graphcal.calibration.plan as plan_module
+    """Make the rotation unit's fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
+    import graphcal.calibration.transforms.rotation as rotation_unit
 
-    real = plan_module.rotate_stream
+    real = rotation_unit.rotate
 
     def drifting(model, *args, **kwargs):
         report = real(model, *args, **kwargs)
         edit(model)
         return report
 
-    monkeypatch.setattr(plan_module, "rotate_stream", drifting)
+    monkeypatch.setattr(rotation_unit, "rotate", drifting)
 
 
 def _scale_initializer(prefix: str, factor: float):

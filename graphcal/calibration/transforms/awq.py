@@ -70,101 +70,136 @@ class _Search:
 
 
 def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
-    """AWQ's scales for every mapping of ``run.awq`` (ChannelScales of ScaleMethod.AWQ)."""
-    settings = run.config.awq
-    mappings = list(run.decision(AWQSettings).mappings)
+    """AWQ's scales for every mapping of the plan's AWQ decision (ChannelScales of ScaleMethod.AWQ): the
+    graph walked layer block by layer block (Blockwise), each block's search on its cached inputs
+    (:meth:`BlockSearch.observe_block`)."""
     walk = Blockwise(run, calib, device=device, device_id=device_id)
-    by_name = {t.name: t for t in run.found}
-    block_of = {t.name: k for k, b in enumerate(walk.blocks) for t in b.targets}
-    plans = []
-    for m in mappings:
-        balance = [by_name[b] for b in m.balance]
-        chosen = [t for t in balance if t.name in block_of]
-        if not chosen:
-            continue
-        output = parent_output(run.model, balance)
-        if output is not None and len(balance) == 1 and output == layer_output(run.model, balance[0]):
-            output = None  # the parent is the layer: its output's MSE comes exactly from the input's Gram matrix
-        if output is None:
-            reads = [m.candidate.activation]
-        else:
-            reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
-        plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
-    used = search_batches(calib, settings.search_samples)  # the batches every multi-layer parent is scored on
-    clipping = set(run.decision(AWQSettings).clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
-    clips: dict[str, torch.Tensor] = {}
-    clipped: list[dict] = []
-    scales: dict[str, torch.Tensor] = {}
-    done = ChannelScales([], {}, method=ScaleMethod.AWQ)
-    records = []
-    bar = Progress("AWQ", len(plans), "mapping", bar=progress)
+    search = BlockSearch(run, walk, calib)
+    bar = Progress("AWQ", len(search.plans), "mapping", bar=progress)
     with bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
-            here = [p for p in plans if p.block == k]
-            clip_here = [t for t in block.targets if t.name in clipping]
-            taps = list(dict.fromkeys([*(x for p in here for x in p.reads), *(t.activation for t in clip_here)]))
+            taps = search.reads(k)
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
-            if not here and not clip_here and not outputs:
+            if not search.has_work(k) and not outputs:
                 continue
             values = walk.run_block(k, list(dict.fromkeys([*taps, *outputs])),
                                     what=f"AWQ's cached inputs of {block.name}")
             walk.keep(k, {n: values[n] for n in outputs})
-            cached = {n: values[n] for n in taps}
-            grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
+            inputs = {n: values[n] for n in taps}
             del values
-            for p in here:
-                m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
-                x = m.candidate.activation
-                stats, gram = AbsMean(), Gram() if p.output is None else None
-                for value in cached[x]:
-                    value = torch.from_numpy(value)
-                    stats.update(value)
-                    if gram is not None:
-                        gram.update(value)
+            search.observe_block(walk, k, inputs, bar.update)
+            del inputs
+    return search.result()
+
+
+class BlockSearch:
+    """AWQ's search, one layer block at a time: :meth:`observe_block` takes ONE block's subgraph
+    (the Blockwise frame, read only) and that block's cached inputs, and searches the scales of
+    the mappings whose balance layers are in it (and --awq-clip's bounds of its layers)."""
+
+    def __init__(self, run: RunPlan, walk: Blockwise, calib: Calibration):
+        self.run, self.settings = run, run.config.awq
+        decision = run.decision(AWQSettings)
+        self.mappings = list(decision.mappings)
+        by_name = {t.name: t for t in run.found}
+        block_of = {t.name: k for k, b in enumerate(walk.blocks) for t in b.targets}
+        self.plans: list[_Search] = []
+        for m in self.mappings:
+            balance = [by_name[b] for b in m.balance]
+            chosen = [t for t in balance if t.name in block_of]
+            if not chosen:
+                continue
+            output = parent_output(run.model, balance)
+            if output is not None and len(balance) == 1 and output == layer_output(run.model, balance[0]):
+                output = None  # the parent is the layer: its output's MSE comes exactly from the input's Gram matrix
+            if output is None:
+                reads = [m.candidate.activation]
+            else:
+                reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
+            self.plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
+        self.used = search_batches(calib, self.settings.search_samples)  # the batches every multi-layer parent is scored on
+        self.clipping = set(decision.clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
+        self.blocks = walk.blocks
+        self.clips: dict[str, torch.Tensor] = {}
+        self.clipped: list[dict] = []
+        self.scales: dict[str, torch.Tensor] = {}
+        self.done = ChannelScales([], {}, method=ScaleMethod.AWQ)
+        self.records: list[dict] = []
+
+    def has_work(self, k: int) -> bool:
+        """Block ``k`` holds a mapping's balance layers or a layer to clip."""
+        return any(p.block == k for p in self.plans) or any(t.name in self.clipping for t in self.blocks[k].targets)
+
+    def reads(self, k: int) -> list[str]:
+        """The tensors block ``k``'s search reads (its mappings' parent inputs, its clipped layers' inputs)."""
+        here = [p for p in self.plans if p.block == k]
+        clip_here = [t for t in self.blocks[k].targets if t.name in self.clipping]
+        return list(dict.fromkeys([*(x for p in here for x in p.reads), *(t.activation for t in clip_here)]))
+
+    def observe_block(self, frame: Blockwise, k: int, inputs: dict[str, list], advance=lambda n: None) -> None:
+        """Search block ``k``'s mappings (graph order) and clip its layers, on ``inputs`` (tensor name
+        -> one array per batch: what :meth:`reads` names), running parents on ``frame``'s subgraphs."""
+        run, settings = self.run, self.settings
+        here = [p for p in self.plans if p.block == k]
+        clip_here = [t for t in self.blocks[k].targets if t.name in self.clipping]
+        grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
+        for p in here:
+            m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
+            x = m.candidate.activation
+            stats, gram = AbsMean(), Gram() if p.output is None else None
+            for value in inputs[x]:
+                value = torch.from_numpy(value)
+                stats.update(value)
                 if gram is not None:
-                    grams[x] = gram
-                weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
-                           for t in balance}
-                args = {t.name: run.schemes[t.name].weights for t in balance
-                        if t.name in run.schemes and run.schemes[t.name].weights is not None}
-                if not args:
-                    continue
-                fused = [list(g.members) for g in run.groups if set(g.members) <= set(args)]
-                parent = None if output is None else _Parent(walk, balance, output, reads, cached, weights, used)
-                objective = LayerLoss(gram) if parent is None else ParentLoss(parent)
-                try:
-                    result = search(stats.value(), weights, args, objective, duo_scaling=settings.duo_scaling,
-                                    n_grid=settings.n_grid, fused_global_scale=fused)
-                except ValueError as e:
-                    raise GraphcalError(f"AWQ {m.describe()}: {e}") from e
-                finally:
-                    if parent is not None:
-                        parent.close()
-                bar.update(1)
-                if result is None:
-                    continue
-                scales[x] = result.scales
-                done = ChannelScales([*done.mappings, m], dict(scales), method=ScaleMethod.AWQ)
-                records.append({"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
-                                "initial_error": result.initial_error, "best_error": result.best_error,
-                                "ratio": result.grid[result.best_index][0]})
-                log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
-                         result.best_error, result.grid[result.best_index][0])
-            for t in clip_here:  # after every scale of the block: each layer clipped as the weight pass will see it
-                found = _clip(run, done, t, grams, cached)
-                if found is not None:
-                    clips[t.name], entry = found
-                    clipped.append(entry)
-            del cached, grams
-    record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid,
-              "search_samples": settings.search_samples, "mappings": records}
-    if settings.clip:
-        record["clip"] = clipped
-    smoothed = ChannelScales(done.mappings, scales, method=ScaleMethod.AWQ, record=record,  # its metadata_key records it
-                             clips=clips)
-    log.info("AWQ: %d of %d mappings scaled%s", len(records), len(mappings),
-             f", {len(clips)} layer(s) clipped" if settings.clip else "")
-    return smoothed
+                    gram.update(value)
+            if gram is not None:
+                grams[x] = gram
+            done = self.done
+            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
+                       for t in balance}
+            args = {t.name: run.schemes[t.name].weights for t in balance
+                    if t.name in run.schemes and run.schemes[t.name].weights is not None}
+            if not args:
+                continue
+            fused = [list(g.members) for g in run.groups if set(g.members) <= set(args)]
+            parent = None if output is None else _Parent(frame, balance, output, reads, inputs, weights, self.used)
+            objective = LayerLoss(gram) if parent is None else ParentLoss(parent)
+            try:
+                result = search(stats.value(), weights, args, objective, duo_scaling=settings.duo_scaling,
+                                n_grid=settings.n_grid, fused_global_scale=fused)
+            except ValueError as e:
+                raise GraphcalError(f"AWQ {m.describe()}: {e}") from e
+            finally:
+                if parent is not None:
+                    parent.close()
+            advance(1)
+            if result is None:
+                continue
+            self.scales[x] = result.scales
+            self.done = ChannelScales([*done.mappings, m], dict(self.scales), method=ScaleMethod.AWQ)
+            self.records.append({"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
+                                 "initial_error": result.initial_error, "best_error": result.best_error,
+                                 "ratio": result.grid[result.best_index][0]})
+            log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
+                     result.best_error, result.grid[result.best_index][0])
+        for t in clip_here:  # after every scale of the block: each layer clipped as the weight pass will see it
+            found = _clip(run, self.done, t, grams, inputs)
+            if found is not None:
+                self.clips[t.name], entry = found
+                self.clipped.append(entry)
+
+    def result(self) -> ChannelScales:
+        """The scales of every block searched, with the record the output's metadata keeps."""
+        settings = self.settings
+        record = {"duo_scaling": settings.duo_scaling, "n_grid": settings.n_grid,
+                  "search_samples": settings.search_samples, "mappings": self.records}
+        if settings.clip:
+            record["clip"] = self.clipped
+        smoothed = ChannelScales(self.done.mappings, self.scales, method=ScaleMethod.AWQ, record=record,
+                                 clips=self.clips)  # its metadata_key records it
+        log.info("AWQ: %d of %d mappings scaled%s", len(self.records), len(self.mappings),
+                 f", {len(self.clips)} layer(s) clipped" if settings.clip else "")
+        return smoothed
 
 
 def _clip(run: RunPlan, done: ChannelScales, t: Target, grams: dict[str, Gram],

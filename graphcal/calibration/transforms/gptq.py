@@ -183,15 +183,15 @@ class Sequential:
     made them. It observes each weight (the run's one grid) and hands the unit here
     (:meth:`__call__`): GPTQ on that grid, and the weight pass writes the result at once. After a
     block's units, the block runs again with its rounded weights for the next block's inputs. No
-    rounded weight is held past its block. The blocks run on the model as loaded (Blockwise's frame;
-    the initializers the channel scales' fold replaces are pinned), whatever the weight pass has
-    written into it meanwhile."""
+    rounded weight is held past its block. The blocks run on the model as loaded (Blockwise's
+    read-only frame and the original weights, made here before the weight pass starts), whatever
+    the weight pass writes into the model meanwhile."""
 
     def __init__(self, run: RunPlan, calib: Calibration, settings: PassSettings, scales: ChannelScales | None):
         self.run, self.scales, self.settings, self.log = run, scales, run.config.gptq, GPTQLog()
-        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id)
-        if scales is not None:
-            self.walk.pin(scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}))
+        replaced = scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}) if scales is not None else ()
+        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id,
+                              replaced=frozenset(replaced))  # the frame and its weights made before the weight pass
         self._hessians: dict[str, HessianObserver] = {}
         self._effective: dict[str, torch.Tensor] = {}
         self._by_name = {t.name: t for t in run.chosen}
