@@ -206,7 +206,7 @@ class Sequential:
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
         with bar, torch.no_grad():
             for k, block in enumerate(self.walk.blocks):
-                self._hessians = _block_hessians(self.walk, k)
+                self.observe_block(self.walk, k)
                 names = {t.name for t in block.targets}
                 for unit in (u for u in all_units if any(t.name in names for t in u)):
                     if not all(t.name in names for t in unit):  # graph.blocks keeps units whole
@@ -219,6 +219,11 @@ class Sequential:
                     self.walk.keep(k, self.walk.run_block(k, needed, self._effective))
                 self._effective = {}
                 bar.update(1)
+
+    def observe_block(self, frame: Blockwise, k: int) -> None:
+        """ONE block's statistics: the Hessians of block ``k``'s layer inputs, from its subgraph on
+        ``frame`` run on the block's cached inputs (what the quantized blocks before it made)."""
+        self._hessians = _block_hessians(frame, k)
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
         smoothed, out = self.scales, {}
