@@ -479,7 +479,7 @@ def test_a_data_reader_is_refused_where_the_data_is_read_per_block(llama_dir, tm
                       config=resolve(Options(scheme="W4A16", algorithm=algorithm, gptq_order=order)))
     result = calibrate(llama_dir / "model.onnx", Reader(), tmp_path / "o1",
                        config=resolve(Options(scheme="W4A16", algorithm="gptq", gptq_order="one-pass")))
-    assert result.gptq["layers"] == 14
+    assert result.transforms["gptq"].layers == 14
 
 
 def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_path, monkeypatch):
