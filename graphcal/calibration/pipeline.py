@@ -161,8 +161,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
-    rounding = next((r for unit in units if (r := unit.rounding(run, observers, calib, settings, scales)) is not None),
-                    None)  # GPTQ's, or None: to nearest
+    rounding = rounding_for(units, run, observers, calib, settings, scales)
     weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
                                                 skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float
@@ -173,6 +172,12 @@ def calibrate(model: str | Path, data, output_dir: str | Path, *, scheme: str | 
     result.float_bytes = float_weight_bytes(qdq_model)
     result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
     return result
+
+
+def rounding_for(units, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None) -> Rounding | None:
+    """The weight pass's rounding: the first of ``units`` that has one (GPTQ's), else None (to nearest)."""
+    return next((r for unit in units if (r := unit.rounding(run, observers, calib, settings, scales)) is not None), None)
 
 
 def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | None, rounding: Rounding | None,
