@@ -118,3 +118,29 @@ def test_a_unit_added_to_the_registry_is_planned_checked_and_shown_by_inspect(pr
     result = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), "--scheme", "W8A8"])
     assert result.exit_code != 0 and "error: probe refuses this run" in result.output  # its pre-flight refusal
     assert "Traceback" not in result.output
+
+
+def test_block_runs_read_the_weights_as_they_were_when_the_frame_was_made(llama_dir):
+    """Blockwise's frame is made at construction: the weight pass may drop every initializer of the
+    model meanwhile (as its dead-path clean-up does) and a block still computes what the model as
+    loaded computes (onnxruntime at ORT_ENABLE_BASIC on the model file, the block's outputs exposed)."""
+    from graphcal.calibration.blockwise import Blockwise
+    from graphcal.data import graph_inputs, load_data
+    from graphcal.runtime import run_model
+
+    path = llama_dir / "model.onnx"
+    run = plan(path, resolve(Options(scheme="W4A16", algorithm="gptq")))
+    arrays = {k: v[:4] for k, v in np.load(llama_dir / "calib.npz").items()}
+    calib = load_data(arrays, graph_inputs(run.model), batch_size=2)
+    walk = Blockwise(run, calib, device="cpu")
+    names = walk.needed(0)
+    assert names
+    del run.model.graph.initializer[:]  # what the weight pass may do to the model after the frame is made
+    got = walk.run_block(0, names)
+    reference = load_model(path)
+    reference.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    for i, batch in enumerate(calib.batches()):
+        want = run_model(reference, {k: v for k, v in batch.items() if k in {x.name for x in reference.graph.input}},
+                         names)
+        for n in names:
+            np.testing.assert_allclose(got[n][i], want[n], rtol=1e-5, atol=1e-5)
