@@ -43,7 +43,7 @@ from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import PassSettings
 from graphcal.calibration.transforms.base import PlanScope, Transform
-from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod
+from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod, scaled_layers
 from graphcal.config import AWQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
@@ -126,22 +126,23 @@ class BlockSearch:
         self.done = ChannelScales([], {}, method=ScaleMethod.AWQ)
         self.records: list[dict] = []
 
+    def _work(self, k: int) -> tuple[list[_Search], list[Target]]:
+        """Block ``k``'s searches (its mappings' balance layers are in it) and the layers it clips."""
+        return [p for p in self.plans if p.block == k], [t for t in self.blocks[k].targets if t.name in self.clipping]
+
     def has_work(self, k: int) -> bool:
-        """Block ``k`` holds a mapping's balance layers or a layer to clip."""
-        return any(p.block == k for p in self.plans) or any(t.name in self.clipping for t in self.blocks[k].targets)
+        return any(self._work(k))
 
     def reads(self, k: int) -> list[str]:
         """The tensors block ``k``'s search reads (its mappings' parent inputs, its clipped layers' inputs)."""
-        here = [p for p in self.plans if p.block == k]
-        clip_here = [t for t in self.blocks[k].targets if t.name in self.clipping]
+        here, clip_here = self._work(k)
         return list(dict.fromkeys([*(x for p in here for x in p.reads), *(t.activation for t in clip_here)]))
 
     def observe_block(self, frame: Blockwise, k: int, inputs: dict[str, list], advance=lambda n: None) -> None:
         """Search block ``k``'s mappings (graph order) and clip its layers, on ``inputs`` (tensor name
         -> one array per batch: what :meth:`reads` names), running parents on ``frame``'s subgraphs."""
         run, settings = self.run, self.settings
-        here = [p for p in self.plans if p.block == k]
-        clip_here = [t for t in self.blocks[k].targets if t.name in self.clipping]
+        here, clip_here = self._work(k)
         grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
         for p in here:
             m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
@@ -262,7 +263,6 @@ class _Parent:
         self.runtime.close()
 
 
-
 @dataclass(frozen=True)
 class AWQDecision:
     """AWQ's plan: its mappings (graph.scaling.Resolution) and the layers --awq-clip searches."""
@@ -270,13 +270,8 @@ class AWQDecision:
     resolution: Resolution
     clip: tuple[str, ...] = ()
 
-    @property
-    def mappings(self) -> list[Mapping]:
-        return self.resolution.mappings
-
-    @property
-    def notes(self) -> list[str]:
-        return self.resolution.notes
+    mappings = property(lambda self: self.resolution.mappings)
+    notes = property(lambda self: self.resolution.notes)
 
 
 @dataclass(frozen=True)
@@ -284,11 +279,7 @@ class AWQRecord:
     """AWQ's result: its mappings as scaled (graph.scaling.Mapping.describe)."""
 
     mappings: tuple[str, ...]
-
-    @property
-    def read_data(self) -> bool:
-        """It read the data block by block (besides any activation pass)."""
-        return bool(self.mappings)
+    read_data = property(lambda self: bool(self.mappings))  # it read the data block by block (a search ran)
 
 
 class AWQ(Transform):
@@ -332,12 +323,7 @@ class AWQ(Transform):
 
     @classmethod
     def scaled(cls, decision: AWQDecision | None) -> set[str]:
-        scaled = set()
-        for m in decision.mappings if decision is not None else ():
-            scaled.update(m.balance)
-            if m.candidate.linear:
-                scaled.add(m.candidate.linear)
-        return scaled
+        return scaled_layers(decision.mappings if decision is not None else ())
 
     @classmethod
     def reads_data_per_block(cls, run: RunPlan, decision: AWQDecision | None) -> bool:

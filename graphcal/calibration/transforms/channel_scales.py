@@ -47,6 +47,11 @@ METADATA_KEY = ScaleMethod.SMOOTHQUANT.metadata_key  # "graphcal.smoothquant"
 AWQ_METADATA_KEY = ScaleMethod.AWQ.metadata_key  # "graphcal.awq"
 
 
+def scaled_layers(mappings: list[Mapping]) -> set[str]:
+    """The layers ``mappings`` rescale: the balance layers, and a linear smooth layer."""
+    return {name for m in mappings for name in (*m.balance, *([m.candidate.linear] if m.candidate.linear else []))}
+
+
 def taps_of(mappings: list[Mapping]) -> dict[str, str]:
     """Target name -> the scaled activation its observers tap (graph.scaling.Mapping.tapped)."""
     return {b: m.tapped for m in mappings for b in m.balance}
