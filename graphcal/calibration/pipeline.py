@@ -4,9 +4,9 @@
     -o --output.reserve_output--> the folder checked and locked
     model --plan.load-->        the model read; the transforms that change weights (--rotate) rewrite it
                                 first, each returning the model and its record
-    model + config + data --prepare--> Prepared: the RunPlan (decisions only: each transform unit's by
-                                its settings type), the data, every pre-flight refusal (each unit's
-                                check: what `inspect` checks too)
+    model + config + data --prepare--> Prepared: the RunPlan (each transform unit's decision by its
+                                settings type; the model, until the weight pass takes it over), the data,
+                                every pre-flight refusal (each unit's check: what `inspect` checks too)
     unit.verify                 --rotate: the rotated float model against the model as given, on the first sample
     PreTransform                the first unit's for_plan (SmoothQuant's or AWQ's channel scales; Plain: none)
         .before_pass            AWQ: its scales searched layer block by layer block
