@@ -64,6 +64,7 @@ class RunPlan:
     # each transform unit's decision, keyed by its settings type (graphcal.calibration.transforms): what it
     # will do (a unit that rewrote the model before the plan: what it did; the model is the rewritten one)
     decisions: Mapping[type, object] = field(default_factory=lambda: MappingProxyType({}))
+    pass_hessians: bool = False  # the activation pass takes each chosen layer's input Hessian (a unit's rounding uses it)
 
     def decision(self, settings_type: type):
         """The decision of the transform whose settings are of ``settings_type`` (None: not asked for)."""

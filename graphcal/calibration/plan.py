@@ -142,6 +142,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         warnings=tuple(warnings), matmulnbits=matmulnbits, forms=tuple(forms),
         unchecked=unchecked_ops(model), companions=companions,
         lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), decisions=MappingProxyType(decisions),
+        pass_hessians=any(unit.hessians_in_pass(settings) for unit, settings in configured(config)),
     )
 
 

@@ -91,6 +91,11 @@ class Transform:
         return set()
 
     @classmethod
+    def hessians_in_pass(cls, settings) -> bool:
+        """Whether its rounding takes each chosen layer's input Hessian from the activation pass."""
+        return False
+
+    @classmethod
     def reads_data_per_block(cls, run, decision) -> bool:
         """Whether its passes read the data once per layer block (a CalibrationDataReader cannot)."""
         return False

@@ -287,6 +287,10 @@ class GPTQ(Transform):
     reads_blocks = True
 
     @classmethod
+    def hessians_in_pass(cls, settings: GPTQSettings) -> bool:
+        return settings.order == "one-pass"  # OnePass rounds with the activation pass's Hessians
+
+    @classmethod
     def reads_data_per_block(cls, run: RunPlan, decision) -> bool:
         return run.config.gptq.order == "sequential"
 
