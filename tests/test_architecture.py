@@ -9,15 +9,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "graphcal"
 
-#: modules that know nothing of stages, commands or outputs (their imports stay below them)
-LEAVES = ("graphcal.graph", "graphcal.observers", "graphcal.algorithms.smoothquant.math",
-          "graphcal.algorithms.awq.math", "graphcal.algorithms.awq.gram",
-          "graphcal.algorithms.gptq.math", "graphcal.algorithms.gptq.hessian",
+#: modules that know nothing of stages, commands or outputs (their imports stay below them); algorithms/ is
+#: pure math and graph folds, below calibration/ (the transform units, calibration/transforms/, use it)
+LEAVES = ("graphcal.graph", "graphcal.observers", "graphcal.algorithms",
           "graphcal.types", "graphcal.errors", "graphcal.limits")
 #: what a leaf may never import: the stages, the pipeline, the commands and what they write
 ABOVE = ("graphcal.calibration", "graphcal.cli", "graphcal.evaluation", "graphcal.bench", "graphcal.export",
-         "graphcal.output", "graphcal.algorithms.smoothquant.stage", "graphcal.algorithms.awq.stage",
-         "graphcal.algorithms.gptq.stage", "graphcal.algorithms.channel_scales")
+         "graphcal.output")
 
 
 def _modules() -> dict[str, Path]:

@@ -7,7 +7,7 @@ tools/algorithms_table.py reports each calibration's peak above this one's.
 
 import onnxruntime  # noqa: F401
 
-import graphcal.algorithms.awq.stage  # noqa: F401
-import graphcal.algorithms.gptq.stage  # noqa: F401
 import graphcal.calibration.pipeline  # noqa: F401
+import graphcal.calibration.transforms.awq  # noqa: F401
+import graphcal.calibration.transforms.gptq  # noqa: F401
 import graphcal.cli  # noqa: F401

@@ -27,11 +27,13 @@ run kv "${llama[@]}" --scheme W8A8_STATIC --kv-cache-scheme FP8
 run mse "${llama[@]}" --scheme W8A8_STATIC --observer mse
 run imatrix "${llama[@]}" --observer imatrix_mse \
   --scheme '{"weights":{"num_bits":4,"strategy":"group","group_size":64},"input_activations":{"num_bits":8,"strategy":"tensor","dynamic":false}}'
-# the algorithms: SmoothQuant (a fold, explicit Muls), GPTQ in both orders, AWQ, and sequential GPTQ after each
+# the algorithms: SmoothQuant (a fold, explicit Muls), GPTQ in both orders, AWQ, sequential GPTQ after each, and rotation
 run sq "${llama[@]}" --scheme W8A8_STATIC --smoothquant all
 run sq-mul-gptq "${llama[@]}" --scheme W8A8_STATIC --smoothquant mul --algorithm gptq
 run gptq "${llama[@]}" --scheme W4A16 --algorithm gptq
 run gptq-one-pass "${llama[@]}" --scheme W4A16 --algorithm gptq --gptq-order one-pass
 run awq-gptq "${llama[@]}" --scheme W4A16 --algorithm awq+gptq
+run rot "${llama[@]}" --scheme W4A16 --rotate R1
+run rot-gptq "${llama[@]}" --scheme W4A16 --algorithm gptq --rotate R1,R2
 run bert-gptq models/tiny-bert/model.onnx --data models/tiny-bert/calib.npz --scheme W4A16 --algorithm gptq
 (cd "$out" && sha256sum */model.onnx */quantization_config.json */qparams.safetensors | sort -k2)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.distributed import gather_statistics
 from graphcal.calibration.observe import Consumers, Feed
-from graphcal.calibration.plan import RunPlan
 from graphcal.data import MASK_INPUT, Calibration, batch_samples
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import torch
 
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
@@ -40,14 +40,23 @@ CACHE_SHARE = 0.5  # of the available memory the cached tensors may take
 class Blockwise:
     """A plan's chosen targets in blocks, and the cached tensors between them."""
 
-    def __init__(self, run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0):
+    def __init__(self, run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0,
+                 replaced: set[str] | frozenset[str] = frozenset()):
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
-        # the subgraphs are cut from the graph as loaded (``frame``), the initializers read from the
-        # model itself (``model``, which the pipeline may edit into the output meanwhile: it adds
-        # nodes and initializers, and replaces only what was pinned first, :meth:`pin`)
-        self.model = run.model
+        # a read-only frame, made here, before any weight pass: the subgraphs are cut from the graph as
+        # loaded (``frame``, a skeleton without weights) and read the weights as they are now
+        # (``originals``). The weight pass may edit the model meanwhile; it adds nodes and initializers
+        # and drops those nothing reads any more, never changing one in place, so each initializer is
+        # held as it stands, and those an edit to come replaces (``replaced``: the channel scales'
+        # fold, ChannelScales.replaced_initializers) are copied. No reference to the model is kept.
         self.frame = skeleton(run.model)
-        self.pinned: dict[str, onnx.TensorProto] = {}
+        self.originals: dict[str, onnx.TensorProto] = {}
+        for t in run.model.graph.initializer:
+            if t.name in replaced:
+                copy = self.originals[t.name] = onnx.TensorProto()
+                copy.CopyFrom(t)
+            else:
+                self.originals[t.name] = t
         self.targets = list(run.chosen)
         self.blocks: list[Block] = blocks(run.model, self.targets, run.groups)  # fused units kept whole
         self.dependent = weight_dependent(run.model, self.targets)
@@ -94,20 +103,9 @@ class Blockwise:
                                weights=self._initializers(sub))
         return runtime, tapped
 
-    def pin(self, names: set[str]) -> None:
-        """Keep these initializers as loaded: an edit of the model to come replaces or drops them
-        (SmoothQuant's and AWQ's folds), and the subgraphs compute the model as loaded."""
-        for t in self.model.graph.initializer:
-            if t.name in names:
-                self.pinned[t.name] = onnx.TensorProto()
-                self.pinned[t.name].CopyFrom(t)
-
     def _initializers(self, sub: onnx.ModelProto) -> list[onnx.TensorProto]:
-        """The initializers ``sub`` reads: the pinned ones, else the model's own."""
-        names = [t.name for t in needed_initializers(sub, self.frame)]
-        wanted = set(names) - set(self.pinned)
-        live = {t.name: t for t in self.model.graph.initializer if t.name in wanted}
-        return [self.pinned[n] if n in self.pinned else live[n] for n in names]
+        """The initializers ``sub`` reads, as they were when the frame was made."""
+        return [self.originals[t.name] for t in needed_initializers(sub, self.frame)]
 
     def feed_weight(self, t: Target, w: torch.Tensor) -> tuple[str, np.ndarray]:
         """The feed that stands ``w`` (torch [out, in]) in for ``t``'s weight, as the node reads it."""

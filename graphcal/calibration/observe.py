@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from graphcal.algorithms.gptq.hessian import HessianObserver
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.config import observer_name
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest
@@ -91,9 +91,10 @@ class ObserverSet(Consumers):
     """Every observer of a run, built from its plan.
 
     ``taps`` (target name -> tensor) names what a target's input and importance observers tap
-    instead of its activation: under SmoothQuant, the smoothed activation ``x / s``. With GPTQ in
-    its one-pass order, every activation a chosen target reads gets a Hessian (``hessians``,
-    target name -> graphcal.algorithms.gptq.hessian.HessianObserver, shared by the targets reading one tensor).
+    instead of its activation: under channel scales, the scaled activation ``x / s``. Where the plan
+    asks for the pass's Hessians (``RunPlan.pass_hessians``: a transform unit's rounding takes them,
+    GPTQ's one-pass order), every activation a chosen target reads gets one (``hessians``, target
+    name -> graphcal.algorithms.gptq.hessian.HessianObserver, shared by the targets reading one tensor).
     """
 
     def __init__(self, plan: RunPlan, taps: dict[str, str] | None = None):
@@ -106,8 +107,7 @@ class ObserverSet(Consumers):
         self.hessians: dict[str, object] = {}
         self._input_qparams: dict[int, QParams] = {}
         shared: dict[tuple, object] = {}
-        gptq = plan.config.gptq
-        if gptq is not None and gptq.order == "one-pass":
+        if plan.pass_hessians:
             by_tensor: dict[str, object] = {}
             for t in plan.chosen:
                 activation = taps.get(t.name, t.activation)

@@ -2,42 +2,43 @@
 
     options/recipe --config.resolve--> RunConfig
     -o --output.reserve_output--> the folder checked and locked
-    model + config + data --prepare--> Prepared: the RunPlan, the data, every pre-flight refusal
-                                       (what `inspect` checks too)
-    --rotate: check_rotation    the rotated float model against the model as given, on the first sample
-    PreTransform (PRE_TRANSFORMS: AWQ or SmoothQuant's channel scales; Plain: none)
+    model --plan.load-->        the model read; the transforms that change weights (--rotate) rewrite it
+                                first, each returning the model and its record
+    model + config + data --prepare--> Prepared: the RunPlan (each transform unit's decision by its
+                                settings type; the model, until the weight pass takes it over), the data,
+                                every pre-flight refusal (each unit's check: what `inspect` checks too)
+    unit.verify                 --rotate: the rotated float model against the model as given, on the first sample
+    PreTransform                the first unit's for_plan (SmoothQuant's or AWQ's channel scales; Plain: none)
         .before_pass            AWQ: its scales searched layer block by layer block
         ObserverSet             every observer, and the taps it needs (scaled activations: x * (1/s))
         .activation_pass        the one pass over the data feeding the observers (SmoothQuant takes its
                                 ranges in it; torchrun ranks gathered)
         .scales()               ChannelScales, or None
-    rounding_for                GPTQ: one-pass (the pass's Hessians), or sequential: the weight pass block by block
+    unit.rounding               GPTQ: one-pass (the pass's Hessians), or sequential: the weight pass block by block
     the weight pass             scales folded, each weight read once, observed (one grid), rounded,
                                 quantized into the QDQ writer; then input and k/v Q/DQ
     output.OutputSlot.write     model.onnx, quantization_config.json, qparams.safetensors (all or none)
+    unit.record                 each unit's frozen result record (CalibrationResult.transforms)
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphcal.algorithms.awq.stage import AWQ
-from graphcal.algorithms.channel_scales import ChannelScales, ScaleMethod
-from graphcal.algorithms.gptq.stage import rounding_for
-from graphcal.algorithms.rotation.fold import transform_config
-from graphcal.algorithms.smoothquant.stage import SmoothQuant
 from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.result import CalibrationResult, scheme_label
-from graphcal.calibration.rotation_check import check_rotation
-from graphcal.calibration.seams import PassSettings, PreTransform, Rounding
+from graphcal.calibration.seams import PassSettings, Rounding
 from graphcal.calibration.sizing import float_weight_bytes
+from graphcal.calibration.transforms import configured
+from graphcal.calibration.transforms.channel_scales import ChannelScales
 from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, RunConfig, resolve
 from graphcal.config.options import with_keywords
@@ -58,6 +59,8 @@ log = logging.getLogger("graphcal")
 class Plain:
     """No pre-transform: the activation pass on the model as it is."""
 
+    reads_blocks = False
+
     def __init__(self, run: RunPlan):
         self.run = run
 
@@ -72,10 +75,6 @@ class Plain:
 
     def scales(self) -> None:
         return None
-
-
-#: the pre-transforms, in order; the first the plan asks for runs (a run configures at most one)
-PRE_TRANSFORMS: tuple[type[PreTransform], ...] = (AWQ, SmoothQuant)
 
 
 @releases_outputs  # the -o reservation below is released however calibrate ends
@@ -104,11 +103,13 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
                             options.skip_nonfinite_weights)
-    if run.rotation is not None:  # before any pass: a rotation that drifts from the model as given goes no further
-        sqnr = check_rotation(model, run.model, run.rotation, calib.first_batch(), device, settings.device_id)
-        log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",
-                 ", ".join(f"{name} {db:.0f} dB" for name, db in sqnr.items()))
-    transform = next((t for kind in PRE_TRANSFORMS if (t := kind.for_plan(run)) is not None), Plain(run))
+    units = [unit for unit, _ in configured(run.config)]
+    for unit in units:  # before any pass: a rewrite (--rotate) that drifts from the model as given goes no further
+        if unit.rewrites_weights:
+            unit.verify(model, run.model, run.decision(unit.settings_type), calib.first_batch(), device,
+                        settings.device_id)
+    # the pre-transform: the first unit that has one for this plan (a run configures at most one), else Plain
+    transform = next((t for unit in units if (t := unit.for_plan(run)) is not None), Plain(run))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())
     activations = transform.activation_pass(observers, calib, settings)
@@ -116,18 +117,24 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
-    rounding = rounding_for(run, observers, calib, settings, scales)
+    rounding = rounding_for(units, run, observers, calib, settings, scales)
     weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
                                                 options.skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float
     files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
-                     slot.warnings)
+                     slot.warnings, transform.reads_blocks)
     result.scheme = label
     result.float_bytes = float_weight_bytes(qdq_model)
     result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
     return result
+
+
+def rounding_for(units, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None) -> Rounding | None:
+    """The weight pass's rounding: the first of ``units`` that has one (GPTQ's), else None (to nearest)."""
+    return next((r for unit in units if (r := unit.rounding(run, observers, calib, settings, scales)) is not None), None)
 
 
 def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | None, rounding: Rounding | None,
@@ -152,7 +159,7 @@ def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | N
 
 def _result(ready: Prepared, settings: PassSettings, activations: PassResult, start: float, out_dir: Path,
             scales: ChannelScales | None = None, rounding: Rounding | None = None, weights: WeightResult | None = None,
-            files: list[Path] = (), slot_warnings: list[str] = ()) -> CalibrationResult:
+            files: list[Path] = (), slot_warnings: list[str] = (), read_blocks: bool = False) -> CalibrationResult:
     """What the run did: on rank 0 (``weights`` given) what it wrote; on other ranks, their pass."""
     run, calib, dist = ready.plan, ready.calib, ready.dist
     warnings = list(run.warnings) + (list(calib.notes) if calib is not None else []) + activations.warnings()
@@ -163,27 +170,25 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
     common = dict(output_dir=out_dir, provider=activations.provider, seconds=time.perf_counter() - start,
                   world=dist.world if dist else 1,
                   padding_share=padding.share if padding is not None else None,
-                  exclude_padding=settings.exclude_padding,
-                  rotation=run.rotation.as_dict() if run.rotation is not None else None)
+                  exclude_padding=settings.exclude_padding)
+    done = Done(scales, rounding)
+    records = {unit.key: record for unit, _ in configured(run.config) if (record := unit.record(run, done)) is not None}
     if weights is None:
         return CalibrationResult(files=[], targets=[], ignored=run.ignored, num_samples=0,
-                                 num_batches=activations.batches, warnings=warnings, rank=dist.rank, **common)
+                                 num_batches=activations.batches, warnings=warnings, rank=dist.rank,
+                                 transforms=records, **common)
     warnings += weights.warnings + (rounding.log.warnings() if rounding is not None else []) + list(slot_warnings)
-    awq = scales is not None and scales.method is ScaleMethod.AWQ
-    ran = activations.provider is not None or rounding is not None or awq
+    ran = activations.provider is not None or rounding is not None or read_blocks
     return CalibrationResult(
         files=list(files), targets=weights.items + weights.lookups, ignored=run.ignored + weights.left_in_float,
         num_samples=calib.num_samples if ran else 0, num_batches=calib.num_batches if ran else 0,
-        warnings=warnings, forms=list(run.forms), rank=0,
-        smoothed=scales.describe() if scales is not None and not awq else [],
-        awq=scales.describe() if awq else [],
-        gptq=None if rounding is None else {"order": run.config.gptq.order, "layers": len(rounding.log.losses),
-                                            "rtn_fallback": list(rounding.log.rtn_fallback)}, **common)
+        warnings=warnings, forms=list(run.forms), rank=0, transforms=records, **common)
 
 
 def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: list[str], kv_items: list[QuantizedKV]):
     """The function that writes a run's three files into a (temporary) folder."""
-    transform = transform_config(run.rotation) if run.rotation is not None else None
+    transform = next((m for unit, _ in configured(run.config) if (d := run.decision(unit.settings_type)) is not None
+                      and (m := unit.metadata(d)) is not None), None)  # compressed-tensors' transform_config
     qc_data = build_quantization_config(run.config, items, ignored, kv_items, transform)[1]
     tensors = qparam_tensors(items, kv_items)
 
@@ -203,3 +208,10 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
 
     return write
 
+
+@dataclass(frozen=True)
+class Done:
+    """What the passes made, from which each unit takes its result record."""
+
+    scales: ChannelScales | None
+    rounding: Rounding | None

@@ -5,8 +5,8 @@
     data --load_data--> the calibration data, checked against the model's inputs (headers only)
     --exclude-padding: an attention_mask among the inputs
     torchrun: this process joins the job (run only)
-    GPTQ, AWQ and SmoothQuant: what their passes need of the data (a CalibrationDataReader is read
-    once) and of memory
+    each transform unit's refusals (graphcal.calibration.transforms): what its passes need of the
+    data (a CalibrationDataReader is read once) and of memory
 
 So `inspect` refuses what `run` would refuse, before either calibrates anything.
 """
@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphcal.algorithms.gptq.stage import check_one_pass
-from graphcal.algorithms.smoothquant.stage import SmoothQuant
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.distributed import Dist, from_env
-from graphcal.calibration.plan import RunPlan, plan
+from graphcal.calibration.plan import load, plan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms import configured
+from graphcal.calibration.transforms.base import refuse_reader
 from graphcal.config import RunConfig
 from graphcal.data import Calibration, check_padding_input, data_label, graph_inputs, load_data
-from graphcal.errors import UsageError
 from graphcal.runtime import check_device
 
 
@@ -45,7 +45,7 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     (run only): join the torchrun job the environment describes; ``reduce_in_graph``: as the passes
     will run. Raises GraphcalError or UsageError for everything that can be known before calibrating."""
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
-    run = plan(Path(model), config, target, matmulnbits)
+    run = plan(Path(model), config, target, matmulnbits, load(model, config))  # weight rewrites (--rotate) first
     inputs = graph_inputs(run.model)
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples,
                       model_dir=Path(model).parent) if data is not None else None
@@ -53,19 +53,9 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     if exclude_padding:
         check_padding_input(data_label(data) if data is not None else f"the model {model}", names)
     dist = from_env() if join else None  # torchrun: this rank's share of the batches
-    gptq = run.config.gptq
-    if calib is not None and not calib.rereadable and ((gptq is not None and gptq.order == "sequential") or run.awq is not None):
-        raise UsageError("GPTQ's sequential order and AWQ read the data once per layer block, and a "
-                         "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
-                         "or use --gptq-order one-pass without AWQ")
-    if calib is not None and not calib.rereadable and (smoothquant := SmoothQuant.for_plan(run)) is not None:
-        why = smoothquant.second_pass(PassSettings(dist=dist, exclude_padding=exclude_padding,
-                                                   reduce_in_graph=reduce_in_graph))
-        if why is not None:  # the rule smooth_and_calibrate follows, asked before anything is read
-            raise UsageError(f"SmoothQuant needs a pass over the data of its own here ({why}), and a "
-                             "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
-                             "or use an observer SmoothQuant replays from the calibration pass (static_minmax per tensor "
-                             "or per group, W8A8_STATIC's default)")
-    if gptq is not None and gptq.order == "one-pass":
-        check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
+    settings = PassSettings(dist=dist, exclude_padding=exclude_padding, reduce_in_graph=reduce_in_graph)
+    units = configured(run.config)
+    refuse_reader(calib, any(unit.reads_data_per_block(run, run.decision(unit.settings_type)) for unit, _ in units))
+    for unit, _ in units:  # each transform's own refusals, in the order they run
+        unit.check(run, calib, dist, settings)
     return Prepared(run, calib, names, dist)

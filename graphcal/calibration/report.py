@@ -8,11 +8,12 @@ size of the written model (:mod:`graphcal.calibration.sizing`). No weight is rea
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from graphcal.algorithms.rotation.fold import summary as rotation_summary
-from graphcal.calibration.plan import RunPlan, plan
+from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.plan import plan
+from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.config import RunConfig
 from graphcal.graph.blocks import blocks
 from graphcal.graph.targets import matches
@@ -51,13 +52,12 @@ class Inspection:
     kv_states: list[KVState] = field(default_factory=list)
     target_runtime: str = "onnxruntime"
     forms: list[str] = field(default_factory=list)  # what onnxruntime runs for the targets
-    smoothing: object | None = None  # graph.smooth.Resolution (None: no SmoothQuant asked for)
-    awq: object | None = None  # graph.smooth.Resolution of AWQ's mappings (None: no AWQ asked for)
-    awq_clip: list[str] = field(default_factory=list)  # --awq-clip: the layers its search takes
-    blocks: list[str] = field(default_factory=list)  # GPTQ's sequential order: the layer blocks, in order
+    blocks: list[str] = field(default_factory=list)  # the layer blocks a transform reads the data by, in order
     lookups: list[TargetRow] = field(default_factory=list)  # every embedding lookup (Gather over a weight)
     ties: dict[str, str] = field(default_factory=dict)  # lookup -> the lm_head whose quantized weight it reads
-    rotation: dict | None = None  # --rotate: what was folded (algorithms.rotation.fold.Rotation.as_dict)
+    # each transform unit's lines and JSON (graphcal.calibration.transforms), in the order they run
+    transform_lines: list[str] = field(default_factory=list)
+    transform_json: dict[str, object] = field(default_factory=dict)
 
     @property
     def quantized(self) -> list[str]:
@@ -79,6 +79,9 @@ def inspect_model(model: str | Path, config: RunConfig, *, target: str = "onnxru
 
 def from_plan(run: RunPlan) -> Inspection:
     """The report of one plan."""
+    units = configured(run.config)
+    settings = dict(units)
+    blocks = _blocks(run, units)
     return Inspection(
         model=run.model_path, scheme=run.config.scheme_name, config=run.config,
         rows=[_row(t, t in run.chosen, run.config) for t in run.found], not_targets=list(run.not_targets),
@@ -86,19 +89,20 @@ def from_plan(run: RunPlan) -> Inspection:
         model_opset=run.model_opset, required_opset=run.opset, output_opset=run.output_opset,
         input_size=run.input_size, expected_size=run.expected_size, size_parts=dict(run.size),
         warnings=[w for w in run.warnings if w not in run.fusion_warnings], kv_states=list(run.kv_states),
-        target_runtime=str(run.target_runtime), forms=list(run.forms), smoothing=run.smoothing, awq=run.awq,
-        awq_clip=list(run.awq_clip),
-        blocks=_blocks(run),
+        target_runtime=str(run.target_runtime), forms=list(run.forms), blocks=blocks,
         lookups=[_row(t, t in run.lookups, run.config) for t in run.found_lookups],
         ties=dict(run.ties),
-        rotation=run.rotation.as_dict() if run.rotation is not None else None,
+        transform_lines=[line for unit, settings in units
+                         for line in unit.inspect_lines(run, run.decision(unit.settings_type), settings, blocks)],
+        transform_json={unit.key: unit.inspect_json(run, run.decision(unit.settings_type), settings.get(unit), blocks)
+                        for unit in REGISTRY.values()},
     )
 
 
-def _blocks(run: RunPlan) -> list[str]:
-    """The layer blocks GPTQ's sequential order (or AWQ) takes the graph in (empty when neither runs)."""
-    gptq = run.config.gptq
-    if not ((gptq is not None and gptq.order == "sequential") or (run.awq is not None and run.awq.mappings)):
+def _blocks(run: RunPlan, units) -> list[str]:
+    """The layer blocks a transform takes the data in (GPTQ's sequential order, AWQ; empty when none does)."""
+    if not any(unit.reads_data_per_block(run, d) and (d is None or getattr(d, "mappings", True))
+               for unit, _ in units for d in [run.decision(unit.settings_type)]):
         return []
 
     found = blocks(run.model, list(run.chosen), run.groups)  # as Blockwise forms them: fused units kept whole
@@ -158,23 +162,7 @@ def to_dict(report: Inspection) -> dict:
         "unmatched_patterns": report.unmatched,
         "warnings": report.warnings,
         "onnxruntime_kernels": report.forms,
-        "smoothquant": None if report.smoothing is None else {
-            "strength": "auto" if report.config.smoothing.search else report.config.smoothing.strength,
-            "algorithm": report.config.smoothing.algorithm,
-            "scope": report.config.smoothing.scope,
-            "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
-                          "balance": list(m.balance), "activation": m.candidate.activation}
-                         for m in report.smoothing.mappings],
-            "not_smoothed": list(report.smoothing.notes),
-        },
-        "gptq": None if report.config.gptq is None else {**asdict(report.config.gptq), "blocks": report.blocks},
-        "awq": None if report.awq is None else {
-            "duo_scaling": report.config.awq.duo_scaling, "n_grid": report.config.awq.n_grid,
-            "mappings": [{"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
-                          "activation": m.candidate.activation} for m in report.awq.mappings],
-            "not_scaled": list(report.awq.notes), "blocks": report.blocks, "clip": list(report.awq_clip),
-        },
-        "rotation": report.rotation,
+        **report.transform_json,
         "opset": {"model": report.model_opset, "required": report.required_opset, "output": report.output_opset},
         "size": {
             "input_bytes": report.input_size,
@@ -217,29 +205,7 @@ def format_text(report: Inspection) -> str:
     if report.config.kv_cache is not None:
         lines.append(f"kv cache {len(report.kv_states)} attention module(s): "
                      + (", ".join(k.name for k in report.kv_states) or "none found"))
-    if report.rotation is not None:
-        lines.append(f"rotation ({rotation_summary(report.rotation)}")
-    if report.smoothing is not None:
-        sq = report.config.smoothing
-        strength = "auto (searched per mapping)" if sq.search else f"{sq.strength:g}"
-        lines.append(f"smoothquant {len(report.smoothing.mappings)} mapping(s), strength {strength}"
-                     + (f", {sq.algorithm}" if sq.algorithm != "smoothquant" else "") + ":")
-        lines += [f"  {m.describe()}" for m in report.smoothing.mappings]
-        lines += [f"  {n}" for n in report.smoothing.notes]
-    if report.config.gptq is not None:
-        g = report.config.gptq
-        lines.append(f"gptq     {g.order}, block_size {g.block_size}, dampening_frac {g.dampening_frac:g}, actorder "
-                     f"{'static' if g.actorder == 'default' else g.actorder}"
-                     + (f"; {len(report.blocks)} layer blocks: {', '.join(report.blocks[:3])}"
-                        + (" ..." if len(report.blocks) > 3 else "") if report.blocks else ""))
-    if report.awq is not None:
-        a = report.config.awq
-        lines.append(f"awq      {len(report.awq.mappings)} mapping(s), duo_scaling {a.duo_scaling}, n_grid {a.n_grid}:")
-        lines += [f"  {m.describe()}" for m in report.awq.mappings]
-        lines += [f"  {n}" for n in report.awq.notes]
-        if report.awq_clip:
-            lines.append(f"  clip search (--awq-clip) on {len(report.awq_clip)} layer(s): "
-                         + ", ".join(list(report.awq_clip)[:3]) + (" ..." if len(report.awq_clip) > 3 else ""))
+    lines += report.transform_lines
     lines.append(f"ignored  {', '.join(f'{r.target.name} ({r.reason})' for r in report.rows if not r.quantized) or 'none'}")
     lines.append(f"opset    model {report.model_opset}, scheme needs {report.required_opset}, "
                  f"output {report.output_opset}" + (" (converted)" if report.output_opset > report.model_opset else ""))

@@ -31,10 +31,9 @@ class CalibrationResult:
     world: int = 1
     padding_share: float | None = None  # positions with attention_mask == 0 (None: no attention_mask)
     exclude_padding: bool = False  # padded positions were left out of the activation statistics
-    smoothed: list[str] = field(default_factory=list)  # SmoothQuant's mappings as applied (graph.scaling.Mapping.describe)
-    awq: list[str] = field(default_factory=list)  # AWQ's mappings as scaled (likewise)
-    gptq: dict | None = None  # GPTQ: its order, the layers it rounded and their losses (None: round to nearest)
-    rotation: dict | None = None  # --rotate: what was folded in first (algorithms.rotation.fold.Rotation.as_dict)
+    # each transform unit's frozen result record by its key (graphcal.calibration.transforms: "rotation",
+    # "smoothquant", "awq", "gptq"); a unit that did nothing has none
+    transforms: dict[str, object] = field(default_factory=dict)
     float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
     model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
     scheme: str = "W8A8"  # the scheme as the summary names it (scheme_label)
@@ -43,20 +42,37 @@ class CalibrationResult:
     def qparams(self) -> dict[str, torch.Tensor]:
         return qparam_tensors(self.targets)
 
-    def as_dict(self, transforms: dict | None = None) -> dict:
-        """The summary `graphcal run --json` prints; ``transforms``: the transforms' own keys, added."""
+    @property
+    def read_data_blockwise(self) -> bool:
+        """A transform read the calibration data besides the activation pass (AWQ's search, GPTQ's Hessians)."""
+        return any(getattr(r, "read_data", False) for r in self.transforms.values())
+
+    def transform_lines(self) -> list[str]:
+        """What each transform did, as `graphcal run` prints it (its unit's words), in the order they ran."""
+        from graphcal.calibration.transforms import REGISTRY  # lazy: the units load torch and onnx
+
+        return [line for unit in REGISTRY.values() for line in unit.result_lines(self.transforms.get(unit.key))]
+
+    def transform_json(self) -> dict:
+        """What each transform did, as `graphcal run --json` prints it: one key per unit."""
+        from graphcal.calibration.transforms import REGISTRY  # lazy: the units load torch and onnx
+
+        return {unit.key: unit.result_json(self.transforms.get(unit.key)) for unit in REGISTRY.values()}
+
+    def as_dict(self) -> dict:
+        """The summary `graphcal run --json` prints, each transform's keys with it."""
         return {
             "quantized": [i.target.name for i in self.targets], "ignored": self.ignored,
             "provider": self.provider, "samples": self.num_samples, "batches": self.num_batches,
             "ranks": self.world, "seconds": round(self.seconds, 3), "files": [str(f) for f in self.files],
             "warnings": self.warnings, "onnxruntime_kernels": self.forms,
             "padding_share": self.padding_share, "exclude_padding": self.exclude_padding,
-            "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, **(transforms or {}),
+            "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, **self.transform_json(),
         }
 
-    def summary_lines(self, transform_lines: list[str] = ()) -> list[str]:
-        """The summary `graphcal run` prints, line by line; ``transform_lines`` (what the transforms
-        did) go after the size line, before the pass's."""
+    def summary_lines(self) -> list[str]:
+        """The summary `graphcal run` prints, line by line; what the transforms did (each in its unit's
+        words) goes after the size line, before the pass's."""
         lines = []
         lookups = sum(1 for i in self.targets if i.target.op_type == "Gather")
         n = len(self.targets) - lookups
@@ -67,8 +83,8 @@ class CalibrationResult:
             lines.append(f"written model: {self.model_bytes / 1e6:.1f} MB, of which {self.float_bytes / 1e6:.1f} MB "
                          f"({self.float_bytes / self.model_bytes:.0%}) is still float (weights left unquantized, "
                          "norms, biases, scales)")
-        lines += transform_lines
-        searched = self.awq or self.gptq is not None  # AWQ and GPTQ read the data without an activation pass
+        lines += self.transform_lines()
+        searched = self.read_data_blockwise  # AWQ and GPTQ read the data without an activation pass
         if self.provider is None and searched:
             lines.append(f"calibrated on {self.num_samples} samples in {self.num_batches} batches (GPTQ / AWQ; the "
                          "scheme has no static activations to observe)")

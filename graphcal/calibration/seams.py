@@ -4,8 +4,7 @@
   observers, GPTQ's Hessians, SmoothQuant's row samples); every Consumer holds one.
 - :class:`PreTransform`: a change of the model chosen from the data before the weight pass
   (SmoothQuant's and AWQ's channel scales). The pipeline runs whichever one the plan asks for
-  through this one interface; adding a pre-transform is adding a class to
-  ``graphcal.calibration.pipeline.PRE_TRANSFORMS``.
+  through this one interface: a transform unit's ``for_plan`` gives it (graphcal.calibration.transforms).
 - :class:`Rounding`: how the weight pass puts each weight on its grid other than to nearest (GPTQ).
 - :class:`PassSettings`: how the passes over the data run (device, torchrun, taps' limits).
 """
@@ -19,11 +18,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:  # typing only: these modules import this one
-    from graphcal.algorithms.channel_scales import ChannelScales
     from graphcal.calibration.activations import PassResult
+    from graphcal.calibration.decisions import RunPlan
     from graphcal.calibration.distributed import Dist
     from graphcal.calibration.observe import ObserverSet
-    from graphcal.calibration.plan import RunPlan
+    from graphcal.calibration.transforms.channel_scales import ChannelScales
     from graphcal.data import Calibration
     from graphcal.types import QuantizedTarget, Target
 

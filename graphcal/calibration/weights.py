@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.algorithms.channel_scales import ChannelScales
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, Rounding
+from graphcal.calibration.transforms.channel_scales import ChannelScales
 from graphcal.errors import GraphcalError
 from graphcal.graph.fusion import fused_units
 from graphcal.graph.targets import weight_tensor
@@ -41,8 +41,8 @@ def quantize_weights(plan: RunPlan, observers: ObserverSet, writer, device: torc
                      skip_nonfinite: bool = False, progress: bool = False, smoothed: ChannelScales | None = None,
                      rounding: Rounding | None = None) -> WeightResult:
     """Observe and quantize every chosen target's weight into ``writer`` (a QDQWriter); with
-    ``smoothed`` (graphcal.algorithms.channel_scales.ChannelScales) each weight is smoothed before it
-    is observed. ``rounding`` (GPTQ, graphcal.algorithms.gptq.stage) orders the units
+    ``smoothed`` (graphcal.calibration.transforms.channel_scales.ChannelScales) each weight is smoothed before it
+    is observed. ``rounding`` (GPTQ, graphcal.calibration.transforms.gptq) orders the units
     (``rounding.units``: sequential GPTQ takes them block by block) and gives each weight of a unit
     on the grid the observer took from it (``rounding(members)``; None: round to nearest)."""
     log.info("observing and quantizing %d weights", len(plan.chosen))

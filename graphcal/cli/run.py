@@ -37,25 +37,8 @@ def run(model, data, output, as_json, quiet, debug, **flags):
         return  # under torchrun, rank 0 reports
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    # --- the transforms' summaries (rotation, SmoothQuant, AWQ, GPTQ): their JSON keys and text lines ---
-    transforms = {"smoothquant": result.smoothed, "awq": result.awq, "gptq": result.gptq, "rotation": result.rotation}
-    lines = []
-    if result.rotation is not None:
-        from graphcal.algorithms.rotation.fold import summary  # lazy: loads onnx and numpy, off the --help path
-        lines.append(f"rotated the residual stream first ({summary(result.rotation)}")
-    if result.smoothed:
-        lines.append(f"smoothed {len(result.smoothed)} activation(s) first (SmoothQuant; graphcal inspect lists them)")
-    if result.awq:
-        lines.append(f"AWQ: scaled {len(result.awq)} activation(s) first, each folded into the norm or linear layer "
-                     "before it (graphcal inspect lists them)")
-    if result.gptq is not None:
-        order = "layer block by layer block" if result.gptq["order"] == "sequential" else "Hessians from one pass"
-        lines.append(f"GPTQ ({order}): {result.gptq['layers']} weights rounded"
-                     + (f"; {len(result.gptq['rtn_fallback'])} to nearest (Hessian not positive definite)"
-                        if result.gptq["rtn_fallback"] else ""))
-    # --- end of the transforms' summaries ---
     if as_json:
-        click.echo(json.dumps(result.as_dict(transforms), sort_keys=True))
+        click.echo(json.dumps(result.as_dict(), sort_keys=True))
     elif not quiet:
-        for line in result.summary_lines(lines):
+        for line in result.summary_lines():
             click.echo(line)

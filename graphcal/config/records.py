@@ -94,6 +94,15 @@ ROTATIONS = ("R1", "R2")  # the rotations graphcal folds into the weights (SpinQ
 ROTATION_TYPES = ("hadamard", "random-hadamard", "random-matrix")  # SpinQuantModifier's transform_type
 
 
+@dataclass(frozen=True)
+class RotationSettings:
+    """SpinQuantModifier's fields graphcal folds: ``rotations`` ("R1", "R2") and ``kind`` (its
+    transform_type: hadamard, random-hadamard, random-matrix). :attr:`RunConfig.rotation` gives it."""
+
+    rotations: tuple[str, ...] = ("R1",)
+    kind: str = "hadamard"
+
+
 @dataclass
 class RunConfig:
     """Config groups (compressed-tensors schemes, each with targets) and what to ignore."""
@@ -131,6 +140,16 @@ class RunConfig:
     @property
     def patterns(self) -> list[str]:
         return [p for s in self.groups.values() for p in s.targets]
+
+    @property
+    def rotation(self) -> RotationSettings | None:
+        """--rotate's settings as one record (None: no rotation)."""
+        return RotationSettings(tuple(self.rotate), self.rotation_type) if self.rotate else None
+
+    def transform_settings(self) -> tuple:
+        """The settings records of the transforms this run asks for (graphcal.calibration.transforms
+        finds each one's unit by its type)."""
+        return tuple(s for s in (self.rotation, self.smoothing, self.awq, self.gptq) if s is not None)
 
 
 def _specificity(pattern: str) -> int:

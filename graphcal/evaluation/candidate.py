@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from graphcal.algorithms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
+from graphcal.calibration.transforms.channel_scales import AWQ_METADATA_KEY, METADATA_KEY
 from graphcal.config.records import RunConfig
 from graphcal.config.untrusted import MAX_JSON_BYTES, load_json
 from graphcal.errors import GraphcalError, UsageError, first_line

@@ -168,7 +168,7 @@ def test_the_bounds_set_the_grid_and_gptq_rounds_the_unclamped_weight(llama_dir,
     the clamped weight while the weight it rounds stays whole."""
     from safetensors.numpy import load_file
 
-    from graphcal.algorithms.channel_scales import ChannelScales
+    from graphcal.calibration.transforms.channel_scales import ChannelScales
 
     flags = ["--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32", "--algorithm",
              "awq+gptq", "--target", "qdq", "-q"]

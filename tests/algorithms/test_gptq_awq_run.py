@@ -114,17 +114,18 @@ def _grid(observers, run, t, w):
 def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recipe, tmp_path):
     """Sequential GPTQ is the weight pass's order: each weight it writes (recorded here in place of
     the Q/DQ writer) is llm-compressor's, on llm-compressor's grid."""
-    from graphcal.algorithms.gptq.stage import Sequential
-    from graphcal.algorithms.smoothquant.stage import collect
     from graphcal.calibration.seams import PassSettings
+    from graphcal.calibration.transforms.gptq import Sequential
+    from graphcal.calibration.transforms.smoothquant import collect
     from graphcal.calibration.weights import quantize_weights
+    from graphcal.config import Smoothing
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
     run = plan(path, _config(recipe, tmp_path))
     assert {t.name for t in run.chosen} == set(ref["weight_codes"])
     calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
-    smoothed = collect(run, calib, device="cpu") if run.smoothing is not None else None
+    smoothed = collect(run, calib, device="cpu") if run.decision(Smoothing) is not None else None
     observers = ObserverSet(run)
     rounding = Sequential(run, calib, PassSettings(device="cpu"), smoothed)
 
@@ -157,9 +158,9 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
 def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vectors, llama, tmp_path):
     """One pass takes every Hessian from the float model: layer 0 sees what the sequential order
     sees (the same codes as llm-compressor), layer 1 does not (no error propagated)."""
-    from graphcal.algorithms.gptq.stage import OnePass
     from graphcal.calibration.activations import run_activation_pass
     from graphcal.calibration.seams import Member
+    from graphcal.calibration.transforms.gptq import OnePass
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
@@ -185,7 +186,7 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
 
 @pytest.mark.slow
 def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
-    from graphcal.algorithms.awq.stage import awq_smoothing
+    from graphcal.calibration.transforms.awq import awq_smoothing
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "awq_qm_w4a16_asym_g32")["outputs"]
@@ -248,7 +249,7 @@ def test_awq_on_some_mappings_and_some_samples(llama_dir, tmp_path):
 def test_awq_scores_parents_on_batches_spread_over_the_data(samples, batches, want):
     from types import SimpleNamespace
 
-    from graphcal.algorithms.awq.stage import search_batches
+    from graphcal.calibration.transforms.awq import search_batches
 
     per_batch = 8 if batches == 8 else 1
     calib = SimpleNamespace(num_batches=batches, num_samples=batches * per_batch)
@@ -351,9 +352,9 @@ def test_algorithm_flags(llama_dir, args, message):
 
 
 def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch):
-    import graphcal.algorithms.gptq.stage
+    import graphcal.calibration.transforms.gptq
 
-    monkeypatch.setattr(graphcal.algorithms.gptq.stage, "hessian_bytes", lambda targets: 1 << 60)
+    monkeypatch.setattr(graphcal.calibration.transforms.gptq, "hessian_bytes", lambda targets: 1 << 60)
     flags = ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass"]
     result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o", *flags)
     assert result.exit_code == 1, result.output
@@ -385,9 +386,9 @@ def test_layers_stacked_on_one_hessian_round_as_each_alone():
     is the one it gets alone, codes and loss (GPTQ treats rows independently)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from graphcal.algorithms.gptq.stage import GPTQLog, gptq_weights
     from graphcal.calibration.observe import to_qparams
     from graphcal.calibration.seams import Member
+    from graphcal.calibration.transforms.gptq import GPTQLog, gptq_weights
     from graphcal.config import GPTQSettings
     from graphcal.observers import make_observer
     from graphcal.types import QuantizedTarget, Target
@@ -473,7 +474,7 @@ def test_a_data_reader_is_refused_where_the_data_is_read_per_block(llama_dir, tm
                       config=resolve(Options(scheme="W4A16", algorithm=algorithm, gptq_order=order)))
     result = calibrate(llama_dir / "model.onnx", Reader(), tmp_path / "o1",
                        config=resolve(Options(scheme="W4A16", algorithm="gptq", gptq_order="one-pass")))
-    assert result.gptq["layers"] == 14
+    assert result.transforms["gptq"].layers == 14
 
 
 def test_lm_head_quantized_by_sequential_gptq_keeps_no_logits(llama_dir, tmp_path, monkeypatch):

@@ -174,17 +174,17 @@ def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(l
 
 
 def _corrupting(monkeypatch, edit):
-    """Make the plan's rotation fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
-    import graphcal.calibration.plan as plan_module
+    """Make the rotation unit's fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
+    import graphcal.calibration.transforms.rotation as rotation_unit
 
-    real = plan_module.rotate_stream
+    real = rotation_unit.rotate
 
     def drifting(model, *args, **kwargs):
         report = real(model, *args, **kwargs)
         edit(model)
         return report
 
-    monkeypatch.setattr(plan_module, "rotate_stream", drifting)
+    monkeypatch.setattr(rotation_unit, "rotate", drifting)
 
 
 def _scale_initializer(prefix: str, factor: float):
@@ -216,7 +216,7 @@ def test_a_rotation_that_drifts_from_fp32_is_refused_before_any_pass_and_nothing
 
 def test_the_check_measures_the_rotated_model_against_fp32_to_float_error(tmp_path):
     """check_rotation's measure on an exact rotation: over 100 dB (float error), far above the floor."""
-    from graphcal.calibration.rotation_check import check_rotation
+    from graphcal.calibration.transforms.rotation import check_rotation
 
     path, calib = _toy(tmp_path, "gemm_t", (HIDDEN,), self_residual=True)
     model = onnx.load(path)
@@ -245,7 +245,7 @@ def test_a_calibration_data_reader_is_checked_on_its_first_batch_and_still_calib
     ids = np.load(calib)["ids"]
     config = resolve(Options(scheme="W8A8_STATIC", rotate="R1"))  # static: a pass over the data
     result = calibrate(path, _Reader(ids), tmp_path / "out", config=config)
-    assert result.num_samples == 16 and result.num_batches == 4 and result.rotation is not None
+    assert result.num_samples == 16 and result.num_batches == 4 and "rotation" in result.transforms
     _corrupting(monkeypatch, _scale_initializer(f"{DOWN}.rotated", 1.5))
     with pytest.raises(GraphcalError, match="the rotated model drifts"):
         calibrate(path, _Reader(ids), tmp_path / "out2", config=config)

@@ -25,8 +25,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.algorithms.smoothquant.stage import collect, smoothing_scales
 from graphcal.calibration.plan import plan
+from graphcal.calibration.transforms.smoothquant import collect, smoothing_scales
 from graphcal.config import Options, Smoothing, build_config, resolve
 from graphcal.data import graph_inputs, load_data
 from graphcal.graph.scaling import TAP_PREFIX
@@ -240,9 +240,9 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
 
     # the mapping resolves by module name to exactly the case's smooth layer and balance layers
     assert run.warnings == ()
-    assert [(m.smooth, m.balance, m.explicit) for m in run.smoothing.mappings] == [
+    assert [(m.smooth, m.balance, m.explicit) for m in run.decision(Smoothing).mappings] == [
         (inp["smooth_name"], tuple(inp["balance_names"]), False)]
-    mapping = run.smoothing.mappings[0]
+    mapping = run.decision(Smoothing).mappings[0]
     assert mapping.candidate.kind == ("linear" if inp["smooth_kind"] == "linear" else "norm")
 
     # graphcal reads the balance weights in torch's layout: their pooled column max is llm-compressor's
@@ -322,19 +322,19 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
     assert run.config.smoothing.strength == 0.8
     assert run.warnings == ()  # both default mappings resolve, exactly
     layers = range(inp["llama_config"]["num_hidden_layers"])
-    assert {m.smooth: m.balance for m in run.smoothing.mappings} == {
+    assert {m.smooth: m.balance for m in run.decision(Smoothing).mappings} == {
         **{f"model.layers.{i}.input_layernorm": tuple(f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv")
            for i in layers},
         **{f"model.layers.{i}.post_attention_layernorm": (f"model.layers.{i}.mlp.gate_proj",
                                                           f"model.layers.{i}.mlp.up_proj") for i in layers},
     }
-    assert set(ref["sq_activation_minmax"]) == {m.smooth for m in run.smoothing.mappings}
+    assert set(ref["sq_activation_minmax"]) == {m.smooth for m in run.decision(Smoothing).mappings}
     calib = load_data(arrays, graph_inputs(run.model), batch_size=inp["batch_size"])
     smoothed = collect(run, calib, device="cpu")
     # llm-compressor smooths layer by layer (layer 1's statistics come from the smoothed layer 0) in
     # torch; graphcal takes every statistic in one onnxruntime pass over the unsmoothed model. Equal up
     # to rounding (algorithms.md §5.2; seen: <= 2.3e-7 of each tensor's magnitude, allowed 5e-6).
-    for m in run.smoothing.mappings:
+    for m in run.decision(Smoothing).mappings:
         lo, hi = smoothed.ranges[m.candidate.tensor]
         ref_lo, ref_hi = ref["sq_activation_minmax"][m.smooth]
         _close(lo, ref_lo, 5e-6, f"{m.smooth} min")
@@ -342,7 +342,7 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
         np.testing.assert_allclose(smoothed.unclamped[m.candidate.activation], ref["sq_scales_unclamped"][m.smooth],
                                    rtol=5e-6, atol=0, err_msg=f"{m.smooth} scales")
     smoothed.fold(run.model, run, set(), dict(run.types))
-    for m in run.smoothing.mappings:
+    for m in run.decision(Smoothing).mappings:
         mul = next(n for n in run.model.graph.node if n.op_type == "Mul" and n.output[0] == m.candidate.tensor)
         inits = {t.name for t in run.model.graph.initializer}
         (weight,) = [_const(run.model, i) for i in mul.input if i in inits]  # the norm's scale, divided by s
@@ -396,12 +396,12 @@ def _plan(model_dir, scope, strength=None):
 def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
     run = _plan(llama_dir if model == "tiny-llama" else bert_dir, scope)
     expected = (_expected_llama if model == "tiny-llama" else _expected_bert)(scope)
-    got = {m.balance: (None if m.explicit else m.smooth, m.candidate.kind, m.explicit) for m in run.smoothing.mappings}
+    got = {m.balance: (None if m.explicit else m.smooth, m.candidate.kind, m.explicit) for m in run.decision(Smoothing).mappings}
     assert got == expected
-    assert len(run.smoothing.mappings) == len(expected)  # no balance tuple twice
-    smoothed_targets = {b for m in run.smoothing.mappings for b in m.balance}
+    assert len(run.decision(Smoothing).mappings) == len(expected)  # no balance tuple twice
+    smoothed_targets = {b for m in run.decision(Smoothing).mappings for b in m.balance}
     if model == "tiny-bert":
-        for m in run.smoothing.mappings:
+        for m in run.decision(Smoothing).mappings:
             if m.candidate.kind == "linear":  # value's output rows and its bias Add
                 (param,) = m.candidate.params
                 assert param.node.endswith("/attention/self/value/Add_output_0")
@@ -411,7 +411,7 @@ def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
                 assert _const(run.model, param.value).tolist() == 0.5
     # every target that is not smoothed is said so in a note (nothing silently left out)
     for t in run.chosen:
-        assert t.name in smoothed_targets or any(t.name in n for n in run.smoothing.notes), t.name
+        assert t.name in smoothed_targets or any(t.name in n for n in run.decision(Smoothing).notes), t.name
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -429,7 +429,7 @@ def test_shipped_model_float_fold_is_exact(llama_dir, bert_dir, model, scope):
     # the balance weights (and a linear smooth layer's) really changed, an exact no-op would pass the
     # comparison below; the others did not
     by_node = {t.node: t for t in run.found}
-    changed = {b for m in run.smoothing.mappings for b in (*m.balance, m.candidate.linear) if b}
+    changed = {b for m in run.decision(Smoothing).mappings for b in (*m.balance, m.candidate.linear) if b}
     for node in original.graph.node:
         t = by_node.get(node.name)
         if t is None:
@@ -437,7 +437,7 @@ def test_shipped_model_float_fold_is_exact(llama_dir, bert_dir, model, scope):
         same = np.array_equal(_const(run.model, _node(run.model, node.name).input[1]), _const(original, node.input[1]))
         assert same == (t.name not in changed), t.name
     explicit = [n for n in run.model.graph.node if n.op_type == "Mul" and n.name.startswith(TAP_PREFIX)]
-    assert len(explicit) == sum(m.explicit for m in run.smoothing.mappings)
+    assert len(explicit) == sum(m.explicit for m in run.decision(Smoothing).mappings)
 
     with np.load(model_dir / "heldout.npz") as data:
         feeds = {k: v[:8] for k, v in data.items()}

@@ -142,9 +142,9 @@ def test_the_record_reaches_what_only_config_reached(tmp_path):
     options = graphcal.Options(scheme="W4A16", rotate="R1", lm_head=True, scheme_for=("re:.*down_proj$=W8A16",),
                                algorithm="gptq", gptq_order="one-pass", block_size=64, device="cpu")
     result = graphcal.calibrate(llama / "model.onnx", llama / "calib.npz", tmp_path / "out", options, num_samples=8)
-    assert result.rotation is not None and result.rotation["rotations"] == ["R1"]
+    assert result.transforms["rotation"].folded["rotations"] == ["R1"]
     assert "lm_head" not in result.ignored and "lm_head" in {t.target.name for t in result.targets}
-    assert result.gptq["order"] == "one-pass"
+    assert result.transforms["gptq"].order == "one-pass"
     written = json.loads((tmp_path / "out" / "quantization_config.json").read_text())["config_groups"]
     by_target = {tuple(g["targets"]): g["weights"]["num_bits"] for g in written.values()}
     assert by_target[("re:.*down_proj$",)] == 8 and by_target[("Linear",)] == 4  # compressed-tensors' W8A16 / W4A16

@@ -52,5 +52,5 @@ def test_reader_with_smoothquant_in_one_pass_still_runs(llama_dir, tmp_path):
 
     reader = _Reader(dict(np.load(llama_dir / "calib.npz")))
     result = calibrate(llama_dir / "model.onnx", reader, tmp_path / "o", scheme="W8A8_STATIC", smoothquant="norms")
-    assert result.smoothed and result.num_batches == 8
+    assert result.transforms["smoothquant"].mappings and result.num_batches == 8
     assert reader.calls == 9  # eight batches and the None that ends them, read once

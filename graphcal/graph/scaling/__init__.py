@@ -13,7 +13,7 @@ so it has no fold; there an explicit ``Mul(x, 1/s)`` in front of the MatMuls is 
 at the cost of one elementwise Mul per smoothed tensor at inference.
 
 This module only reads graphs and writes the edits it is told to; the statistics and scales are
-:mod:`graphcal.algorithms.smoothquant.stage`'s. Mappings are found by structure (every activation read by weight
+:mod:`graphcal.calibration.transforms.smoothquant`'s. Mappings are found by structure (every activation read by weight
 MatMuls, its producer classified) or resolved from llm-compressor's ``[[balance regexes], smooth
 regex]`` mappings by module name and then checked against the same structure.
 

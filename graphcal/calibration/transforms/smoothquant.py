@@ -25,89 +25,33 @@ graphcal.algorithms.smoothquant.math's. :class:`SmoothQuant` is the pipeline's p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from compressed_tensors.quantization import QuantizationArgs
 
-from graphcal.algorithms.channel_scales import ChannelScales, check_scales, taps_of
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.ranges import RangeSet
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.transforms.base import PlanScope, Transform
+from graphcal.calibration.transforms.channel_scales import (
+    ChannelScales,
+    ScaleMethod,
+    check_scales,
+    scaled_layers,
+    taps_of,
+)
+from graphcal.config import Smoothing
 from graphcal.data import Calibration
-from graphcal.errors import GraphcalError
-from graphcal.graph.scaling import TAP_PREFIX, Mapping
-from graphcal.graph.taps import Reduction, TapRequest
+from graphcal.errors import GraphcalError, UsageError
+from graphcal.graph.scaling import TAP_PREFIX, Mapping, Resolution, candidates, resolve
+from graphcal.graph.taps import Reduction
 from graphcal.graph.targets import torch_weight
-from graphcal.observers import Observer
 
 log = logging.getLogger("graphcal")
-
-SEARCH_ROWS = 256  # rows of each smoothed activation the search scores candidates on
-
-
-class RangeSet(Consumers):
-    """A running per-channel min/max observer on each tensor of ``tensors`` (name -> channels):
-    the mappings' smooth-layer outputs, and in the single pass the activations they smooth."""
-
-    def __init__(self, tensors: dict[str, int], others: list[Consumer] = (), sampled: list[str] = (),
-                 batches: int | None = None, tolerate: bool = False):
-        self.consumers = list(others)
-        # --skip-nonfinite-weights: a range holding NaN or Inf (downstream of such a weight) is recorded
-        # in nonfinite by the pass, not refused, and its mapping left out; the other observers' taps are not
-        self.tolerant = frozenset(tensors) - {c.tensor for c in others} if tolerate else frozenset()
-        self.nonfinite: set[str] = set()
-        self.samples = {x: RowSample(SEARCH_ROWS, batches) for x in sampled}  # the strength search's rows
-        self.consumers += [Consumer(x, Feed.INPUT, sample, None) for x, sample in self.samples.items()]
-        self.ranges: dict[str, object] = {}  # tensor -> observer
-        for tensor, channels in tensors.items():
-            # group size 1: one min/max per channel, over every other dimension
-            args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="group", group_size=1,
-                                    dynamic=False, observer="static_minmax")
-            obs = Observer.load_from_registry("static_minmax", base_name="input", args=args)
-            self.ranges[tensor] = obs
-            self.consumers.append(Consumer(tensor, Feed.INPUT, obs,
-                                           TapRequest(tensor, Reduction.CHANNEL, channels)))
-
-    def extrema(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {t: (o.min_vals.cpu(), o.max_vals.cpu()) for t, o in self.ranges.items() if o.has_statistics}
-
-    def rows(self) -> dict[str, torch.Tensor]:
-        """The sampled rows of each activation that got any."""
-        return {x: sample.value() for x, sample in self.samples.items() if sample.kept}
-
-
-class RowSample:
-    """Up to ``rows`` rows of an activation, spread over the batches (SmoothQuant's strength search)."""
-
-    takes_extrema = False
-    observer_name = "smoothing strength search"
-
-    def __init__(self, rows: int, batches: int | None):
-        self.rows, self.per_batch = rows, max(1, -(-rows // batches)) if batches else rows
-        self.kept: list[torch.Tensor] = []
-        self.count = 0
-
-    def __call__(self, x: torch.Tensor, extrema=None) -> None:  # extrema: as observers take them, unused
-        if self.count >= self.rows:
-            return
-        flat = x.reshape(-1, x.shape[-1])
-        take = min(self.per_batch, self.rows - self.count, flat.shape[0])
-        index = torch.linspace(0, flat.shape[0] - 1, take, device=flat.device).round().long()
-        self.kept.append(flat[index].float().cpu())
-        self.count += take
-
-    def value(self) -> torch.Tensor:
-        return torch.cat(self.kept)
-
-    # under torchrun nothing is exchanged: rank 0 scores its own sample (graphcal.calibration.distributed)
-    sync_ops: dict = {}
-
-    def state_dict_stats(self) -> dict:
-        return {}
-
 
 def statistics(mappings: list[Mapping], search: bool, batches: int | None, others=(), also: dict[str, int] = (),
                tolerate: bool = False) -> RangeSet:
@@ -132,7 +76,7 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
     an ObserverSet built with :func:`taps_of` the mappings): (ChannelScales, the pass's PassResult).
     ``mappings``: those to apply (default: the plan's); with ``skip_nonfinite``, one whose smooth
     layer's output holds NaN or Inf is left out with a warning (:func:`finite_ranges`)."""
-    mappings = list(run.smoothing.mappings if mappings is None else mappings)
+    mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
                   inputs=inputs, tap_limit_mb=tap_limit_mb)
@@ -198,7 +142,7 @@ def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
             mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None) -> ChannelScales:
     """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
-    mappings = list(run.smoothing.mappings if mappings is None else mappings)
+    mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches, tolerate=skip_nonfinite)
     run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
@@ -294,17 +238,67 @@ def _why_not_finite(m: Mapping, lo: torch.Tensor, hi: torch.Tensor, strength: fl
     return f"range^{strength:g} / (2 max|W|)^{1 - strength:g} overflows"
 
 
-class SmoothQuant:
-    """SmoothQuant as the pipeline's pre-transform (graphcal.calibration.seams.PreTransform): its
-    ranges taken in the activation pass (or in one pass before it), its scales after."""
+@dataclass(frozen=True)
+class SmoothQuantRecord:
+    """SmoothQuant's result: its mappings as applied (graph.scaling.Mapping.describe)."""
+
+    mappings: tuple[str, ...]
+    read_data = False  # its ranges come with the activation pass
+
+
+class SmoothQuant(Transform):
+    """SmoothQuant as one unit: its mappings at plan time, its refusals, and as the pipeline's
+    pre-transform (graphcal.calibration.seams.PreTransform) its ranges taken in the activation pass
+    (or in one pass before it), its scales after; its record and summaries."""
+
+    settings_type = Smoothing
+    key = "smoothquant"
 
     def __init__(self, run: RunPlan):
         self.run, self._scales = run, None
-        self.mappings = list(run.smoothing.mappings)  # those applied: --skip-nonfinite-weights may leave some out
+        self.mappings = list(run.decision(Smoothing).mappings)  # those applied: --skip-nonfinite-weights may leave some out
+
+    # -- the plan ------------------------------------------------------------------------------
+
+    @classmethod
+    def resolve(cls, scope: PlanScope, settings: Smoothing) -> Resolution:
+        """SmoothQuant's mappings in this graph (graph.scaling)."""
+        resolution = resolve(candidates(scope.model, scope.found, scope.base_dir), scope.chosen, settings.scope,
+                             settings.mappings, settings.ignore)
+        log.info("SmoothQuant: %d mappings to smooth", len(resolution.mappings))
+        return resolution
+
+    @classmethod
+    def notes(cls, decision: Resolution, settings: Smoothing) -> list[str]:
+        notes = list(decision.notes) if settings.mappings is not None else []
+        if not decision.mappings:
+            notes.append("SmoothQuant: nothing to smooth" + (
+                f" with --smoothquant {settings.scope}; graphcal inspect --smoothquant mul lists what each "
+                "scope would smooth" if settings.mappings is None and settings.scope != "mul" else ""))
+        return notes
+
+    @classmethod
+    def scaled(cls, decision: Resolution | None) -> set[str]:
+        return scaled_layers(decision.mappings if decision is not None else ())
+
+    @classmethod
+    def check(cls, run: RunPlan, calib: Calibration | None, dist, settings: PassSettings) -> None:
+        """A CalibrationDataReader is read once: refused where SmoothQuant needs a pass of its own."""
+        if calib is None or calib.rereadable or (smoothquant := cls.for_plan(run)) is None:
+            return
+        why = smoothquant.second_pass(settings)
+        if why is not None:  # the rule smooth_and_calibrate follows, asked before anything is read
+            raise UsageError(f"SmoothQuant needs a pass over the data of its own here ({why}), and a "
+                             "CalibrationDataReader can be read once: pass the arrays (an .npz, a folder or a mapping), "
+                             "or use an observer SmoothQuant replays from the calibration pass (static_minmax per tensor "
+                             "or per group, W8A8_STATIC's default)")
+
+    # -- the passes ----------------------------------------------------------------------------
 
     @classmethod
     def for_plan(cls, run: RunPlan) -> SmoothQuant | None:
-        return cls(run) if run.smoothing is not None and run.smoothing.mappings else None
+        decision = run.decision(Smoothing)
+        return cls(run) if decision is not None and decision.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         """The ranges come with the activation pass; with --skip-nonfinite-weights, the mappings that
@@ -321,7 +315,7 @@ class SmoothQuant:
         plan, as the pipeline will build them), so calibration.prepare can ask before any pass."""
         if observers is None:
             observers = ObserverSet(self.run, self.taps())
-        smoothed = {m.tapped for m in self.run.smoothing.mappings}
+        smoothed = {m.tapped for m in self.run.decision(Smoothing).mappings}
         return second_pass([c for c in observers.consumers if c.tensor in smoothed], dist=settings.dist,
                            exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
@@ -332,3 +326,47 @@ class SmoothQuant:
 
     def scales(self) -> ChannelScales:
         return self._scales
+
+    # -- reports -------------------------------------------------------------------------------
+
+    @classmethod
+    def record(cls, run: RunPlan, done) -> SmoothQuantRecord | None:
+        scales = done.scales
+        if scales is None or scales.method is not ScaleMethod.SMOOTHQUANT:
+            return None
+        return SmoothQuantRecord(tuple(scales.describe()))
+
+    @classmethod
+    def result_lines(cls, record: SmoothQuantRecord | None) -> list[str]:
+        if record is None or not record.mappings:
+            return []
+        return [f"smoothed {len(record.mappings)} activation(s) first (SmoothQuant; graphcal inspect lists them)"]
+
+    @classmethod
+    def result_json(cls, record: SmoothQuantRecord | None):
+        return list(record.mappings) if record is not None else []
+
+    @classmethod
+    def inspect_lines(cls, run: RunPlan, decision: Resolution | None, settings: Smoothing | None, blocks) -> list[str]:
+        if decision is None:
+            return []
+        strength = "auto (searched per mapping)" if settings.search else f"{settings.strength:g}"
+        lines = [f"smoothquant {len(decision.mappings)} mapping(s), strength {strength}"
+                 + (f", {settings.algorithm}" if settings.algorithm != "smoothquant" else "") + ":"]
+        lines += [f"  {m.describe()}" for m in decision.mappings]
+        lines += [f"  {n}" for n in decision.notes]
+        return lines
+
+    @classmethod
+    def inspect_json(cls, run: RunPlan, decision: Resolution | None, settings: Smoothing | None, blocks):
+        if decision is None:
+            return None
+        return {
+            "strength": "auto" if settings.search else settings.strength,
+            "algorithm": settings.algorithm,
+            "scope": settings.scope,
+            "mappings": [{"smooth": m.smooth, "kind": "mul" if m.explicit else m.candidate.kind,
+                          "balance": list(m.balance), "activation": m.candidate.activation}
+                         for m in decision.mappings],
+            "not_smoothed": list(decision.notes),
+        }

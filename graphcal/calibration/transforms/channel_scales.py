@@ -22,7 +22,7 @@ import torch
 from onnx import numpy_helper
 
 from graphcal.algorithms.awq.clip import clip
-from graphcal.calibration.plan import RunPlan
+from graphcal.calibration.decisions import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.scaling import Mapping, divide_params, explicit_mul, replace_weight, tap_nodes
@@ -45,6 +45,11 @@ class ScaleMethod(enum.Enum):
 
 METADATA_KEY = ScaleMethod.SMOOTHQUANT.metadata_key  # "graphcal.smoothquant"
 AWQ_METADATA_KEY = ScaleMethod.AWQ.metadata_key  # "graphcal.awq"
+
+
+def scaled_layers(mappings: list[Mapping]) -> set[str]:
+    """The layers ``mappings`` rescale: the balance layers, and a linear smooth layer."""
+    return {name for m in mappings for name in (*m.balance, *([m.candidate.linear] if m.candidate.linear else []))}
 
 
 def taps_of(mappings: list[Mapping]) -> dict[str, str]:

@@ -1,4 +1,10 @@
-"""The rotated float model checked against the model as given, before anything is calibrated or written.
+"""Rotation as a transform unit (--rotate, SpinQuant's R1/R2 folded into the weights): :class:`Rotate`.
+
+It changes weights, so it runs before the plan (graphcal.calibration.plan.load): it takes the model
+as loaded and returns it rotated (algorithms.rotation.fold) with the fold's record; the plan is made
+on the rotated model. Its one data pass is the check below, before any calibration pass.
+
+The rotated float model checked against the model as given, before anything is calibrated or written.
 
 A rotation folded into the weights must leave the model's outputs as they were, to float rounding
 (:mod:`graphcal.algorithms.rotation.fold` rotates only the graph shapes it handles exactly and
@@ -14,19 +20,25 @@ first. Otherwise the run stops with one line naming the worst output and its SQN
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from graphcal.algorithms.rotation.fold import Rotation
+from graphcal.algorithms.rotation.fold import Rotation, rotate, summary, transform_config, write_record
 from graphcal.algorithms.rotation.hadamard import orthogonal
+from graphcal.calibration.transforms.base import Transform
+from graphcal.config import RotationSettings
 from graphcal.data.inputs import fixed_batch, graph_inputs, slice_rows
 from graphcal.errors import GraphcalError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.graph.io import load_model_info
 from graphcal.runtime import open_runtime
+
+log = logging.getLogger("graphcal")
 
 #: the least SQNR (dB) a rotated model's outputs keep against the model as given, by the narrowest
 #: float type of its initializers: float error is far below it (fp32 models measure over 100 dB),
@@ -96,3 +108,86 @@ def _sqnr(name: str, ref: np.ndarray, cand: np.ndarray) -> float:
     if agreement.ref_sq == 0:
         return math.inf if agreement.err_sq == 0 else -math.inf
     return agreement.sqnr_db
+
+
+@dataclass(frozen=True)
+class RotationRecord:
+    """What a run's rotation folded (algorithms.rotation.fold.Rotation.as_dict), as run reports it."""
+
+    folded: dict
+    read_data = False  # its check runs one sample, not the calibration data
+
+    def as_dict(self) -> dict:
+        return dict(self.folded)
+
+
+class Rotate(Transform):
+    """--rotate as one unit: the fold before the plan, its notes, its check, its record and summaries."""
+
+    settings_type = RotationSettings
+    key = "rotation"
+    rewrites_weights = True
+
+    @classmethod
+    def rewrite(cls, model: onnx.ModelProto, settings: RotationSettings, base_dir: str) -> tuple[onnx.ModelProto, Rotation]:
+        """The model with the residual stream rotated (the loaded model, edited: nothing else holds it
+        yet) and what the fold did; the record is written into the model's metadata too."""
+        rotation = rotate(model, base_dir, heads="R2" in settings.rotations, kind=settings.kind)
+        write_record(model, rotation)
+        log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
+                 len(rotation.rotated), rotation.norms)
+        if rotation.kept_tied:
+            log.info("rotation kept %s tied to lm_head; its norm scale moved into a %dx%d MatMul before lm_head, "
+                     "left in float", ", ".join(rotation.kept_tied), rotation.hidden, rotation.hidden)
+        return model, rotation
+
+    @classmethod
+    def keep_float(cls, decision: Rotation | None) -> set[str]:
+        return set(decision.scale_nodes) if decision is not None else set()  # the small MatMuls before lm_head
+
+    @classmethod
+    def notes(cls, decision: Rotation | None, settings) -> list[str]:
+        notes = []
+        if decision is not None and decision.untied:
+            notes.append(f"--rotate: {', '.join(decision.untied)} is read by several nodes that take different "
+                         "rotations (a table tied to lm_head, or a weight shared otherwise), so each node has its own "
+                         f"rotated copy now (+{(decision.bytes_after - decision.bytes_before) / 1e6:.1f} MB in float "
+                         "before quantization)")
+        if decision is not None and "R2" in decision.rotations and not decision.heads:
+            notes.append("--rotate R2: no attention's value and output projections were recognised (onnxruntime's "
+                         "GroupQueryAttention over a packed qkv_proj, or a torch export's attention in plain ops), "
+                         "so only R1 was folded")
+        return notes
+
+    @classmethod
+    def verify(cls, model_path, model: onnx.ModelProto, decision: Rotation, batch, device: str, device_id: int) -> None:
+        """Before any pass: a rotation that drifts from the model as given goes no further (:func:`check_rotation`)."""
+        sqnr = check_rotation(model_path, model, decision, batch, device, device_id)
+        log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",
+                 ", ".join(f"{name} {db:.0f} dB" for name, db in sqnr.items()))
+
+    @classmethod
+    def metadata(cls, decision: Rotation) -> dict:
+        """compressed-tensors' transform_config for quantization_config.json."""
+        return transform_config(decision)
+
+    @classmethod
+    def record(cls, run, done) -> RotationRecord | None:
+        decision = run.decision(RotationSettings)
+        return RotationRecord(decision.as_dict()) if decision is not None else None
+
+    @classmethod
+    def result_lines(cls, record: RotationRecord | None) -> list[str]:
+        return [f"rotated the residual stream first ({summary(record.folded)}"] if record is not None else []
+
+    @classmethod
+    def result_json(cls, record: RotationRecord | None):
+        return record.as_dict() if record is not None else None
+
+    @classmethod
+    def inspect_lines(cls, run, decision: Rotation | None, settings, blocks) -> list[str]:
+        return [f"rotation ({summary(decision.as_dict())}"] if decision is not None else []
+
+    @classmethod
+    def inspect_json(cls, run, decision: Rotation | None, settings, blocks):
+        return decision.as_dict() if decision is not None else None

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from graphcal.algorithms.channel_scales import ChannelScales
 from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.algorithms.gptq.math import quantize_weight
 from graphcal.calibration.blockwise import Blockwise
+from graphcal.calibration.decisions import RunPlan
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import RunPlan
 from graphcal.calibration.seams import Member, PassSettings
+from graphcal.calibration.transforms.base import Transform
+from graphcal.calibration.transforms.channel_scales import ChannelScales
+from graphcal.config import GPTQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.taps import Reduction, TapRequest, gram
@@ -181,15 +183,15 @@ class Sequential:
     made them. It observes each weight (the run's one grid) and hands the unit here
     (:meth:`__call__`): GPTQ on that grid, and the weight pass writes the result at once. After a
     block's units, the block runs again with its rounded weights for the next block's inputs. No
-    rounded weight is held past its block. The blocks run on the model as loaded (Blockwise's frame;
-    the initializers the channel scales' fold replaces are pinned), whatever the weight pass has
-    written into it meanwhile."""
+    rounded weight is held past its block. The blocks run on the model as loaded (Blockwise's
+    read-only frame and the original weights, made here before the weight pass starts), whatever
+    the weight pass writes into the model meanwhile."""
 
     def __init__(self, run: RunPlan, calib: Calibration, settings: PassSettings, scales: ChannelScales | None):
         self.run, self.scales, self.settings, self.log = run, scales, run.config.gptq, GPTQLog()
-        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id)
-        if scales is not None:
-            self.walk.pin(scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}))
+        replaced = scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}) if scales is not None else ()
+        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id,
+                              replaced=frozenset(replaced))  # the frame and its weights made before the weight pass
         self._hessians: dict[str, HessianObserver] = {}
         self._effective: dict[str, torch.Tensor] = {}
         self._by_name = {t.name: t for t in run.chosen}
@@ -204,7 +206,7 @@ class Sequential:
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
         with bar, torch.no_grad():
             for k, block in enumerate(self.walk.blocks):
-                self._hessians = _block_hessians(self.walk, k)
+                self.observe_block(self.walk, k)
                 names = {t.name for t in block.targets}
                 for unit in (u for u in all_units if any(t.name in names for t in u)):
                     if not all(t.name in names for t in unit):  # graph.blocks keeps units whole
@@ -217,6 +219,11 @@ class Sequential:
                     self.walk.keep(k, self.walk.run_block(k, needed, self._effective))
                 self._effective = {}
                 bar.update(1)
+
+    def observe_block(self, frame: Blockwise, k: int) -> None:
+        """ONE block's statistics: the Hessians of block ``k``'s layer inputs, from its subgraph on
+        ``frame`` run on the block's cached inputs (what the quantized blocks before it made)."""
+        self._hessians = _block_hessians(frame, k)
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
         smoothed, out = self.scales, {}
@@ -256,3 +263,77 @@ def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
     finally:
         runtime.close()
     return hessians
+
+
+@dataclass(frozen=True)
+class GPTQRecord:
+    """GPTQ's result: its order, how many layers it rounded, those rounded to nearest instead."""
+
+    order: str
+    layers: int
+    rtn_fallback: tuple[str, ...] = ()
+    read_data = True  # its Hessians: from the activation pass, or block by block
+
+    def as_dict(self) -> dict:
+        return {"order": self.order, "layers": self.layers, "rtn_fallback": list(self.rtn_fallback)}
+
+
+class GPTQ(Transform):
+    """GPTQ as one unit, the weight pass's rounding strategy (graphcal.calibration.seams.Rounding):
+    its refusals, its rounding (:class:`OnePass` or :class:`Sequential`), its record and summaries."""
+
+    settings_type = GPTQSettings
+    key = "gptq"
+    reads_blocks = True
+
+    @classmethod
+    def hessians_in_pass(cls, settings: GPTQSettings) -> bool:
+        return settings.order == "one-pass"  # OnePass rounds with the activation pass's Hessians
+
+    @classmethod
+    def reads_data_per_block(cls, run: RunPlan, decision) -> bool:
+        return run.config.gptq.order == "sequential"
+
+    @classmethod
+    def check(cls, run: RunPlan, calib: Calibration | None, dist, settings: PassSettings) -> None:
+        if run.config.gptq.order == "one-pass":
+            check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
+
+    @classmethod
+    def rounding(cls, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None):
+        return rounding_for(run, observers, calib, settings, scales)
+
+    @classmethod
+    def record(cls, run: RunPlan, done) -> GPTQRecord | None:
+        rounding = done.rounding
+        if rounding is None:
+            return None
+        return GPTQRecord(run.config.gptq.order, len(rounding.log.losses), tuple(rounding.log.rtn_fallback))
+
+    @classmethod
+    def result_lines(cls, record: GPTQRecord | None) -> list[str]:
+        if record is None:
+            return []
+        order = "layer block by layer block" if record.order == "sequential" else "Hessians from one pass"
+        return [f"GPTQ ({order}): {record.layers} weights rounded"
+                + (f"; {len(record.rtn_fallback)} to nearest (Hessian not positive definite)"
+                   if record.rtn_fallback else "")]
+
+    @classmethod
+    def result_json(cls, record: GPTQRecord | None):
+        return record.as_dict() if record is not None else None
+
+    @classmethod
+    def inspect_lines(cls, run: RunPlan, decision, settings: GPTQSettings | None, blocks: list[str]) -> list[str]:
+        if settings is None:
+            return []
+        g = settings
+        return [f"gptq     {g.order}, block_size {g.block_size}, dampening_frac {g.dampening_frac:g}, actorder "
+                f"{'static' if g.actorder == 'default' else g.actorder}"
+                + (f"; {len(blocks)} layer blocks: {', '.join(blocks[:3])}"
+                   + (" ..." if len(blocks) > 3 else "") if blocks else "")]
+
+    @classmethod
+    def inspect_json(cls, run: RunPlan, decision, settings: GPTQSettings | None, blocks: list[str]):
+        return None if settings is None else {**asdict(settings), "blocks": blocks}
