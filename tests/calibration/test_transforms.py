@@ -9,17 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import numpy_helper
 
 from graphcal.calibration import transforms
 from graphcal.calibration.plan import load, plan
 from graphcal.calibration.transforms.base import Transform
-from graphcal.cli import cli
-from graphcal.cli.options import resolve_options
 from graphcal.config import AWQSettings, GPTQSettings, Options, RotationSettings, RunConfig, Smoothing, resolve
 from graphcal.errors import UsageError
 from graphcal.graph.io import load_model
+from tests.helpers import run_cli
 
 
 def test_every_settings_record_finds_its_unit_and_the_units_run_in_order():
@@ -100,22 +98,26 @@ def probe(monkeypatch):
                                            if s is not None))
 
     def options(refuse: bool):
+        import graphcal.config
+
+        resolve = graphcal.config.resolve
+
         def with_probe(*args, **kwargs):
-            config = resolve_options(*args, **kwargs)
+            config = resolve(*args, **kwargs)
             config.probe = _Probe(refuse)
             return config
-        monkeypatch.setattr("graphcal.cli.inspect.resolve_options", with_probe)
+        monkeypatch.setattr(graphcal.config, "resolve", with_probe)  # inspect resolves the flags' Options
     return options
 
 
 def test_a_unit_added_to_the_registry_is_planned_checked_and_shown_by_inspect(probe, llama_dir):
     probe(refuse=False)
-    result = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), "--scheme", "W8A8"])
+    result = run_cli("inspect", llama_dir / "model.onnx", "--scheme", "W8A8")
     assert result.exit_code == 0, result.output
     assert "probe    14 chosen" in result.output  # its plan-time decision and its inspect line
     assert "warning: probe: 14 chosen" in result.output  # its note among the plan's warnings
     probe(refuse=True)
-    result = CliRunner().invoke(cli, ["inspect", str(llama_dir / "model.onnx"), "--scheme", "W8A8"])
+    result = run_cli("inspect", llama_dir / "model.onnx", "--scheme", "W8A8")
     assert result.exit_code != 0 and "error: probe refuses this run" in result.output  # its pre-flight refusal
     assert "Traceback" not in result.output
 
