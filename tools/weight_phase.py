@@ -35,16 +35,18 @@ def measure(model: str, scheme: str, repeat: int = 3) -> dict:
 
     import graphcal  # lazy: keeps --help fast
     from graphcal.calibration.observe import ObserverSet  # lazy: keeps --help fast
-    from graphcal.calibration.plan import plan  # lazy: keeps --help fast
+    from graphcal.calibration.plan import load, plan  # lazy: keeps --help fast
     from graphcal.calibration.weights import quantize_weights  # lazy: keeps --help fast
     from graphcal.config import Options, resolve  # lazy: keeps --help fast
     from graphcal.graph.qdq.writer import QDQWriter  # lazy: keeps --help fast
 
     best = None
     for _ in range(repeat):
-        run = plan(Path(model), resolve(Options(scheme=scheme)), TARGETS.get(scheme, "onnxruntime"), None)
+        config = resolve(Options(scheme=scheme))
+        loaded = load(Path(model), config)  # the model beside the plan: the plan holds decisions only
+        run = plan(Path(model), config, TARGETS.get(scheme, "onnxruntime"), None, loaded)
         observers = ObserverSet(run)
-        writer = QDQWriter(run.model, run.opset, run.target_runtime, dict(run.types), matmulnbits=run.matmulnbits)
+        writer = QDQWriter(loaded.model, run.opset, run.target_runtime, dict(loaded.types), matmulnbits=run.matmulnbits)
         start = time.perf_counter()
         quantize_weights(run, observers, writer, torch.device("cpu"))
         seconds = time.perf_counter() - start

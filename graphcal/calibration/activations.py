@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import gather_statistics
 from graphcal.calibration.observe import Consumers, Feed
 from graphcal.data import MASK_INPUT, Calibration, batch_samples
@@ -88,7 +88,7 @@ class PassResult:
 TAP_LIMIT_MB = 1024
 
 
-def tap_shares(plan: RunPlan, requests: list[TapRequest], calib: Calibration, prelude: tuple[list, list], limit: int, *,
+def tap_shares(plan: RunPlan, loaded: Loaded, requests: list[TapRequest], calib: Calibration, prelude: tuple[list, list], limit: int, *,
                device: str, device_id: int = 0) -> tuple[list[list[TapRequest]], int]:
     """The requests each pass over the data fetches, and the bytes of a batch's whole taps.
 
@@ -106,12 +106,12 @@ def tap_shares(plan: RunPlan, requests: list[TapRequest], calib: Calibration, pr
     if first is None:
         return [requests], 0
     tensors = list(dict.fromkeys(r.tensor for r in whole))
-    sizes = tap_bytes(plan.model, tensors, {k: v.shape for k, v in first.items()}, prelude[0])
+    sizes = tap_bytes(loaded.model, tensors, {k: v.shape for k, v in first.items()}, prelude[0])
     unknown = [t for t, n in sizes.items() if n is None]
     if unknown:  # measured: a run that fetches their shapes (the tensors themselves are not kept)
-        probe = build_tapped(plan.model, [], dict(plan.types), prelude, shapes=unknown, keep_outputs=False)
+        probe = build_tapped(loaded.model, [], dict(loaded.types), prelude, shapes=unknown, keep_outputs=False)
         runtime = open_runtime(probe.model, list(probe.shapes.values()), device, device_id=device_id,
-                               external_folder=plan.base_dir, weights=needed_initializers(probe.model, plan.model),
+                               external_folder=plan.base_dir, weights=needed_initializers(probe.model, loaded.model),
                                priority_order=True)
         try:
             values = runtime.run({k: v for k, v in first.items() if k in runtime.inputs})
@@ -119,11 +119,11 @@ def tap_shares(plan: RunPlan, requests: list[TapRequest], calib: Calibration, pr
             runtime.close()
         source = {n.output[0]: n.input[0] for n in prelude[0]}  # x * (1/s) is typed like x
         for t in unknown:
-            known = plan.types.get(source.get(t, t))
+            known = loaded.types.get(source.get(t, t))
             sizes[t] = itemsize(known.elem_type if known else 0) * math.prod(
                 int(d) for d in values[probe.shapes[t]].tolist())
     total = sum(sizes.values())
-    position = {o: i for i, n in enumerate(plan.model.graph.node) for o in n.output}
+    position = {o: i for i, n in enumerate(loaded.model.graph.node) for o in n.output}
     for n in prelude[0]:  # x * (1/s) comes right after x
         position[n.output[0]] = position.get(n.input[0], -1)
     slices = _slices(sorted(tensors, key=lambda t: position.get(t, -1)), sizes, limit)
@@ -163,12 +163,13 @@ def check_state(observers: Consumers, world: int = 1) -> None:
                    hint="lower the histogram observers' bins (observer_kwargs) or observe fewer layers")
 
 
-def run_activation_pass(plan: RunPlan, observers: Consumers, calib: Calibration, *, device: str, device_id: int = 0,
+def run_activation_pass(plan: RunPlan, loaded: Loaded, observers: Consumers, calib: Calibration, *, device: str, device_id: int = 0,
                         dist=None, progress: bool = False, reduce_in_graph: bool = True,
                         exclude_padding: bool = False, inputs: tuple[str, ...] = (),
                         prelude: tuple[list, list] = ((), ()), label: str = "calibrating",
                         tap_limit_mb: float | None = None) -> PassResult:
-    """Stream ``calib`` through the tapped model and feed every activation observer.
+    """Stream ``calib`` through the tapped model (a copy of ``loaded.model``, the working model, which
+    is only read) and feed every activation observer.
 
     With ``reduce_in_graph``, observers that take extrema get them from ReduceMin/ReduceMax in
     the graph, so whole activations leave onnxruntime only for observers that need them. Without
@@ -197,16 +198,16 @@ def run_activation_pass(plan: RunPlan, observers: Consumers, calib: Calibration,
     provider, batches, error, shares, whole_bytes = None, 0, None, [requests], 0
     try:
         check_state(observers, dist.world if dist is not None else 1)
-        shares, whole_bytes = tap_shares(plan, requests, calib, prelude, limit, device=device, device_id=device_id)
+        shares, whole_bytes = tap_shares(plan, loaded, requests, calib, prelude, limit, device=device, device_id=device_id)
         for k, share in enumerate(shares):
-            tapped = build_tapped(plan.model, share, dict(plan.types), prelude, keep_outputs=False)
+            tapped = build_tapped(loaded.model, share, dict(loaded.types), prelude, keep_outputs=False)
             # onnxruntime's default order walks back from the graph's outputs, so a tap's reduction (an
             # output of its own) would run after the whole model, every tapped activation alive until
             # then: +2.9 GB a batch on a 1.5B decoder. Priority order (Kahn's, ties by node order) runs
             # each reduction where graph.taps placed it, right after its producer; 15% faster there.
             runtime = open_runtime(tapped.model, tapped.fetch, device, device_id=device_id,
                                    external_folder=plan.base_dir,
-                                   weights=needed_initializers(tapped.model, plan.model), priority_order=True)
+                                   weights=needed_initializers(tapped.model, loaded.model), priority_order=True)
             provider = runtime.provider
             whole = sum(r.reduction is Reduction.WHOLE for r in tapped.outputs)
             name = label if len(shares) == 1 else f"{label} ({k + 1}/{len(shares)})"

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import torch
 
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
@@ -40,8 +40,9 @@ CACHE_SHARE = 0.5  # of the available memory the cached tensors may take
 class Blockwise:
     """A plan's chosen targets in blocks, and the cached tensors between them."""
 
-    def __init__(self, run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0,
+    def __init__(self, run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0,
                  replaced: set[str] | frozenset[str] = frozenset()):
+        model = loaded.model  # the working model (calibration.decisions.Loaded), read here and not kept
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
         # a read-only frame, made here, before any weight pass: the subgraphs are cut from the graph as
         # loaded (``frame``, a skeleton without weights) and read the weights as they are now
@@ -49,24 +50,24 @@ class Blockwise:
         # and drops those nothing reads any more, never changing one in place, so each initializer is
         # held as it stands, and those an edit to come replaces (``replaced``: the channel scales'
         # fold, ChannelScales.replaced_initializers) are copied. No reference to the model is kept.
-        self.frame = skeleton(run.model)
+        self.frame = skeleton(model)
         self.originals: dict[str, onnx.TensorProto] = {}
-        for t in run.model.graph.initializer:
+        for t in model.graph.initializer:
             if t.name in replaced:
                 copy = self.originals[t.name] = onnx.TensorProto()
                 copy.CopyFrom(t)
             else:
                 self.originals[t.name] = t
         self.targets = list(run.chosen)
-        self.blocks: list[Block] = blocks(run.model, self.targets, run.groups)  # fused units kept whole
-        self.dependent = weight_dependent(run.model, self.targets)
-        self.types = dict(run.types)
+        self.blocks: list[Block] = blocks(model, self.targets, run.groups)  # fused units kept whole
+        self.dependent = weight_dependent(model, self.targets)
+        self.types = dict(loaded.types)
         self.cache: dict[str, list[np.ndarray]] = {}
         # where each target's node reads its weight (the initializer, or the end of its Transpose/Cast
         # path), and the dtype a fed weight takes there: looked up once, fed many times (AWQ's grid)
         nodes = {t.node for t in run.found}
-        b_input = {n.name: n.input[1] for n in run.model.graph.node if n.name in nodes and len(n.input) > 1}
-        init_types = {i.name: i.data_type for i in run.model.graph.initializer}
+        b_input = {n.name: n.input[1] for n in model.graph.node if n.name in nodes and len(n.input) > 1}
+        init_types = {i.name: i.data_type for i in model.graph.initializer}
         self._fed: dict[str, tuple[str, np.dtype]] = {}
         for t in run.found:
             if t.node not in b_input:

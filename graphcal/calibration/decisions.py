@@ -1,6 +1,7 @@
-"""RunPlan: what a run will do to one model, as :func:`graphcal.calibration.plan.plan` decided it.
+"""RunPlan: what a run will do to one model, as :func:`graphcal.calibration.plan.plan` decided it;
+Loaded: the model it decided on, beside it (never in it).
 
-A record only (the stages and the transform units read it); plan.py makes it.
+Records only (the stages and the transform units read them); plan.py makes them.
 """
 
 from __future__ import annotations
@@ -21,24 +22,35 @@ from graphcal.output.companions import Companions
 from graphcal.types import FusedGroup, KVState, QuantizedTarget, Target
 
 
-class Held:
-    """The loaded model, until the pipeline takes it over for the output."""
+@dataclass(frozen=True)
+class Loaded:
+    """The model read (checked: graphcal.graph.io) and rewritten by the transforms that change weights,
+    before the plan: the model, its external data files, and each rewrite's record by settings type.
 
-    def __init__(self, model: onnx.ModelProto):
-        self.model: onnx.ModelProto | None = model
+    The run's working model: the pipeline owns it and passes it to each stage that reads it (the
+    plan holds only decisions); the stages before the weight pass read it and build their own
+    copies, and the weight pass edits it in place into the output (a big model is never copied)."""
+
+    model: onnx.ModelProto
+    data_files: tuple[str, ...]
+    records: Mapping[type, object]
+
+    @cached_property
+    def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
+        """Element types and shapes of graph values (shape inference, once, on first use: before the
+        weight pass edits the model; only run needs them)."""
+        return MappingProxyType(value_types(self.model))
 
 
 @dataclass(frozen=True)
 class RunPlan:
     """What a run does to one model (frozen: later stages read it and never change it).
 
-    :attr:`model` is the model as loaded (external weights stay on disk and are read once, when
-    needed), for reading; stages that edit a graph work on their own copies, and the pipeline
-    takes it over for the output (:meth:`take_model`), after which the plan has none.
+    Decisions only: the model is not here. The pipeline owns it (:class:`Loaded`,
+    which prepare() returns beside the plan) and hands it to each stage that reads it.
     """
 
     model_path: Path
-    held: Held
     data_files: tuple[str, ...]  # external data files the model reads (empty: every weight inline)
     config: RunConfig
     target_runtime: TargetRuntime
@@ -69,25 +81,6 @@ class RunPlan:
     def decision(self, settings_type: type):
         """The decision of the transform whose settings are of ``settings_type`` (None: not asked for)."""
         return self.decisions.get(settings_type)
-
-    @property
-    def model(self) -> onnx.ModelProto:
-        """The model as loaded, to read (the pipeline edits it only after :meth:`take_model`)."""
-        if self.held.model is None:
-            raise RuntimeError("the plan's model was taken over for the output; read the written model instead")
-        return self.held.model
-
-    def take_model(self) -> onnx.ModelProto:
-        """Hand the loaded model over to the caller, which edits it into the output (nothing is
-        copied: a big model is held once); the plan keeps its types (read first) and no model."""
-        model = self.model
-        self.held.model = None
-        return model
-
-    @cached_property
-    def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:
-        """Element types and shapes of graph values (shape inference, once; only run needs them)."""
-        return MappingProxyType(value_types(self.model))
 
     @property
     def base_dir(self) -> str:

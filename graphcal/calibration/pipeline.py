@@ -4,9 +4,10 @@
     -o --output.reserve_output--> the folder checked and locked
     model --plan.load-->        the model read; the transforms that change weights (--rotate) rewrite it
                                 first, each returning the model and its record
-    model + config + data --prepare--> Prepared: the RunPlan (each transform unit's decision by its
-                                settings type; the model, until the weight pass takes it over), the data,
-                                every pre-flight refusal (each unit's check: what `inspect` checks too)
+    model + config + data --prepare--> Prepared: the RunPlan (decisions only: each transform unit's by
+                                its settings type), the working model beside it (Loaded: the pipeline owns
+                                it and passes it to each stage below; all but the weight pass only read it),
+                                the data, every pre-flight refusal (each unit's check: what `inspect` checks too)
     unit.verify                 --rotate: the rotated float model against the model as given, on the first sample
     PreTransform                the first unit's for_plan (SmoothQuant's or AWQ's channel scales; Plain: none)
         .before_pass            AWQ: its scales searched layer block by layer block
@@ -15,8 +16,9 @@
                                 ranges in it; torchrun ranks gathered)
         .scales()               ChannelScales, or None
     unit.rounding               GPTQ: one-pass (the pass's Hessians), or sequential: the weight pass block by block
-    the weight pass             scales folded, each weight read once, observed (one grid), rounded,
-                                quantized into the QDQ writer; then input and k/v Q/DQ
+    the weight pass             the working model edited in place into the output: scales folded, each
+                                weight read once, observed (one grid), rounded, quantized into the QDQ
+                                writer; then input and k/v Q/DQ
     output.OutputSlot.write     model.onnx, quantization_config.json, qparams.safetensors (all or none)
     unit.record                 each unit's frozen result record (CalibrationResult.transforms)
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from graphcal.calibration.activations import PassResult, run_activation_pass
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.result import CalibrationResult, scheme_label
@@ -61,8 +63,8 @@ class Plain:
 
     reads_blocks = False
 
-    def __init__(self, run: RunPlan):
-        self.run = run
+    def __init__(self, run: RunPlan, loaded: Loaded):
+        self.run, self.loaded = run, loaded
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         pass
@@ -71,7 +73,7 @@ class Plain:
         return {}
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
-        return run_activation_pass(self.run, observers, calib, **settings.kwargs())
+        return run_activation_pass(self.run, self.loaded, observers, calib, **settings.kwargs())
 
     def scales(self) -> None:
         return None
@@ -99,17 +101,17 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     ready = prepare(model, config, target=options.target, matmulnbits=options.matmulnbits, data=data,
                     batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
                     device=device, join=True, reduce_in_graph=options.reduce_in_graph)
-    run, calib = ready.plan, ready.calib
+    run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
                             options.skip_nonfinite_weights)
     units = [unit for unit, _ in configured(run.config)]
     for unit in units:  # before any pass: a rewrite (--rotate) that drifts from the model as given goes no further
         if unit.rewrites_weights:
-            unit.verify(model, run.model, run.decision(unit.settings_type), calib.first_batch(), device,
+            unit.verify(model, loaded.model, run.decision(unit.settings_type), calib.first_batch(), device,
                         settings.device_id)
     # the pre-transform: the first unit that has one for this plan (a run configures at most one), else Plain
-    transform = next((t for unit in units if (t := unit.for_plan(run)) is not None), Plain(run))
+    transform = next((t for unit in units if (t := unit.for_plan(run, loaded)) is not None), Plain(run, loaded))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())
     activations = transform.activation_pass(observers, calib, settings)
@@ -117,8 +119,8 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
-    rounding = rounding_for(units, run, observers, calib, settings, scales)
-    weights, kv_items, qdq_model = _weight_pass(run, observers, scales, rounding, torch_device,
+    rounding = rounding_for(units, run, loaded, observers, calib, settings, scales)
+    weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
                                                 options.skip_nonfinite_weights, progress)
     ignored = run.ignored + weights.left_in_float
     files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items))  # all or none
@@ -131,19 +133,19 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     return result
 
 
-def rounding_for(units, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+def rounding_for(units, run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration, settings: PassSettings,
                  scales: ChannelScales | None) -> Rounding | None:
     """The weight pass's rounding: the first of ``units`` that has one (GPTQ's), else None (to nearest)."""
-    return next((r for unit in units if (r := unit.rounding(run, observers, calib, settings, scales)) is not None), None)
+    return next((r for unit in units if (r := unit.rounding(run, loaded, observers, calib, settings, scales)) is not None), None)
 
 
-def _weight_pass(run: RunPlan, observers: ObserverSet, scales: ChannelScales | None, rounding: Rounding | None,
-                 device: torch.device, skip_nonfinite: bool, progress: bool):
+def _weight_pass(run: RunPlan, loaded: Loaded, observers: ObserverSet, scales: ChannelScales | None,
+                 rounding: Rounding | None, device: torch.device, skip_nonfinite: bool, progress: bool):
     """The channel scales folded, every weight quantized into the QDQ writer, then the input and
-    k/v Q/DQ: (WeightResult, the k/v qparams, the written model). The writer takes the plan's model
-    over and edits it in place (a big model is never copied); nothing reads the plan's model after."""
-    types = dict(run.types)
-    model = run.take_model()
+    k/v Q/DQ: (WeightResult, the k/v qparams, the written model). The writer edits the working model
+    (``loaded.model``) in place (a big model is never copied): the last stage that reads it."""
+    types = dict(loaded.types)  # read before the model is edited
+    model = loaded.model
     if scales is not None:
         scales.fold(model, run, {t.name for t in run.chosen}, types)
     writer = QDQWriter(model, run.opset, run.target_runtime, types, matmulnbits=run.matmulnbits)

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-import onnx
-
-from graphcal.calibration.decisions import Held, RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.sizing import size_parts
 from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.calibration.transforms.base import PlanScope
@@ -38,16 +35,6 @@ from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.types import KVState, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """The model read (checked: graphcal.graph.io) and rewritten by the transforms that change weights,
-    before the plan: the model, its external data files, and each rewrite's record by settings type."""
-
-    model: onnx.ModelProto
-    data_files: tuple[str, ...]
-    records: Mapping[type, object]
 
 
 def load(model_path: str | Path, config: RunConfig) -> Loaded:
@@ -134,7 +121,7 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     companions = find_companions(model_path, MODEL_FILE)
     warnings += companions.notes  # what -o's genai_config.json leaves out (code to load, files to touch)
     return RunPlan(
-        model_path=model_path, held=Held(model), data_files=data_files, config=config, target_runtime=target_runtime,
+        model_path=model_path, data_files=data_files, config=config, target_runtime=target_runtime,
         found=tuple(found), not_targets=tuple(skipped), chosen=tuple(chosen), unmatched=tuple(unmatched),
         schemes=MappingProxyType(schemes), groups=tuple(groups), fusion_warnings=tuple(fusion_warnings),
         kv_states=tuple(kv_states), model_opset=default_opset(model), opset=opset,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import Dist, from_env
 from graphcal.calibration.plan import load, plan
 from graphcal.calibration.seams import PassSettings
@@ -29,10 +29,12 @@ from graphcal.runtime import check_device
 
 @dataclass(frozen=True)
 class Prepared:
-    """A run checked and ready: its plan, its data (None: inspect without --data), the model's
-    input names, and the torchrun job this process joined (None: one process)."""
+    """A run checked and ready: its plan (decisions only), the working model beside it (``loaded``:
+    read and rewritten by --rotate; the pipeline owns it), its data (None: inspect without --data),
+    the model's input names, and the torchrun job this process joined (None: one process)."""
 
     plan: RunPlan
+    loaded: Loaded
     calib: Calibration | None
     inputs: tuple[str, ...]
     dist: Dist | None = None
@@ -45,8 +47,9 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     (run only): join the torchrun job the environment describes; ``reduce_in_graph``: as the passes
     will run. Raises GraphcalError or UsageError for everything that can be known before calibrating."""
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
-    run = plan(Path(model), config, target, matmulnbits, load(model, config))  # weight rewrites (--rotate) first
-    inputs = graph_inputs(run.model)
+    loaded = load(model, config)  # weight rewrites (--rotate) first
+    run = plan(Path(model), config, target, matmulnbits, loaded)
+    inputs = graph_inputs(loaded.model)
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples,
                       model_dir=Path(model).parent) if data is not None else None
     names = tuple(i.name for i in inputs)
@@ -58,4 +61,4 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     refuse_reader(calib, any(unit.reads_data_per_block(run, run.decision(unit.settings_type)) for unit, _ in units))
     for unit, _ in units:  # each transform's own refusals, in the order they run
         unit.check(run, calib, dist, settings)
-    return Prepared(run, calib, names, dist)
+    return Prepared(run, loaded, calib, names, dist)

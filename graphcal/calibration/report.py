@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
+
 from graphcal.calibration.decisions import RunPlan
-from graphcal.calibration.plan import plan
+from graphcal.calibration.plan import load, plan
 from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.config import RunConfig
 from graphcal.graph.blocks import blocks
@@ -74,14 +76,16 @@ def inspect_model(model: str | Path, config: RunConfig, *, target: str = "onnxru
     Raises GraphcalError where `run` would fail before calibrating (unreadable or hostile model,
     nothing to quantize, a scheme with no ONNX form for ``target``).
     """
-    return from_plan(plan(model, config, target))
+    loaded = load(model, config)
+    return from_plan(plan(model, config, target, loaded=loaded), loaded.model)
 
 
-def from_plan(run: RunPlan) -> Inspection:
-    """The report of one plan."""
+def from_plan(run: RunPlan, model: onnx.ModelProto) -> Inspection:
+    """The report of one plan, made on ``model`` (the model it was made on, read only: prepare()'s
+    ``loaded.model``)."""
     units = configured(run.config)
     settings = dict(units)
-    blocks = _blocks(run, units)
+    blocks = _blocks(run, model, units)
     return Inspection(
         model=run.model_path, scheme=run.config.scheme_name, config=run.config,
         rows=[_row(t, t in run.chosen, run.config) for t in run.found], not_targets=list(run.not_targets),
@@ -99,13 +103,13 @@ def from_plan(run: RunPlan) -> Inspection:
     )
 
 
-def _blocks(run: RunPlan, units) -> list[str]:
+def _blocks(run: RunPlan, model: onnx.ModelProto, units) -> list[str]:
     """The layer blocks a transform takes the data in (GPTQ's sequential order, AWQ; empty when none does)."""
     if not any(unit.reads_data_per_block(run, d) and (d is None or getattr(d, "mappings", True))
                for unit, _ in units for d in [run.decision(unit.settings_type)]):
         return []
 
-    found = blocks(run.model, list(run.chosen), run.groups)  # as Blockwise forms them: fused units kept whole
+    found = blocks(model, list(run.chosen), run.groups)  # as Blockwise forms them: fused units kept whole
     return [f"{b.name} ({len(b.targets)} layer{'s' if len(b.targets) != 1 else ''})" for b in found]
 
 

@@ -44,7 +44,7 @@ def inspect_command(model, data, output, as_json, debug, **flags):
         ready = prepare(model, resolve(options), target=options.target, matmulnbits=options.matmulnbits, data=data,
                         batch_size=options.batch_size, num_samples=options.num_samples,
                         exclude_padding=options.exclude_padding, device=options.device)
-        report = from_plan(ready.plan)  # every refusal of run's before its passes, as run makes them
+        report = from_plan(ready.plan, ready.loaded.model)  # every refusal of run's before its passes, as run makes them
         report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
         return report
 

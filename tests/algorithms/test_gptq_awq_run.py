@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import plan
+from graphcal.calibration.plan import load, plan
 from graphcal.data import graph_inputs, load_data
 from graphcal.graph.targets import torch_weight
 from tests.helpers import ALGORITHM_VECTORS, EXPORTER_CHATTER, reference_llama, run_cli, sqnr_db
@@ -103,6 +103,12 @@ def _config(text: str, folder: Path, **flags):
     return resolve(Options(recipe=path, **flags))
 
 
+def _planned(path: Path, config):
+    """The plan and the model it was made on (the plan holds decisions only; the model is the caller's)."""
+    loaded = load(path, config)
+    return plan(path, config, loaded=loaded), loaded
+
+
 def _grid(observers, run, t, w):
     observers.weight_observers[t.name](w)
     return observers.qparams(t, run.schemes[t.name]).qparams["weight"]
@@ -122,15 +128,15 @@ def test_sequential_gptq_gives_llm_compressors_codes(vectors, llama, name, recip
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, name)["outputs"]
-    run = plan(path, _config(recipe, tmp_path))
+    run, loaded = _planned(path, _config(recipe, tmp_path))
     assert {t.name for t in run.chosen} == set(ref["weight_codes"])
-    calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
-    smoothed = collect(run, calib, device="cpu") if run.decision(Smoothing) is not None else None
+    calib = load_data(arrays, graph_inputs(loaded.model), batch_size=batch_size)
+    smoothed = collect(run, loaded, calib, device="cpu") if run.decision(Smoothing) is not None else None
     observers = ObserverSet(run)
-    rounding = Sequential(run, calib, PassSettings(device="cpu"), smoothed)
+    rounding = Sequential(run, loaded, calib, PassSettings(device="cpu"), smoothed)
 
     class Recorder:  # the writer's part the weight pass uses
-        model, written = run.model, {}
+        model, written = loaded.model, {}
 
         def quantize_weight(self, item, weight):
             assert item.target.name not in self.written
@@ -164,15 +170,15 @@ def test_one_pass_gptq_equals_the_sequential_order_on_the_first_layer_only(vecto
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "gptq_w4a16_asym_g32_none")["outputs"]
-    run = plan(path, _config(GPTQ_W4_RECIPE, tmp_path, gptq_order="one-pass"))
-    calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
+    run, loaded = _planned(path, _config(GPTQ_W4_RECIPE, tmp_path, gptq_order="one-pass"))
+    calib = load_data(arrays, graph_inputs(loaded.model), batch_size=batch_size)
     observers = ObserverSet(run)
     assert len({id(h) for h in observers.hessians.values()}) == 8  # q/k/v and gate/up share their input's
-    run_activation_pass(run, observers, calib, device="cpu")
+    run_activation_pass(run, loaded, observers, calib, device="cpu")
     rounding = OnePass(observers.hessians, run.config.gptq)
     agree = {}
     for t in run.chosen:
-        w = torch.from_numpy(torch_weight(run.model, t))
+        w = torch.from_numpy(torch_weight(loaded.model, t))
         observers.weight_observers[t.name](w)
         item = observers.qparams(t, run.schemes[t.name])
         qp = item.qparams["weight"]
@@ -190,11 +196,11 @@ def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
 
     path, arrays, _, batch_size = llama
     ref = _case(vectors, "awq_qm_w4a16_asym_g32")["outputs"]
-    run = plan(path, _config(AWQ_RECIPE, tmp_path))
+    run, loaded = _planned(path, _config(AWQ_RECIPE, tmp_path))
     # llm-compressor skips v_proj -> o_proj under grouped-query attention; graphcal finds no exact fold there
     assert any("re:.*v_proj$" in w for w in run.warnings)
-    calib = load_data(arrays, graph_inputs(run.model), batch_size=batch_size)
-    smoothed = awq_smoothing(run, calib, device="cpu")
+    calib = load_data(arrays, graph_inputs(loaded.model), batch_size=batch_size)
+    smoothed = awq_smoothing(run, loaded, calib, device="cpu")
     assert {m.smooth for m in smoothed.mappings} == set(ref["awq_best_scales"])
     for m in smoothed.mappings:
         s = smoothed.scales[m.candidate.activation]
@@ -202,27 +208,27 @@ def test_awq_picks_llm_compressors_scales(vectors, llama, tmp_path):
         np.testing.assert_allclose(s, ref["awq_best_scales"][m.smooth], rtol=1e-6, atol=0, err_msg=m.smooth)
     observers = ObserverSet(run)
     for t in run.chosen:
-        w = smoothed.weight(t, torch.from_numpy(torch_weight(run.model, t)))
+        w = smoothed.weight(t, torch.from_numpy(torch_weight(loaded.model, t)))
         expected = ref["changed_params"].get(f"{t.name}.weight")  # o_proj: not smoothed, unchanged
         if expected is None:
             assert not any(t.name in m.balance or t.name == m.candidate.linear for m in smoothed.mappings)
-            expected = torch.from_numpy(torch_weight(run.model, t))
+            expected = torch.from_numpy(torch_weight(loaded.model, t))
         np.testing.assert_allclose(w, expected, rtol=0, err_msg=t.name, atol=1e-6 * float(w.abs().max()))
         qp = _grid(observers, run, t, w)  # the QuantizationModifier's min-max grid of the smoothed weight
         np.testing.assert_allclose(qp.scale, ref["qparams"][f"{t.name}.weight_scale"], rtol=1e-5, atol=0)
         zp = ref["qparams"][f"{t.name}.weight_zero_point"]
         assert float((qp.zero_point == zp).float().mean()) > 0.99, t.name  # a zero point at a .5 may round over
     # the norms the scales fold into, as the written model holds them
-    smoothed.fold(run.model, run, {t.name for t in run.chosen}, dict(run.types))
-    record = json.loads(next(p.value for p in run.model.metadata_props if p.key == "graphcal.awq"))
+    smoothed.fold(loaded.model, run, {t.name for t in run.chosen}, dict(loaded.types))
+    record = json.loads(next(p.value for p in loaded.model.metadata_props if p.key == "graphcal.awq"))
     assert len(record["mappings"]) == 6
-    inits = {i.name: i for i in run.model.graph.initializer}
+    inits = {i.name: i for i in loaded.model.graph.initializer}
     from onnx import numpy_helper
 
     for m in smoothed.mappings:
         if m.candidate.kind != "norm":
             continue
-        node = next(n for n in run.model.graph.node if m.candidate.tensor in n.output)
+        node = next(n for n in loaded.model.graph.node if m.candidate.tensor in n.output)
         (weight,) = [numpy_helper.to_array(inits[i]) for i in node.input if i in inits]
         np.testing.assert_allclose(weight, ref["changed_params"][f"{m.smooth}.weight"], rtol=1e-6, atol=0)
 

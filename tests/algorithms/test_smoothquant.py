@@ -25,7 +25,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from graphcal.calibration.plan import plan
+from graphcal.calibration.plan import load, plan
 from graphcal.calibration.transforms.smoothquant import collect, smoothing_scales
 from graphcal.config import Options, Smoothing, build_config, resolve
 from graphcal.data import graph_inputs, load_data
@@ -236,7 +236,7 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
     config = build_config("W8A8")
     config.smoothing = Smoothing(strength=args["smoothing_strength"], mappings=_mappings(case),
                                  algorithm=args["algorithm"])
-    run = plan(path, config)
+    run, loaded = _planned(path, config)
 
     # the mapping resolves by module name to exactly the case's smooth layer and balance layers
     assert run.warnings == ()
@@ -248,12 +248,12 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
     # graphcal reads the balance weights in torch's layout: their pooled column max is llm-compressor's
     if ref["weight_max_abs"] is not None:
         by_name = {t.name: t for t in run.found}
-        pooled = np.concatenate([np.abs(torch_weight(run.model, by_name[b])) for b in inp["balance_names"]]).max(0)
+        pooled = np.concatenate([np.abs(torch_weight(loaded.model, by_name[b])) for b in inp["balance_names"]]).max(0)
         np.testing.assert_array_equal(pooled, ref["weight_max_abs"].numpy())
 
     x = torch.cat(list(inp["activations"])).numpy()
-    calib = load_data({"x": x}, graph_inputs(run.model), batch_size=inp["activations"][0].shape[0])
-    smoothed = collect(run, calib, device="cpu")
+    calib = load_data({"x": x}, graph_inputs(loaded.model), batch_size=inp["activations"][0].shape[0])
+    smoothed = collect(run, loaded, calib, device="cpu")
 
     # Tolerances: onnxruntime computes the smooth layer where llm-compressor used torch, so the
     # statistics differ by rounding (seen: <= 1.3e-7 of the tensor's magnitude), and the scales and
@@ -274,11 +274,11 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
 
     # the complete smoothed float model: every parameter as llm-compressor leaves it
     original = onnx.ModelProto()
-    original.CopyFrom(run.model)
-    types = dict(run.types)
-    smoothed.fold(run.model, run, set(), types)
-    onnx.checker.check_model(run.model, full_check=True)
-    got = _folded_params(run.model, case)
+    original.CopyFrom(loaded.model)
+    types = dict(loaded.types)
+    smoothed.fold(loaded.model, run, set(), types)
+    onnx.checker.check_model(loaded.model, full_check=True)
+    got = _folded_params(loaded.model, case)
     assert set(got) == set(ref["params"])
     for key, value in ref["params"].items():
         assert got[key].shape == tuple(value.shape), key
@@ -286,7 +286,7 @@ def test_reference_case_as_onnx_graph(vectors, tmp_path, name):
     # ... and it computes what the original does
     feeds = {"x": x}
     before = _session(original).run(None, feeds)
-    after = _session(run.model).run(None, feeds)
+    after = _session(loaded.model).run(None, feeds)
     assert len(before) == len(inp["balance_names"])
     for b, a in zip(before, after):
         _close(a, b, 1e-5, "output")
@@ -318,7 +318,7 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
     path, arrays, expected = reference_llama(case, tmp_path)  # the torch model's logits, padded row included
     _close(_session(path).run(None, arrays)[0], expected, 1e-5, "exported logits")
 
-    run = plan(path, recipe_config(parse_recipe(SQ_RECIPE)))
+    run, loaded = _planned(path, recipe_config(parse_recipe(SQ_RECIPE)))
     assert run.config.smoothing.strength == 0.8
     assert run.warnings == ()  # both default mappings resolve, exactly
     layers = range(inp["llama_config"]["num_hidden_layers"])
@@ -329,8 +329,8 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
                                                           f"model.layers.{i}.mlp.up_proj") for i in layers},
     }
     assert set(ref["sq_activation_minmax"]) == {m.smooth for m in run.decision(Smoothing).mappings}
-    calib = load_data(arrays, graph_inputs(run.model), batch_size=inp["batch_size"])
-    smoothed = collect(run, calib, device="cpu")
+    calib = load_data(arrays, graph_inputs(loaded.model), batch_size=inp["batch_size"])
+    smoothed = collect(run, loaded, calib, device="cpu")
     # llm-compressor smooths layer by layer (layer 1's statistics come from the smoothed layer 0) in
     # torch; graphcal takes every statistic in one onnxruntime pass over the unsmoothed model. Equal up
     # to rounding (algorithms.md §5.2; seen: <= 2.3e-7 of each tensor's magnitude, allowed 5e-6).
@@ -341,11 +341,11 @@ def test_e2e_llama_smoothing_matches_llm_compressor(vectors, tmp_path):
         _close(hi, ref_hi, 5e-6, f"{m.smooth} max")
         np.testing.assert_allclose(smoothed.unclamped[m.candidate.activation], ref["sq_scales_unclamped"][m.smooth],
                                    rtol=5e-6, atol=0, err_msg=f"{m.smooth} scales")
-    smoothed.fold(run.model, run, set(), dict(run.types))
+    smoothed.fold(loaded.model, run, set(), dict(loaded.types))
     for m in run.decision(Smoothing).mappings:
-        mul = next(n for n in run.model.graph.node if n.op_type == "Mul" and n.output[0] == m.candidate.tensor)
-        inits = {t.name for t in run.model.graph.initializer}
-        (weight,) = [_const(run.model, i) for i in mul.input if i in inits]  # the norm's scale, divided by s
+        mul = next(n for n in loaded.model.graph.node if n.op_type == "Mul" and n.output[0] == m.candidate.tensor)
+        inits = {t.name for t in loaded.model.graph.initializer}
+        (weight,) = [_const(loaded.model, i) for i in mul.input if i in inits]  # the norm's scale, divided by s
         np.testing.assert_allclose(weight, ref["changed_params"][f"{m.smooth}.weight"], rtol=5e-6, atol=0,
                                    err_msg=f"{m.smooth}.weight")
 
@@ -386,15 +386,21 @@ def _expected_bert(scope) -> dict:
     return out
 
 
+def _planned(path, config):
+    """The plan and the model it was made on (the plan holds decisions only; the model is the caller's)."""
+    loaded = load(path, config)
+    return plan(path, config, loaded=loaded), loaded
+
+
 def _plan(model_dir, scope, strength=None):
-    return plan(model_dir / "model.onnx", resolve(Options(scheme="W8A8_STATIC", smoothquant=scope,
-                                                          smoothing_strength=strength)))
+    return _planned(model_dir / "model.onnx", resolve(Options(scheme="W8A8_STATIC", smoothquant=scope,
+                                                              smoothing_strength=strength)))
 
 
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-bert"])
 def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
-    run = _plan(llama_dir if model == "tiny-llama" else bert_dir, scope)
+    run, loaded = _plan(llama_dir if model == "tiny-llama" else bert_dir, scope)
     expected = (_expected_llama if model == "tiny-llama" else _expected_bert)(scope)
     got = {m.balance: (None if m.explicit else m.smooth, m.candidate.kind, m.explicit) for m in run.decision(Smoothing).mappings}
     assert got == expected
@@ -408,7 +414,7 @@ def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
             elif not m.explicit:  # folded into GELU's final constant "* 0.5", nothing else
                 (param,) = m.candidate.params
                 assert param.node.endswith("/intermediate_act_fn/Mul_1_output_0")
-                assert _const(run.model, param.value).tolist() == 0.5
+                assert _const(loaded.model, param.value).tolist() == 0.5
     # every target that is not smoothed is said so in a note (nothing silently left out)
     for t in run.chosen:
         assert t.name in smoothed_targets or any(t.name in n for n in run.decision(Smoothing).notes), t.name
@@ -418,13 +424,13 @@ def test_shipped_model_mappings(llama_dir, bert_dir, model, scope):
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-bert"])
 def test_shipped_model_float_fold_is_exact(llama_dir, bert_dir, model, scope):
     model_dir = llama_dir if model == "tiny-llama" else bert_dir
-    run = _plan(model_dir, scope)
+    run, loaded = _plan(model_dir, scope)
     original = onnx.load(model_dir / "model.onnx")
-    calib = load_data(model_dir / "calib.npz", graph_inputs(run.model), batch_size=16, num_samples=16)
-    smoothed = collect(run, calib, device="cpu")
-    types = dict(run.types)
-    smoothed.fold(run.model, run, set(), types)
-    onnx.checker.check_model(run.model, full_check=True)
+    calib = load_data(model_dir / "calib.npz", graph_inputs(loaded.model), batch_size=16, num_samples=16)
+    smoothed = collect(run, loaded, calib, device="cpu")
+    types = dict(loaded.types)
+    smoothed.fold(loaded.model, run, set(), types)
+    onnx.checker.check_model(loaded.model, full_check=True)
 
     # the balance weights (and a linear smooth layer's) really changed, an exact no-op would pass the
     # comparison below; the others did not
@@ -434,15 +440,15 @@ def test_shipped_model_float_fold_is_exact(llama_dir, bert_dir, model, scope):
         t = by_node.get(node.name)
         if t is None:
             continue
-        same = np.array_equal(_const(run.model, _node(run.model, node.name).input[1]), _const(original, node.input[1]))
+        same = np.array_equal(_const(loaded.model, _node(loaded.model, node.name).input[1]), _const(original, node.input[1]))
         assert same == (t.name not in changed), t.name
-    explicit = [n for n in run.model.graph.node if n.op_type == "Mul" and n.name.startswith(TAP_PREFIX)]
+    explicit = [n for n in loaded.model.graph.node if n.op_type == "Mul" and n.name.startswith(TAP_PREFIX)]
     assert len(explicit) == sum(m.explicit for m in run.decision(Smoothing).mappings)
 
     with np.load(model_dir / "heldout.npz") as data:
         feeds = {k: v[:8] for k, v in data.items()}
     before = _session(original).run(None, feeds)
-    after = _session(run.model).run(None, feeds)
+    after = _session(loaded.model).run(None, feeds)
     for name, b, a in zip([o.name for o in original.graph.output], before, after):
         _close(a, b, 1e-5, name)
 

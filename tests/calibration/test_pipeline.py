@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphcal.calibration.observe import ObserverSet
-from graphcal.calibration.plan import plan
+from graphcal.calibration.plan import load, plan
 from graphcal.config import build_config
 from graphcal.graph.taps import Reduction
 from graphcal.graph.targets import torch_weight
@@ -13,17 +13,19 @@ from tests.helpers import run_cli
 
 
 def _observers(llama_dir, scheme: str, target: str = "onnxruntime"):
-    run = plan(llama_dir / "model.onnx", build_config(scheme), target)
-    return run, ObserverSet(run)
+    """The plan, its observers, and the model it was made on (the plan holds no model)."""
+    loaded = load(llama_dir / "model.onnx", build_config(scheme))
+    run = plan(llama_dir / "model.onnx", build_config(scheme), target, loaded=loaded)
+    return run, ObserverSet(run), loaded
 
 
 def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir):
     from tools.builders import build_tiny_llama
 
-    run, observers = _observers(llama_dir, "NVFP4A16", "qdq")
+    run, observers, loaded = _observers(llama_dir, "NVFP4A16", "qdq")
     targets, groups = run.chosen, run.groups
     for t in targets:
-        observers.weight_observers[t.name](torch.from_numpy(torch_weight(run.model, t)))
+        observers.weight_observers[t.name](torch.from_numpy(torch_weight(loaded.model, t)))
     for group in groups:
         observers.share_global_scales(list(group.members))
     items = {t.name: observers.qparams(t, run.schemes[t.name]) for t in targets}
@@ -44,7 +46,7 @@ def test_tensor_group_weights_of_a_fused_group_share_one_global_scale(llama_dir)
 
 
 def test_q_k_v_share_one_input_observer_per_activation(llama_dir):
-    _, observers = _observers(llama_dir, "W8A8_STATIC")
+    _, observers, _ = _observers(llama_dir, "W8A8_STATIC")
     taps = observers.by_tensor()
     # 2 layers x (qkv input, o input, gate/up input, down input)
     assert len(taps) == 8 and all(len(c) == 1 for c in taps.values())
@@ -106,13 +108,14 @@ def test_the_input_model_is_not_mutated_for_the_taps(llama_dir):
     copy holds no weight of the model."""
     from graphcal.graph.taps import build_tapped
 
-    run, observers = _observers(llama_dir, "W8A8_STATIC")
-    before = run.model.SerializeToString()
-    tapped = build_tapped(run.model, observers.requests(in_graph=True), dict(run.types))
-    assert run.model.SerializeToString() == before
-    weights = {t.name for t in run.model.graph.initializer}
+    run, observers, loaded = _observers(llama_dir, "W8A8_STATIC")
+    model = loaded.model
+    before = model.SerializeToString()
+    tapped = build_tapped(model, observers.requests(in_graph=True), dict(loaded.types))
+    assert model.SerializeToString() == before
+    weights = {t.name for t in model.graph.initializer}
     assert not weights & {t.name for t in tapped.model.graph.initializer}
-    assert len(tapped.model.graph.output) > len(run.model.graph.output)
+    assert len(tapped.model.graph.output) > len(model.graph.output)
 
 
 def test_run_and_inspect_agree_by_construction(llama_dir, tmp_path):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import onnx
 import torch
 
 from graphcal.algorithms.awq.clip import clip_layers
@@ -39,7 +40,7 @@ from graphcal.algorithms.awq.gram import Gram, LayerLoss
 from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import PassSettings
 from graphcal.calibration.transforms.base import PlanScope, Transform
@@ -69,12 +70,12 @@ class _Search:
     reads: list[str]
 
 
-def awq_smoothing(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
+def awq_smoothing(run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
     """AWQ's scales for every mapping of the plan's AWQ decision (ChannelScales of ScaleMethod.AWQ): the
     graph walked layer block by layer block (Blockwise), each block's search on its cached inputs
-    (:meth:`BlockSearch.observe_block`)."""
-    walk = Blockwise(run, calib, device=device, device_id=device_id)
-    search = BlockSearch(run, walk, calib)
+    (:meth:`BlockSearch.observe_block`); ``loaded``: the working model, read only."""
+    walk = Blockwise(run, loaded, calib, device=device, device_id=device_id)
+    search = BlockSearch(run, loaded.model, walk, calib)
     bar = Progress("AWQ", len(search.plans), "mapping", bar=progress)
     with bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
@@ -97,8 +98,9 @@ class BlockSearch:
     (the Blockwise frame, read only) and that block's cached inputs, and searches the scales of
     the mappings whose balance layers are in it (and --awq-clip's bounds of its layers)."""
 
-    def __init__(self, run: RunPlan, walk: Blockwise, calib: Calibration):
+    def __init__(self, run: RunPlan, model: onnx.ModelProto, walk: Blockwise, calib: Calibration):
         self.run, self.settings = run, run.config.awq
+        self.model = model  # the working model, read only: the balance layers' weights as loaded
         decision = run.decision(AWQSettings)
         self.mappings = list(decision.mappings)
         by_name = {t.name: t for t in run.found}
@@ -109,13 +111,13 @@ class BlockSearch:
             chosen = [t for t in balance if t.name in block_of]
             if not chosen:
                 continue
-            output = parent_output(run.model, balance)
-            if output is not None and len(balance) == 1 and output == layer_output(run.model, balance[0]):
+            output = parent_output(model, balance)
+            if output is not None and len(balance) == 1 and output == layer_output(model, balance[0]):
                 output = None  # the parent is the layer: its output's MSE comes exactly from the input's Gram matrix
             if output is None:
                 reads = [m.candidate.activation]
             else:
-                reads = parent_inputs(run.model, balance, output, dependent=walk.dependent)
+                reads = parent_inputs(model, balance, output, dependent=walk.dependent)
             self.plans.append(_Search(min(block_of[t.name] for t in chosen), m, balance, output, reads))
         self.used = search_batches(calib, self.settings.search_samples)  # the batches every multi-layer parent is scored on
         self.clipping = set(decision.clip)  # the layers AWQ's clip search takes (empty: no --awq-clip)
@@ -156,7 +158,7 @@ class BlockSearch:
             if gram is not None:
                 grams[x] = gram
             done = self.done
-            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
+            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(self.model, t, run.base_dir)))
                        for t in balance}
             args = {t.name: run.schemes[t.name].weights for t in balance
                     if t.name in run.schemes and run.schemes[t.name].weights is not None}
@@ -184,7 +186,7 @@ class BlockSearch:
             log.info("AWQ %s: error %.4g -> %.4g (ratio %g)", m.describe(), result.initial_error,
                      result.best_error, result.grid[result.best_index][0])
         for t in clip_here:  # after every scale of the block: each layer clipped as the weight pass will see it
-            found = _clip(run, self.done, t, grams, inputs)
+            found = _clip(run, self.model, self.done, t, grams, inputs)
             if found is not None:
                 self.clips[t.name], entry = found
                 self.clipped.append(entry)
@@ -203,7 +205,7 @@ class BlockSearch:
         return smoothed
 
 
-def _clip(run: RunPlan, done: ChannelScales, t: Target, grams: dict[str, Gram],
+def _clip(run: RunPlan, model: onnx.ModelProto, done: ChannelScales, t: Target, grams: dict[str, Gram],
           cached: dict) -> tuple[torch.Tensor, dict] | None:
     """AWQ's clip bounds of ``t`` (graphcal.algorithms.awq.clip.search) on its input as the block's
     scales leave it (``x / s``: the Gram matrix ``diag(1/s) G diag(1/s)``), and what the record keeps."""
@@ -215,7 +217,7 @@ def _clip(run: RunPlan, done: ChannelScales, t: Target, grams: dict[str, Gram],
     if gram.sum is None or not torch.isfinite(gram.sum).all():
         return None
     g = done.smooth_hessian(t, gram.sum)
-    w = done.weight(t, torch.from_numpy(torch_weight(run.model, t, run.base_dir)))
+    w = done.weight(t, torch.from_numpy(torch_weight(model, t, run.base_dir)))
     found = clip_search(w, run.schemes[t.name].weights, g)
     if found is None:
         return None
@@ -291,8 +293,8 @@ class AWQ(Transform):
     key = "awq"
     reads_blocks = True
 
-    def __init__(self, run: RunPlan):
-        self.run, self._scales = run, None
+    def __init__(self, run: RunPlan, loaded: Loaded):
+        self.run, self.loaded, self._scales = run, loaded, None  # the working model, read only
 
     # -- the plan ------------------------------------------------------------------------------
 
@@ -332,21 +334,21 @@ class AWQ(Transform):
     # -- the passes ----------------------------------------------------------------------------
 
     @classmethod
-    def for_plan(cls, run: RunPlan) -> AWQ | None:
+    def for_plan(cls, run: RunPlan, loaded: Loaded) -> AWQ | None:
         decision = run.decision(AWQSettings)
-        return cls(run) if decision is not None and decision.mappings else None
+        return cls(run, loaded) if decision is not None and decision.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         # under torchrun every rank searches over all the data (the search is deterministic, so every
         # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
-        self._scales = awq_smoothing(self.run, calib, device=settings.device, device_id=settings.device_id,
+        self._scales = awq_smoothing(self.run, self.loaded, calib, device=settings.device, device_id=settings.device_id,
                                      progress=settings.progress and settings.main)
 
     def taps(self) -> dict[str, str]:
         return self._scales.taps()
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
-        return run_activation_pass(self.run, observers, calib, prelude=self._scales.prelude(self.run.types),
+        return run_activation_pass(self.run, self.loaded, observers, calib, prelude=self._scales.prelude(self.loaded.types),
                                    **settings.kwargs())
 
     def scales(self) -> ChannelScales:

@@ -113,13 +113,15 @@ class Transform:
         """A rewrite's check against the model as given, on the first batch, before any pass."""
 
     @classmethod
-    def for_plan(cls, run):
-        """Its pre-transform (seams.PreTransform) for this plan, or None."""
+    def for_plan(cls, run, loaded):
+        """Its pre-transform (seams.PreTransform) for this plan, or None; ``loaded``: the working
+        model (calibration.decisions.Loaded), to read: the pre-transform never edits it."""
         return None
 
     @classmethod
-    def rounding(cls, run, observers, calib: Calibration, settings: PassSettings, scales):
-        """Its rounding for the weight pass (seams.Rounding), or None."""
+    def rounding(cls, run, loaded, observers, calib: Calibration, settings: PassSettings, scales):
+        """Its rounding for the weight pass (seams.Rounding), or None; ``loaded``: the working model,
+        to read (its blocks run on a read-only frame of it: calibration.blockwise)."""
         return None
 
     @classmethod

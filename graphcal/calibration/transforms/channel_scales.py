@@ -165,7 +165,7 @@ class ChannelScales:
         return t
 
     def fold(self, model: onnx.ModelProto, run: RunPlan, quantized: set[str], types: dict) -> None:
-        """Write the smoothing into ``model`` (the run's, taken over for the output) where the weight
+        """Write the smoothing into ``model`` (the run's working model, edited into the output) where the weight
         pass does not: norm scales and biases, linear biases and constant scales divided by s, explicit Muls, and the float weights
         of balance or linear smooth layers that stay unquantized (``quantized``: those that do not);
         the model's metadata_props record the mappings (``graphcal.smoothquant``, JSON).

@@ -32,7 +32,7 @@ import torch
 from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.algorithms.gptq.math import quantize_weight
 from graphcal.calibration.blockwise import Blockwise
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import Member, PassSettings
 from graphcal.calibration.transforms.base import Transform
@@ -160,7 +160,7 @@ def check_one_pass(run, world: int = 1) -> None:
                hint="--gptq-order sequential holds one layer block's Hessians at a time")
 
 
-def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+def rounding_for(run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration, settings: PassSettings,
                  scales: ChannelScales | None):
     """The weight pass's rounding the plan asks for: None (to nearest), GPTQ's one-pass order on the
     Hessians of the activation pass, or its sequential order, which the weight pass runs block by block."""
@@ -171,7 +171,7 @@ def rounding_for(run: RunPlan, observers: ObserverSet, calib: Calibration, setti
         return OnePass(observers.hessians, gptq)
     if settings.dist is not None:
         log.info("GPTQ's sequential order runs on rank 0 over all the data")
-    return Sequential(run, calib, settings, scales)
+    return Sequential(run, loaded, calib, settings, scales)
 
 
 class Sequential:
@@ -187,10 +187,11 @@ class Sequential:
     read-only frame and the original weights, made here before the weight pass starts), whatever
     the weight pass writes into the model meanwhile."""
 
-    def __init__(self, run: RunPlan, calib: Calibration, settings: PassSettings, scales: ChannelScales | None):
+    def __init__(self, run: RunPlan, loaded: Loaded, calib: Calibration, settings: PassSettings,
+                 scales: ChannelScales | None):
         self.run, self.scales, self.settings, self.log = run, scales, run.config.gptq, GPTQLog()
-        replaced = scales.replaced_initializers(run.model, run, {t.name for t in run.chosen}) if scales is not None else ()
-        self.walk = Blockwise(run, calib, device=settings.device, device_id=settings.device_id,
+        replaced = scales.replaced_initializers(loaded.model, run, {t.name for t in run.chosen}) if scales is not None else ()
+        self.walk = Blockwise(run, loaded, calib, device=settings.device, device_id=settings.device_id,
                               replaced=frozenset(replaced))  # the frame and its weights made before the weight pass
         self._hessians: dict[str, HessianObserver] = {}
         self._effective: dict[str, torch.Tensor] = {}
@@ -300,9 +301,9 @@ class GPTQ(Transform):
             check_one_pass(run, dist.world if dist else 1)  # every Hessian is held until the weight pass
 
     @classmethod
-    def rounding(cls, run: RunPlan, observers: ObserverSet, calib: Calibration, settings: PassSettings,
+    def rounding(cls, run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration, settings: PassSettings,
                  scales: ChannelScales | None):
-        return rounding_for(run, observers, calib, settings, scales)
+        return rounding_for(run, loaded, observers, calib, settings, scales)
 
     @classmethod
     def record(cls, run: RunPlan, done) -> GPTQRecord | None:

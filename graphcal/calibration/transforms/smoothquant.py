@@ -28,11 +28,12 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import torch
 
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
 from graphcal.calibration.activations import PassResult, run_activation_pass
-from graphcal.calibration.decisions import RunPlan
+from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
 from graphcal.calibration.ranges import RangeSet
 from graphcal.calibration.seams import PassSettings
@@ -68,12 +69,13 @@ def statistics(mappings: list[Mapping], search: bool, batches: int | None, other
     return RangeSet(tensors, others, sampled, batches, tolerate)
 
 
-def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device: str, device_id: int = 0, dist=None,
+def smooth_and_calibrate(run: RunPlan, loaded: Loaded, observers, calib: Calibration, *, device: str, device_id: int = 0, dist=None,
                          progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
                          inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
                          mappings: list[Mapping] | None = None, skip_nonfinite: bool = False):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
-    an ObserverSet built with :func:`taps_of` the mappings): (ChannelScales, the pass's PassResult).
+    an ObserverSet built with :func:`taps_of` the mappings) on ``loaded`` (the working model, read
+    only): (ChannelScales, the pass's PassResult).
     ``mappings``: those to apply (default: the plan's); with ``skip_nonfinite``, one whose smooth
     layer's output holds NaN or Inf is left out with a warning (:func:`finite_ranges`)."""
     mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
@@ -88,10 +90,10 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
         also = {smoothed_of[c.tensor].candidate.activation: smoothed_of[c.tensor].candidate.channels for c in deferred}
         others = [c for c in observers.consumers if c.tensor not in smoothed_of]
         ranges = statistics(mappings, search, calib.num_batches, others, also, tolerate=skip_nonfinite)
-        result = run_activation_pass(run, ranges, calib, reduce_in_graph=True, **kwargs)
+        result = run_activation_pass(run, loaded, ranges, calib, reduce_in_graph=True, **kwargs)
         extrema = ranges.extrema()
-        smoothed = scales_from(run, finite_ranges(mappings, ranges, observers), extrema, ranges.rows())
-        types = run.types
+        smoothed = scales_from(run, loaded.model, finite_ranges(mappings, ranges, observers), extrema, ranges.rows())
+        types = loaded.types
         for c in deferred:
             m = smoothed_of[c.tensor]
             inverse = torch.from_numpy(smoothed._inverse(m, types))
@@ -99,9 +101,9 @@ def smooth_and_calibrate(run: RunPlan, observers, calib: Calibration, *, device:
             _replay(c, lo.to(inverse.dtype) * inverse, hi.to(inverse.dtype) * inverse)
         return smoothed, result
     log.info("SmoothQuant's ranges in a pass of their own before the calibration pass: %s", why)
-    smoothed = collect(run, calib, mappings=mappings, skip_nonfinite=skip_nonfinite, observers=observers, **kwargs)
-    result = run_activation_pass(run, observers, calib, reduce_in_graph=reduce_in_graph,
-                                 prelude=smoothed.prelude(run.types), **kwargs)
+    smoothed = collect(run, loaded, calib, mappings=mappings, skip_nonfinite=skip_nonfinite, observers=observers, **kwargs)
+    result = run_activation_pass(run, loaded, observers, calib, reduce_in_graph=reduce_in_graph,
+                                 prelude=smoothed.prelude(loaded.types), **kwargs)
     return smoothed, result
 
 
@@ -138,17 +140,18 @@ def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
     c.observer.observe_extrema(*per_group(lo, hi, request.group_size if request.reduction is Reduction.GROUP else None))
 
 
-def collect(run: RunPlan, calib: Calibration, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
+def collect(run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
             mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None) -> ChannelScales:
-    """The smoothing pass: each smooth layer's output range, then the scales (every rank gets them)."""
+    """The smoothing pass over ``loaded`` (the working model, read only): each smooth layer's output
+    range, then the scales (every rank gets them)."""
     mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches, tolerate=skip_nonfinite)
-    run_activation_pass(run, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
+    run_activation_pass(run, loaded, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
                         exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
     smoothed = None
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
-        smoothed = scales_from(run, finite_ranges(mappings, ranges, observers), ranges.extrema(), ranges.rows())
+        smoothed = scales_from(run, loaded.model, finite_ranges(mappings, ranges, observers), ranges.extrema(), ranges.rows())
     if dist is not None:
         import torch.distributed as tdist  # lazy: only under torchrun
 
@@ -178,7 +181,7 @@ def finite_ranges(mappings: list[Mapping], ranges: RangeSet, observers=None) -> 
     return kept
 
 
-def nonfinite_weights(run: RunPlan, mappings: list[Mapping]) -> list[Mapping]:
+def nonfinite_weights(run: RunPlan, model: onnx.ModelProto, mappings: list[Mapping]) -> list[Mapping]:
     """The mappings that scale no weight holding NaN or Inf (a balance layer's input columns, a linear
     smooth layer's output rows); each other left out with a warning (--skip-nonfinite-weights leaves
     that weight in float, unscaled, so no scale may be folded into it or balanced against it)."""
@@ -187,7 +190,7 @@ def nonfinite_weights(run: RunPlan, mappings: list[Mapping]) -> list[Mapping]:
 
     def finite(name: str) -> bool:
         if name not in verdict:
-            verdict[name] = bool(np.isfinite(torch_weight(run.model, by_name[name], run.base_dir)).all())
+            verdict[name] = bool(np.isfinite(torch_weight(model, by_name[name], run.base_dir)).all())
         return verdict[name]
 
     kept = []
@@ -202,7 +205,7 @@ def nonfinite_weights(run: RunPlan, mappings: list[Mapping]) -> list[Mapping]:
     return kept
 
 
-def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: dict | None = None) -> ChannelScales:
+def scales_from(run: RunPlan, model: onnx.ModelProto, mappings: list[Mapping], ranges: dict, samples: dict | None = None) -> ChannelScales:
     """Every mapping's scales from its smooth layer's output range and its balance weights; with the
     strength search, at the strength of SEARCH_GRID whose scales quantize the balance layers' outputs
     on the sampled rows best."""
@@ -212,7 +215,7 @@ def scales_from(run: RunPlan, mappings: list[Mapping], ranges: dict, samples: di
     for m in mappings:
         lo, hi = ranges[m.candidate.tensor]
         weights = [] if settings.algorithm == "log_equalization" else [  # log_equalization reads no weight
-            torch.from_numpy(torch_weight(run.model, by_name[b], run.base_dir)) for b in m.balance]
+            torch.from_numpy(torch_weight(model, by_name[b], run.base_dir)) for b in m.balance]
         x = m.candidate.activation
         if settings.search and weights and x in (samples or {}):  # log_equalization has no strength to search
             schemes = [run.schemes.get(b) for b in m.balance]
@@ -254,8 +257,8 @@ class SmoothQuant(Transform):
     settings_type = Smoothing
     key = "smoothquant"
 
-    def __init__(self, run: RunPlan):
-        self.run, self._scales = run, None
+    def __init__(self, run: RunPlan, loaded: Loaded | None):
+        self.run, self.loaded, self._scales = run, loaded, None  # the working model, read only
         self.mappings = list(run.decision(Smoothing).mappings)  # those applied: --skip-nonfinite-weights may leave some out
 
     # -- the plan ------------------------------------------------------------------------------
@@ -284,7 +287,7 @@ class SmoothQuant(Transform):
     @classmethod
     def check(cls, run: RunPlan, calib: Calibration | None, dist, settings: PassSettings) -> None:
         """A CalibrationDataReader is read once: refused where SmoothQuant needs a pass of its own."""
-        if calib is None or calib.rereadable or (smoothquant := cls.for_plan(run)) is None:
+        if calib is None or calib.rereadable or (smoothquant := cls.for_plan(run, None)) is None:  # no pass here: the model is not needed
             return
         why = smoothquant.second_pass(settings)
         if why is not None:  # the rule smooth_and_calibrate follows, asked before anything is read
@@ -296,15 +299,15 @@ class SmoothQuant(Transform):
     # -- the passes ----------------------------------------------------------------------------
 
     @classmethod
-    def for_plan(cls, run: RunPlan) -> SmoothQuant | None:
+    def for_plan(cls, run: RunPlan, loaded: Loaded | None) -> SmoothQuant | None:
         decision = run.decision(Smoothing)
-        return cls(run) if decision is not None and decision.mappings else None
+        return cls(run, loaded) if decision is not None and decision.mappings else None
 
     def before_pass(self, calib: Calibration, settings: PassSettings) -> None:
         """The ranges come with the activation pass; with --skip-nonfinite-weights, the mappings that
         would scale a weight holding NaN or Inf are left out first (their layers observed unsmoothed)."""
         if settings.skip_nonfinite:
-            self.mappings = nonfinite_weights(self.run, self.mappings)
+            self.mappings = nonfinite_weights(self.run, self.loaded.model, self.mappings)
 
     def taps(self) -> dict[str, str]:
         return taps_of(self.mappings)
@@ -320,7 +323,7 @@ class SmoothQuant(Transform):
                            exclude_padding=settings.exclude_padding, reduce_in_graph=settings.reduce_in_graph)
 
     def activation_pass(self, observers: ObserverSet, calib: Calibration, settings: PassSettings) -> PassResult:
-        self._scales, result = smooth_and_calibrate(self.run, observers, calib, mappings=self.mappings,
+        self._scales, result = smooth_and_calibrate(self.run, self.loaded, observers, calib, mappings=self.mappings,
                                                     skip_nonfinite=settings.skip_nonfinite, **settings.kwargs())
         return result
 
