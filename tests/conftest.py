@@ -31,6 +31,18 @@ def _int8_kernels_exact(monkeypatch):
     monkeypatch.setattr(graphcal.runtime, "_SATURATES", False)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, as llm-compressor's vectors were made (LAPACK/BLAS results depend on
+    the thread count); the count is restored after."""
+    import torch  # lazy: collection of tests that never use it stays light
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return MODELS / "tiny-llama"

@@ -50,13 +50,7 @@ def vectors():
     return torch.load(VECTORS, weights_only=True)
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The vectors were made with one torch thread; LAPACK/BLAS results depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the vectors were made with one torch thread
 
 
 def _case(vectors, name):

@@ -36,13 +36,7 @@ from tests.observers.test_llmc014_vectors import TENSORS, assert_qparams, decode
 UNSET = "<unset>"
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The vectors were made with one torch thread; LAPACK/BLAS results depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the vectors were made with one torch thread
 
 
 @pytest.mark.parametrize("case", VECTORS["gptq"], ids=lambda c: c["name"])

@@ -67,13 +67,7 @@ def assert_qparams(got: dict, expected: dict) -> None:
         assert torch.equal(got[key], want), (key, got[key], want)
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The vectors were made with one torch thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the vectors were made with one torch thread
 
 
 def test_vectors_are_llm_compressor_014():
