@@ -42,7 +42,7 @@ from graphcal.bench.timing import round_order
 from graphcal.data.fill import GENAI_CONFIG, genai_context, genai_section, read_genai_config
 from graphcal.data.genai_native import strip_native
 from graphcal.errors import GraphcalError, UsageError, first_line, shown
-from graphcal.limits import open_regular
+from graphcal.limits import confinement, leads_inside, open_regular
 
 
 class _Skip(Exception):
@@ -175,12 +175,12 @@ def stage(path: Path, config: dict, into: Path, library: Path | None) -> tuple[P
 
     stripped = strip_native(config, keep)
     (into / GENAI_CONFIG).write_text(json.dumps(stripped.config, indent=4))
-    root = os.path.realpath(folder)
+    roots = confinement(folder)  # the folder's own rule: a Hugging Face snapshot's links into its blobs count
     with os.scandir(folder) as entries:
         names = sorted(e.name for e in entries if e.name != GENAI_CONFIG and e.name not in copied)
     for name in names:
         real = os.path.realpath(folder / name)
-        if os.path.commonpath([root, real]) == root and real != root and os.path.isfile(real):
+        if leads_inside(roots, real) and real not in roots and os.path.isfile(real):
             os.symlink(real, into / name)
     note = None if not stripped.dropped else (
         f"onnxruntime-genai's loop: not handed what {folder / GENAI_CONFIG} sets to make onnxruntime-genai load code "
