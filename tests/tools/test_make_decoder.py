@@ -113,7 +113,7 @@ def test_fp16_logits_are_a_llamas(tmp_path):
     assert make(tmp_path, "--dtype", "float16").returncode == 0
     model = onnx.load(tmp_path / "model.onnx", load_external_data=False)
     assert {t.data_type for t in model.graph.initializer} == {onnx.TensorProto.FLOAT16}
-    check_logits(tmp_path / "model.onnx", rtol=2e-2, atol=2e-2)
+    check_logits(tmp_path / "model.onnx", rtol=1e-2, atol=1e-2)  # measured: 3e-3 at most
 
 
 def test_tied_lm_head_is_the_embedding_in_chunks(tmp_path, monkeypatch):
@@ -123,7 +123,9 @@ def test_tied_lm_head_is_the_embedding_in_chunks(tmp_path, monkeypatch):
     model = onnx.load(path)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     lm_head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul").input[1]
-    np.testing.assert_array_equal(inits[lm_head], inits["model.embed_tokens.weight"].T)
+    embedding = inits["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(inits[lm_head], embedding.T)
+    assert len({embedding[r].tobytes() for r in range(0, VOCAB, 1000 // HIDDEN)}) == len(range(0, VOCAB, 1000 // HIDDEN))
     check_logits(path, rtol=1e-4, atol=1e-5)
     for t in onnx.load(path, load_external_data=False).graph.initializer:  # each at its own 4 KB-aligned place
         assert int(next(e.value for e in t.external_data if e.key == "offset")) % decoder.ALIGN == 0
