@@ -2,7 +2,8 @@
 
 - Scripts (``python tools/NAME.py --help``): make_models (the shipped models, byte for byte), accuracy,
   bench (calibration cost against inference), weight_phase, speed_table, smoothquant_table,
-  algorithms_table, observers_table, histogram_agreement; shell: output_digests.sh, gpu_check.sh.
+  algorithms_table, observers_table, histogram_agreement, make_decoder (random-weight decoders of real shapes,
+  without torch); shell: output_digests.sh, gpu_check.sh.
   ``python -m tools.awq_cost`` times AWQ (and round to nearest) against inference on a real LLM, with
   peak memory and perplexity.
 - Child programs the scripts start (``python -m tools.NAME`` from the repository root): peak_rss (a

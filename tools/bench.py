@@ -26,7 +26,10 @@ startup), peak host memory, and both as ratios to the floor (eval's to its own f
 whose memory passes ``--mem-limit-gb`` is stopped and reported as such. Data: seeded random token
 ids (models/tiny-llama: seq 32; bench decoder: seq 512, made by
 ``tools/make_models.py --bench-decoder``; the 1.5B-parameter large decoder, ``--models large-decoder``,
-seq 256, made by ``tools/make_models.py --large-decoder``), batch 8.
+seq 256, made by ``tools/make_models.py --large-decoder``), batch 8. A ``model.onnx`` already in
+``--decoder-dir`` / ``--large-dir`` is used as it is: ``tools/make_decoder.py --preset bench`` / ``--preset 1.5b
+--out DIR`` writes one of the same shape without torch, in a minute and under 100 MB of memory at 1.5B (its
+weights are random draws of its own, so its numbers are not the torch-made model's).
 
 Then, per model, the weight phase alone (``--weight-schemes``, default W8A8 and NVFP4A16: int8 per
 channel and NVFP4): every weight read, checked, observed, quantized and stored, timed by
@@ -253,9 +256,11 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--decoder-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-bench-decoder",
-                    help="where the bench decoder is (made there by tools/make_models.py if missing)")
+                    help="where the bench decoder is (made there by tools/make_models.py if missing; "
+                         "tools/make_decoder.py --preset bench makes one without torch)")
     ap.add_argument("--large-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphcal-large-decoder",
-                    help="where the 1.5B decoder is (made there by tools/make_models.py if missing: 6 GB, minutes)")
+                    help="where the 1.5B decoder is (made there by tools/make_models.py if missing: 6 GB, minutes, 12 GB "
+                         "of memory; tools/make_decoder.py --preset 1.5b makes one without torch)")
     ap.add_argument("--mem-limit-gb", type=float, default=20.0)
     ap.add_argument("--weight-schemes", nargs="*", default=["W8A8", "NVFP4A16"],
                     help="schemes whose weight phase is timed alone, per model (none: skip it)")
