@@ -347,15 +347,21 @@ class _BlockGraph:
             _sweep_block(self.W1, self.Hinv1, self.divisor, self.zp_add, self.scale, self.zp_sub, grid, self.Q1,
                          self.E1, self.scratch)
 
+        # capture_begin/end on a side stream rather than torch.cuda.graph(), which empties the allocator's
+        # cache before every capture (one capture per weight); thread_local: another thread's CUDA calls
+        # (onnxruntime's) are not refused while this one captures
         with torch.cuda.device(device):
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 body()  # the first block, eagerly
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()
             torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                body()
         self.graph = graph
 
     def _load(self, W1, Hinv1, divisor, zp_add, scale, zp_sub) -> None:
