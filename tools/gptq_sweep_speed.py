@@ -39,9 +39,13 @@ SCHEMES = {
 
 
 def load_baseline(rev: str):
-    """``graphcal/algorithms/gptq/math.py`` at ``rev`` as a module of its own."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:graphcal/algorithms/gptq/math.py"],
-                            check=True, capture_output=True, text=True).stdout
+    """``graphcal/algorithms/gptq/math.py`` at ``rev`` (a git revision, or a file: a copy taken where there is no
+    git history, e.g. on a lent GPU machine) as a module of its own."""
+    if Path(rev).is_file():
+        source = Path(rev).read_text()
+    else:
+        source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:graphcal/algorithms/gptq/math.py"],
+                                check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp(prefix="gptq-baseline-")) / "gptq_math_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("gptq_math_baseline", path)
@@ -71,7 +75,7 @@ def inputs(rows: int, cols: int, scheme: str, device: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default=BEFORE, help="git revision of the baseline math.py (default: %(default).12s)")
+    ap.add_argument("--baseline", default=BEFORE, help="git revision of the baseline math.py, or a copy of it (default: %(default).12s)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shapes", nargs="+", default=["2816x1024", "1024x1024"], help="ROWSxCOLS weights")
     ap.add_argument("--scheme", default="w4-g128-sym", choices=sorted(SCHEMES))

@@ -30,6 +30,8 @@ if [ "$step" = tests ]; then
   # the gpu-marked tests: every CUDA path against the CPU or the eager path
   timeout "${GPU_TESTS_S:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests \
     --ignore=tests/export/test_genai_cuda.py 2>&1 | tee "$out/pytest-gpu.log" | tail -15
+  # GPTQ's sweep: the baseline's eager loop against this checkout's eager and captured loops
+  timeout "${SWEEP_S:-60}" python3 tools/gptq_sweep_speed.py --device cuda --repeat 5 --baseline .devbase/gptq_math_7cb8953.py 2>&1 | tee "$out/gptq-sweep-cuda.txt" | tail -8
   # startup: process start to the first batch, against onnxruntime's and torch's own imports
   [ -f tools/startup.py ] && timeout "${STARTUP_S:-90}" python3 tools/startup.py --device cuda \
     --markdown "$out/startup-cuda.md" 2>&1 | tail -14
