@@ -14,8 +14,8 @@ writes the time and its loaded modules there and ends), best of ``--repeats``:
 - ``graphcal eval`` of the fp32 model against a W8A8_STATIC output (made first, once);
 - ``graphcal inspect`` (it runs no batch: the whole command, to its end).
 
-The table also names the heavy modules each child had loaded by then (transformers, torch.distributed,
-sympy, ...): what a command should import only when it uses them.
+The table also names the heavy modules each child had loaded by then (transformers, torch.distributed.tensor,
+sympy, ...): what a command should import only when it uses them (torch loads torch.distributed itself).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ INSPECT = ("import sys\nfrom graphcal.cli import cli\ntry:\n    cli.main(sys.arg
 #: modules a command should load only when it uses them, by the name shown in the table
 WATCHED = {
     "transformers": "transformers",
-    "torch.distributed": "torch.distributed.distributed_c10d",
     "torch.distributed.tensor": "torch.distributed.tensor",
     "torch._dynamo": "torch._dynamo",
     "sympy": "sympy",
