@@ -8,13 +8,20 @@ device; each output reaches torch through DLPack, without a copy. On CUDA the ta
 stay on the GPU from onnxruntime to the observers (no host round trip); on CPU the same path
 saves the copy into numpy that ``session.run`` makes. Where torch has no CUDA (a CPU-only torch
 beside onnxruntime-gpu), the outputs are bound to host memory instead.
+
+``GRAPHCAL_STARTUP_PROBE=FILE`` (tools/startup.py, tests/test_startup.py): the first batch handed to
+onnxruntime writes the time and the modules loaded to FILE and ends the process there, before the
+batch runs: what a command imported and how long it took to start.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +39,18 @@ from graphcal.limits import confinement
 DEVICES = ("auto", "cpu", "cuda")
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
+#: the environment variable naming the startup probe's file (see the module's docstring)
+STARTUP_PROBE = "GRAPHCAL_STARTUP_PROBE"
+
+
+def startup_probe() -> None:
+    """Under ``GRAPHCAL_STARTUP_PROBE=FILE``: write ``{"time": time.time(), "modules": [...]}`` to FILE and end
+    the process at once (exit 0, nothing cleaned up). Called as a batch is about to be handed to onnxruntime."""
+    path = os.environ.get(STARTUP_PROBE)
+    if not path:
+        return
+    Path(path).write_text(json.dumps({"time": time.time(), "modules": sorted(sys.modules)}))
+    os._exit(0)
 
 
 @dataclass
@@ -53,6 +72,7 @@ class Runtime:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
         onnxruntime's memory (it lives as long as the tensor does)."""
+        startup_probe()
         binding = self.session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
@@ -80,6 +100,7 @@ class Runtime:
     def run_numpy(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch through ``session.run``: every output as a numpy array on the host, of
         any element type onnxruntime returns (float8 and int4 included, which torch cannot take)."""
+        startup_probe()
         try:
             values = self.session.run(self.outputs, feeds)
         except Exception as e:  # onnxruntime raises RuntimeError and its own types from a kernel

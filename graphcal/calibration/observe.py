@@ -17,7 +17,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from graphcal.algorithms.gptq.hessian import HessianObserver
 from graphcal.calibration.decisions import RunPlan
 from graphcal.config import observer_name
 from graphcal.errors import GraphcalError
@@ -108,6 +107,8 @@ class ObserverSet(Consumers):
         self._input_qparams: dict[int, QParams] = {}
         shared: dict[tuple, object] = {}
         if plan.pass_hessians:
+            from graphcal.algorithms.gptq.hessian import HessianObserver  # lazy: GPTQ's math loads with GPTQ only
+
             by_tensor: dict[str, object] = {}
             for t in plan.chosen:
                 activation = taps.get(t.name, t.activation)

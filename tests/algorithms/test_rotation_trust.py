@@ -174,17 +174,18 @@ def test_a_spinquant_recipe_with_empty_or_odd_rotations_is_refused_in_one_line(l
 
 
 def _corrupting(monkeypatch, edit):
-    """Make the rotation unit's fold, then ``edit(model)`` the rotated model: a rotation that drifts."""
-    import graphcal.calibration.transforms.rotation as rotation_unit
+    """Make the rotation unit's fold, then ``edit(model)`` the rotated model: a rotation that drifts (the unit
+    imports the fold when it runs, so the fold's module is where it is replaced)."""
+    import graphcal.algorithms.rotation.fold as fold
 
-    real = rotation_unit.rotate
+    real = fold.rotate
 
     def drifting(model, *args, **kwargs):
         report = real(model, *args, **kwargs)
         edit(model)
         return report
 
-    monkeypatch.setattr(rotation_unit, "rotate", drifting)
+    monkeypatch.setattr(fold, "rotate", drifting)
 
 
 def _scale_initializer(prefix: str, factor: float):

@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
 
-from graphcal.algorithms.awq.clip import clip_layers
-from graphcal.algorithms.awq.clip import search as clip_search
-from graphcal.algorithms.awq.gram import Gram, LayerLoss
-from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
@@ -54,6 +51,9 @@ from graphcal.graph.scaling import Mapping, Resolution, candidates, resolve
 from graphcal.graph.targets import torch_weight
 from graphcal.progress import Progress
 from graphcal.types import Target
+
+if TYPE_CHECKING:
+    from graphcal.algorithms.awq.gram import Gram
 
 log = logging.getLogger("graphcal")
 
@@ -143,6 +143,9 @@ class BlockSearch:
     def observe_block(self, frame: Blockwise, k: int, inputs: dict[str, list], advance=lambda n: None) -> None:
         """Search block ``k``'s mappings (graph order) and clip its layers, on ``inputs`` (tensor name
         -> one array per batch: what :meth:`reads` names), running parents on ``frame``'s subgraphs."""
+        from graphcal.algorithms.awq.gram import Gram, LayerLoss  # lazy: AWQ's math loads with AWQ only
+        from graphcal.algorithms.awq.math import AbsMean, ParentLoss, search
+
         run, settings = self.run, self.settings
         here, clip_here = self._work(k)
         grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
@@ -209,6 +212,9 @@ def _clip(run: RunPlan, model: onnx.ModelProto, done: ChannelScales, t: Target, 
           cached: dict) -> tuple[torch.Tensor, dict] | None:
     """AWQ's clip bounds of ``t`` (graphcal.algorithms.awq.clip.search) on its input as the block's
     scales leave it (``x / s``: the Gram matrix ``diag(1/s) G diag(1/s)``), and what the record keeps."""
+    from graphcal.algorithms.awq.clip import search as clip_search  # lazy: AWQ's math loads with AWQ only
+    from graphcal.algorithms.awq.gram import Gram
+
     gram = grams.get(t.activation)
     if gram is None:
         gram = grams[t.activation] = Gram()
@@ -304,6 +310,8 @@ class AWQ(Transform):
         linear layer before them (no node added), by structure or by llm-compressor's names.
         Found by structure, a mapping into an lm_head that a quantized lookup reads as its table is
         left out (llm-compressor's mappings never scale lm_head): scaled, the table would be stored twice."""
+        from graphcal.algorithms.awq.clip import clip_layers  # lazy: AWQ's math loads with AWQ only
+
         resolution = resolve(candidates(scope.model, scope.found, scope.base_dir), scope.chosen, "all",
                              settings.mappings, what="AWQ")
         if settings.mappings is None and scope.tied:

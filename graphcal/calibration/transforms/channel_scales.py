@@ -21,7 +21,6 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from graphcal.algorithms.awq.clip import clip
 from graphcal.calibration.decisions import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
@@ -125,7 +124,11 @@ class ChannelScales:
         bounds where ``--awq-clip`` chose them (so the grid ends at the bound), else ``w``. The weight
         itself is rounded unclamped on that grid: to nearest that saturates at the bound as the clamp
         would, and GPTQ carries what saturates into the columns after."""
-        return clip(w, self.clips[t.name]) if t.name in self.clips else w
+        if t.name not in self.clips:
+            return w
+        from graphcal.algorithms.awq.clip import clip  # lazy: AWQ's math loads with AWQ only (clips are AWQ's)
+
+        return clip(w, self.clips[t.name])
 
     def column_scale(self, t: Target) -> torch.Tensor | None:
         """What ``t``'s input columns are multiplied by (the product of its mappings' s; None: nothing)."""

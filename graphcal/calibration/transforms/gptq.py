@@ -26,11 +26,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from graphcal.algorithms.gptq.hessian import HessianObserver
-from graphcal.algorithms.gptq.math import quantize_weight
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import ObserverSet
@@ -44,6 +43,9 @@ from graphcal.graph.taps import Reduction, TapRequest, gram
 from graphcal.limits import check_fits
 from graphcal.progress import Progress
 from graphcal.types import QuantizedTarget, enum_value
+
+if TYPE_CHECKING:
+    from graphcal.algorithms.gptq.hessian import HessianObserver
 
 log = logging.getLogger("graphcal")
 
@@ -70,6 +72,8 @@ def gptq_weights(members: list[Member], hessian: torch.Tensor, settings, record:
     same channel or group args and no global scale are stacked along their rows and swept once:
     GPTQ treats rows independently (each row's updates use the same inverse Hessian), so the result
     is each layer's own, for one factorisation and one sweep (llm-compressor's batched_quantization)."""
+    from graphcal.algorithms.gptq.math import quantize_weight  # lazy: GPTQ's math loads with GPTQ only
+
     def stackable(item: QuantizedTarget) -> bool:
         qp, args = item.qparams["weight"], item.scheme.weights
         return qp.global_scale is None and enum_value(args.strategy) in ("channel", "group")
@@ -247,6 +251,8 @@ class Sequential:
 
 def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
     """The Hessians of block ``k``'s inputs, from what the (quantized) blocks before it made."""
+    from graphcal.algorithms.gptq.hessian import HessianObserver  # lazy: GPTQ's math loads with GPTQ only
+
     block = walk.blocks[k]
     hessians: dict[str, HessianObserver] = {}
     for t in block.targets:

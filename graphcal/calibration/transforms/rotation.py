@@ -24,19 +24,20 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 
-from graphcal.algorithms.rotation.fold import Rotation, rotate, summary, transform_config, write_record
-from graphcal.algorithms.rotation.hadamard import orthogonal
 from graphcal.calibration.transforms.base import Transform
 from graphcal.config import RotationSettings
 from graphcal.data.inputs import fixed_batch, graph_inputs, slice_rows
 from graphcal.errors import GraphcalError
-from graphcal.evaluation.agreement import Agreement
 from graphcal.graph.io import load_model_info
 from graphcal.runtime import open_runtime
+
+if TYPE_CHECKING:
+    from graphcal.algorithms.rotation.fold import Rotation
 
 log = logging.getLogger("graphcal")
 
@@ -91,6 +92,8 @@ def _run(model: onnx.ModelProto, outputs: list[str], feeds: dict, device: str, d
 
 def _turned_back(value: np.ndarray, head_dim: int, report: Rotation) -> np.ndarray:
     """A value output R2 turned per head (its last axis, head_dim wide, took H): ``v H Hᵀ = v``."""
+    from graphcal.algorithms.rotation.hadamard import orthogonal  # lazy: the rotation's math loads with --rotate only
+
     h, _ = orthogonal(head_dim, report.seed, report.kind)
     return (value.astype(np.float64) @ h.T).astype(value.dtype)
 
@@ -103,6 +106,8 @@ def _sqnr(name: str, ref: np.ndarray, cand: np.ndarray) -> float:
         return -math.inf
     if not finite.any():
         return math.inf
+    from graphcal.evaluation.agreement import Agreement  # lazy: eval's package loads with --rotate only, not with every run
+
     agreement = Agreement(name)
     agreement.add(ref[finite], cand[finite])
     if agreement.ref_sq == 0:
@@ -132,6 +137,8 @@ class Rotate(Transform):
     def rewrite(cls, model: onnx.ModelProto, settings: RotationSettings, base_dir: str) -> tuple[onnx.ModelProto, Rotation]:
         """The model with the residual stream rotated (the loaded model, edited: nothing else holds it
         yet) and what the fold did; the record is written into the model's metadata too."""
+        from graphcal.algorithms.rotation.fold import rotate, write_record  # lazy: the rotation's math loads with --rotate only
+
         rotation = rotate(model, base_dir, heads="R2" in settings.rotations, kind=settings.kind)
         write_record(model, rotation)
         log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
@@ -169,6 +176,8 @@ class Rotate(Transform):
     @classmethod
     def metadata(cls, decision: Rotation) -> dict:
         """compressed-tensors' transform_config for quantization_config.json."""
+        from graphcal.algorithms.rotation.fold import transform_config  # lazy: the rotation's math loads with --rotate only
+
         return transform_config(decision)
 
     @classmethod
@@ -178,7 +187,11 @@ class Rotate(Transform):
 
     @classmethod
     def result_lines(cls, record: RotationRecord | None) -> list[str]:
-        return [f"rotated the residual stream first ({summary(record.folded)}"] if record is not None else []
+        if record is None:
+            return []
+        from graphcal.algorithms.rotation.fold import summary  # lazy: the rotation's math loads with --rotate only
+
+        return [f"rotated the residual stream first ({summary(record.folded)}"]
 
     @classmethod
     def result_json(cls, record: RotationRecord | None):
@@ -186,7 +199,11 @@ class Rotate(Transform):
 
     @classmethod
     def inspect_lines(cls, run, decision: Rotation | None, settings, blocks) -> list[str]:
-        return [f"rotation ({summary(decision.as_dict())}"] if decision is not None else []
+        if decision is None:
+            return []
+        from graphcal.algorithms.rotation.fold import summary  # lazy: the rotation's math loads with --rotate only
+
+        return [f"rotation ({summary(decision.as_dict())}"]
 
     @classmethod
     def inspect_json(cls, run, decision: Rotation | None, settings, blocks):
