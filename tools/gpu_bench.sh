@@ -33,7 +33,7 @@ if [ "$step" = tests ]; then
   # GPTQ's sweep: the baseline's eager loop against this checkout's eager and captured loops
   timeout "${SWEEP_S:-60}" python3 tools/gptq_sweep_speed.py --device cuda --repeat 5 --baseline .devbase/gptq_math_7cb8953.py 2>&1 | tee "$out/gptq-sweep-cuda.txt" | tail -8
   # startup: process start to the first batch, against onnxruntime's and torch's own imports
-  [ -f tools/startup.py ] && timeout "${STARTUP_S:-90}" python3 tools/startup.py --device cuda \
+  [ -f tools/startup.py ] && timeout "${STARTUP_S:-90}" python3 tools/startup.py --device cuda --repeats 1 \
     --markdown "$out/startup-cuda.md" 2>&1 | tail -14
   # the activation pass's overhead per batch, against the floor and the tapped graph's bare runs
   [ -f tools/pass_overhead.py ] && timeout "${PASS_S:-90}" python3 tools/pass_overhead.py --device cuda \
