@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Number
+from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Index, Number, OneOf
 from graphcal.errors import UsageError
 
 MAX_DB = 1000.0  # an output SQNR target in dB, either way (fp32 itself is under 200 dB)
@@ -51,10 +51,10 @@ MAX_MINUTES = 1e6  # --time-limit: about two years
 @click.option("--time-limit", type=Number(0, MAX_MINUTES), default=60, show_default=True, metavar="MINUTES",
               help="Refuse --sensitivity or mixing when their runs, estimated from the comparison's first batches, would take "
                    "longer than this (0: no limit). The number of runs is printed before any pass.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+@click.option("--device", type=OneOf(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where onnxruntime runs both models (and --isolated, --sensitivity and mixing), as for run: auto "
                    "picks CUDA when a GPU is usable; on a GPU the outputs are compared there.")
-@click.option("--device-id", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+@click.option("--device-id", type=Index(), default=0, show_default=True, metavar="N",
               help="With CUDA: the GPU to run on (CUDA's numbering).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
