@@ -67,6 +67,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     from graphcal.runtime import check_device  # lazy: it imports onnxruntime
 
     check_device(options.device)  # --device cuda without a usable GPU: one line, before any model is read
+    _check_device_id(options)
     inputs = [reference, candidate, *([data] if isinstance(data, (str, os.PathLike)) else [])]
     for option, path in options.writes:
         check_output_file(path, inputs, option)
@@ -105,6 +106,17 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
                       comparison.runner, layout.skipped, level=options.level, ignored=ignored, provider=comparison.provider,
                       isolated=comparison.isolated, smoothable=smoothable, sensitivity=sens, mix=mix,
                       warnings=list(comparison.calib.notes))
+
+
+def _check_device_id(options: EvalOptions) -> None:
+    """A --device-id past the GPUs torch sees, where it sees any, refused before any model is read."""
+    if options.device == "cpu" or options.device_id == 0:
+        return
+    import torch  # lazy: loaded with the runtime above
+
+    if torch.cuda.is_available() and options.device_id >= torch.cuda.device_count():
+        raise UsageError(f"--device-id {options.device_id}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"numbered from 0")
 
 
 def _plans(models: EvalModels, layout, options: EvalOptions, keep: list[str]) -> tuple:
