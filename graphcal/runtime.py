@@ -69,13 +69,17 @@ class Runtime:
         """The graph inputs the session takes (a pruned graph may take fewer than the model)."""
         return {i.name for i in self.session.get_inputs()}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def run(self, feeds: dict[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
-        onnxruntime's memory (it lives as long as the tensor does)."""
+        onnxruntime's memory (it lives as long as the tensor does). A feed may be a torch tensor on
+        the session's GPU (an output of another run): onnxruntime reads it where it lies."""
         startup_probe()
         binding = self.session.io_binding()
         for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
+            if isinstance(array, torch.Tensor):
+                _bind_tensor(binding, name, array)
+            else:
+                binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
         for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         try:
@@ -116,6 +120,21 @@ class Runtime:
             self._tmp.cleanup()
             self._tmp = None
         trim_heap()
+
+
+def _bind_tensor(binding, name: str, tensor: torch.Tensor) -> None:
+    """Bind a torch tensor as an input: one on a GPU by its device pointer (no copy), one on the CPU
+    (or of a type numpy lacks a name for) through numpy. It must outlive the run (the feeds hold it)."""
+    element = _NUMPY_OF.get(tensor.dtype)
+    if tensor.device.type != "cuda" or element is None:
+        binding.bind_cpu_input(name, np.ascontiguousarray(tensor.detach().cpu().numpy()))
+        return
+    tensor = tensor.contiguous()
+    binding.bind_input(name, "cuda", tensor.device.index or 0, element, list(tensor.shape), tensor.data_ptr())
+
+
+_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
+             torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
 def trim_heap() -> None:
@@ -219,12 +238,16 @@ ONNXRUNTIME, REFERENCE = "onnxruntime", "onnx.reference"
 class ModelRunner:
     """A model opened once to run many batches: ``run(feeds)`` -> ``{output name: numpy array}``.
 
-    ``kind`` is ``"onnxruntime"`` (CPU provider, at the level :func:`open_model_runner` was given)
-    or ``"onnx.reference"`` (onnx's ReferenceEvaluator, for the fp4 / e8m0 models onnxruntime cannot run)."""
+    ``kind`` is ``"onnxruntime"`` (at the level :func:`open_model_runner` was given, on ``provider``)
+    or ``"onnx.reference"`` (onnx's ReferenceEvaluator, for the fp4 / e8m0 models onnxruntime cannot
+    run; ``provider`` None). Outputs are numpy arrays on the host, or torch tensors on the session's
+    GPU where it runs on one (``device``: see :func:`open_model_runner`)."""
 
     outputs: list[str]
     kind: str
     _run: Callable[[dict], dict[str, np.ndarray]] = field(repr=False)
+    provider: str | None = None
+    device: torch.device = torch.device("cpu")  # where the outputs lie
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(feeds)
@@ -237,6 +260,8 @@ def open_model_runner(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     external_folder: str | os.PathLike | None = None,
     shared: bool = False,
+    device: str = "cpu",
+    device_id: int = 0,
 ) -> ModelRunner:
     """Open ``model`` (a ModelProto or an .onnx path) to fetch ``outputs`` (default: the graph's outputs).
 
@@ -246,7 +271,11 @@ def open_model_runner(
     (``graph.io.runs_in_onnxruntime`` false: fp4 / e8m0 tensors) go to onnx.reference's
     ReferenceEvaluator instead, where ``optimization`` does not apply. A path's external data is
     loaded with the model, into memory; a ModelProto's weights left on disk are read by onnxruntime
-    from ``external_folder``. ``shared``: outputs over onnxruntime's memory (:meth:`Runtime.run_shared`)."""
+    from ``external_folder``. ``shared``: outputs over onnxruntime's memory (:meth:`Runtime.run_shared`).
+
+    ``device`` ("cpu" | "auto" | "cuda", GPU ``device_id``) is :func:`open_runtime`'s: where the session
+    runs on a GPU and torch can use it, every output stays there, a torch tensor handed over by DLPack
+    (:meth:`Runtime.run`), whatever ``shared`` says; on the CPU (or a CPU-only torch) outputs are numpy."""
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
     names = list(outputs) if outputs is not None else [o.name for o in model.graph.output]
@@ -255,8 +284,19 @@ def open_model_runner(
 
         evaluator = ReferenceEvaluator(model)
         return ModelRunner(names, REFERENCE, lambda feeds: dict(zip(names, evaluator.run(names, feeds))))
-    runtime = open_runtime(model, names, device="cpu", optimization=optimization, external_folder=external_folder)
-    return ModelRunner(names, ONNXRUNTIME, runtime.run_shared if shared else runtime.run_numpy)
+    runtime = open_runtime(model, names, device=device, optimization=optimization, external_folder=external_folder,
+                           device_id=device_id)
+    return runtime_runner(runtime, shared)
+
+
+def runtime_runner(runtime: Runtime, shared: bool = False) -> ModelRunner:
+    """A :class:`ModelRunner` over an open :class:`Runtime`: torch tensors on its GPU where the
+    outputs lie there, else numpy (``shared``: over onnxruntime's memory)."""
+    if runtime.device.type != "cpu":
+        run = runtime.run
+    else:
+        run = runtime.run_shared if shared else runtime.run_numpy
+    return ModelRunner(list(runtime.outputs), ONNXRUNTIME, run, runtime.provider, runtime.device)
 
 
 def run_model(

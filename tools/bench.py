@@ -17,8 +17,8 @@ For each model and sample count it runs, each in a fresh child process (so each 
   SmoothQuant + GPTQ;
 - onnxruntime's ``quantize_static`` (QDQ, int8 symmetric, per-channel weights, MatMul/Gemm) with
   MinMax, Percentile and Entropy calibration;
-- ``graphcal eval`` of the fp32 model against the W8A8_STATIC output, and its floor: both models run
-  over the same batches, each in a plain onnxruntime session in one process;
+- ``graphcal eval`` of the fp32 model against the W8A8_STATIC output (on ``--device``), and its floor: both
+  models run over the same batches, each in a plain onnxruntime session in one process (on the same device);
 
 and reports wall time (the work: session, pass, observers, writing; imports are reported apart as
 startup), peak host memory, and both as ratios to the floor (eval's to its own floor)
@@ -121,12 +121,18 @@ def child(spec: dict) -> dict:
     out = Path(spec["out"])
     start = time.perf_counter()
     if kind == "eval":
-        evaluate(spec["model"], spec["candidate"], spec["data"], batch_size=BATCH)
-    elif kind == "floor2":  # the two models eval compares, each in its own plain session
+        report = evaluate(spec["model"], spec["candidate"], spec["data"], batch_size=BATCH, device=spec["device"])
+        if spec["device"] == "cuda" and report.provider != "CUDAExecutionProvider":
+            raise SystemExit(f"eval ran on {report.provider}, not CUDAExecutionProvider")
+    elif kind == "floor2":  # the two models eval compares, each in its own plain session on the device
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        sessions = [ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-                    for path in (spec["model"], spec["candidate"])]
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if spec["device"] == "cuda" else ["CPUExecutionProvider"]
+        if spec["device"] == "cuda" and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # as graphcal's runtime does
+        sessions = [ort.InferenceSession(path, opts, providers=providers) for path in (spec["model"], spec["candidate"])]
+        if any(s.get_providers()[0] != providers[0] for s in sessions):  # onnxruntime falls back to CPU silently
+            raise SystemExit(f"the eval floor does not run on {providers[0]}")
         n = len(next(iter(data.values())))
         for i in range(0, n, BATCH):
             for session in sessions:

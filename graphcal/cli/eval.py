@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Number
+from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Index, Number, OneOf
 from graphcal.errors import UsageError
 
 MAX_DB = 1000.0  # an output SQNR target in dB, either way (fp32 itself is under 200 dB)
@@ -51,12 +51,17 @@ MAX_MINUTES = 1e6  # --time-limit: about two years
 @click.option("--time-limit", type=Number(0, MAX_MINUTES), default=60, show_default=True, metavar="MINUTES",
               help="Refuse --sensitivity or mixing when their runs, estimated from the comparison's first batches, would take "
                    "longer than this (0: no limit). The number of runs is printed before any pass.")
+@click.option("--device", type=OneOf(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where onnxruntime runs both models (and --isolated, --sensitivity and mixing), as for run: auto "
+                   "picks CUDA when a GPU is usable; on a GPU the outputs are compared there.")
+@click.option("--device-id", type=Index(), default=0, show_default=True, metavar="N",
+              help="With CUDA: the GPU to run on (CUDA's numbering).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write an HTML page with the tables and a per-layer SQNR chart.")
 @DEBUG_OPTION
 def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer,
-                 size_budget, target_db, fallback, time_limit, as_json, html_path, debug):
+                 size_budget, target_db, fallback, time_limit, device, device_id, as_json, html_path, debug):
     """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
     output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
     that would keep them in float. With --size-budget or --target-db, it also chooses which kinds of
@@ -80,6 +85,7 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
                               sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
                               size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,
                               target_db=target_db, time_limit_s=time_limit * 60 if time_limit else None,
+                              device=device, device_id=device_id,
                               writes=(("--html", html_path),) if html_path is not None else ())  # refused before any pass
         report = evaluate(reference, quantized, data, options)
         if html_path is not None:  # replaced whole (a temporary file renamed over it), never an input

@@ -19,6 +19,26 @@ class Refused(click.BadParameter):
         click.echo(f"error: {self.format_message()}", file=file, err=True)
 
 
+class OneLine:
+    """Mixed into a click type: its refusals are :class:`Refused` (one ``error:`` line, exit 2)."""
+
+    def fail(self, message, param=None, ctx=None):
+        raise Refused(message, ctx, param)
+
+
+class OneOf(OneLine, click.Choice):
+    """click.Choice, refused in one line."""
+
+
+class Index(OneLine, click.IntRange):
+    """An integer from 0, refused in one line."""
+
+    name = "integer"
+
+    def __init__(self):
+        super().__init__(min=0)
+
+
 class Number(click.ParamType):
     """A number flag's value, refused at parse time in one ``error:`` line (:class:`Refused`) when it is not a
     finite number from ``low`` to ``high`` (an ``open`` end excluded; None: unbounded): NaN, inf,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,9 @@ class Agreement:
     def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
         """Fold in one batch's tensors, in float64 a slice at a time (a large vocabulary's logits
         in float64 whole would be several times the batch's own memory)."""
+        if _is_torch(ref) or _is_torch(cand):
+            self._add_torch(ref, cand)
+            return
         ref, cand = np.asarray(ref), np.asarray(cand)
         if ref.shape != cand.shape:
             raise GraphcalError(f"{self.name}: shapes differ between the models ({ref.shape} vs {cand.shape})")
@@ -40,6 +44,29 @@ class Agreement:
             self.err_sq += float(np.dot(err, err))
             self.max_abs_err = max(self.max_abs_err, float(np.abs(err).max()))
             self.max_abs_ref = max(self.max_abs_ref, float(np.abs(r).max()))
+
+    def _add_torch(self, ref, cand) -> None:
+        """:meth:`add` for torch tensors (a GPU session's outputs, handed over by DLPack): the same sums
+        in float64 where the tensors lie, a slice at a time, accumulated there; six numbers come back."""
+        import torch  # lazy: only where a runner hands over torch tensors (it imported torch)
+
+        ref = ref if _is_torch(ref) else torch.as_tensor(np.asarray(ref))
+        cand = (cand if _is_torch(cand) else torch.as_tensor(np.asarray(cand))).to(ref.device)
+        if tuple(ref.shape) != tuple(cand.shape):
+            raise GraphcalError(f"{self.name}: shapes differ between the models ({tuple(ref.shape)} vs {tuple(cand.shape)})")
+        ref, cand = ref.reshape(-1), cand.reshape(-1)
+        if ref.numel() == 0:
+            return
+        sums = torch.zeros(4, dtype=torch.float64, device=ref.device)  # ref², cand², ref·cand, err²
+        peaks = torch.zeros(2, dtype=torch.float64, device=ref.device)  # max |err|, max |ref|
+        for start in range(0, ref.numel(), CHUNK):
+            r, c = ref[start:start + CHUNK].to(torch.float64), cand[start:start + CHUNK].to(torch.float64)
+            err = c - r
+            sums += torch.stack([torch.dot(r, r), torch.dot(c, c), torch.dot(r, c), torch.dot(err, err)])
+            peaks = torch.maximum(peaks, torch.stack([err.abs().max(), r.abs().max()]))
+        ref_sq, cand_sq, dot, err_sq = sums.tolist()
+        max_abs_err, max_abs_ref = peaks.tolist()
+        self.add_sums(ref_sq, cand_sq, dot, err_sq, max_abs_err, max_abs_ref)
 
     def add_sums(self, ref_sq: float, cand_sq: float, dot: float, err_sq: float, max_abs_err: float,
                  max_abs_ref: float) -> None:
@@ -70,6 +97,12 @@ class Agreement:
     def as_dict(self) -> dict:
         return {"name": self.name, "sqnr_db": finite(self.sqnr_db), "cosine": self.cosine,
                 "max_abs_error": self.max_abs_err, "max_abs_reference": self.max_abs_ref}
+
+
+def _is_torch(value) -> bool:
+    """A torch tensor (torch is loaded wherever one exists: this module never imports it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def finite(value: float) -> float | None:

@@ -82,15 +82,17 @@ class Comparison:
     batches: int
     runner: str  # "onnxruntime" or "onnx.reference"
     calib: Calibration  # the data, as the later measures read it again
+    provider: str | None = None  # the onnxruntime provider that ran the models (None: onnx.reference)
 
 
 def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, optimization,
             paced: Callable[[float, int, int | None], None]) -> Comparison:
     """Run both models over ``data`` and compare ``layout``'s tensors; ``paced(seconds, batches,
     num_batches)`` is told the first batches' time (eval estimates the later runs from it)."""
-    from graphcal.runtime import ModelRunner, open_model_runner, open_runtime  # lazy: it imports onnxruntime
+    from graphcal.runtime import open_model_runner, open_runtime, runtime_runner  # lazy: it imports onnxruntime
 
     outputs, layers, fetch, isolated = layout.outputs, layout.layers, layout.fetch, options.isolated
+    on = dict(device=options.device, device_id=options.device_id)  # every session: CPU, or the GPU and its tensors
     paired = ref_run = cand_run = None
     if options.in_graph and not isolated and models.in_onnxruntime:
         # both models in one onnxruntime graph, compared there: only six numbers per tensor leave it
@@ -98,11 +100,11 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
         model, weights, sums = paired_model(models.reference.model, models.candidate.model,
                                             [t for t in fetch if t not in outputs], fetched=outputs)
         names = [OUTPUT, *outputs, *(PAIRED_PREFIX + o for o in outputs)]
-        runtime = open_runtime(model, names, device="cpu", optimization=optimization,
-                               renamed_weights=weights, external_folder=models.folder, priority_order=False)
-        paired = ModelRunner(names, "onnxruntime", runtime.run_shared)
+        runtime = open_runtime(model, names, optimization=optimization, renamed_weights=weights,
+                               external_folder=models.folder, priority_order=False, **on)
+        paired = runtime_runner(runtime, shared=True)
         del model, weights
-        runner_kind = paired.kind
+        runner_kind, provider = paired.kind, paired.provider
     forced, forced_run, ref_fetch = {}, None, fetch
     if paired is None:  # each model run as a whole protobuf, its weights read in
         ref_model, cand_model = models.whole(models.reference), models.whole(models.candidate)
@@ -111,11 +113,12 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
             ref_fetch = fetch + [a for a in forced if a not in fetch]
             layer_tensors = [tensor for _, tensor in layers]
             forced_run = open_model_runner(add_taps(forced_model, layer_tensors)[0], layer_tensors,
-                                           optimization=optimization)
+                                           optimization=optimization, **on)
             del forced_model
-        ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization)  # or onnx.reference
-        cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization)
-        runner_kind = cand_run.kind
+        ref_run = open_model_runner(add_taps(ref_model, ref_fetch)[0], ref_fetch, optimization=optimization,
+                                    **on)  # or onnx.reference
+        cand_run = open_model_runner(add_taps(cand_model, fetch)[0], fetch, optimization=optimization, **on)
+        runner_kind, provider = cand_run.kind, cand_run.provider
         del ref_model, cand_model
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
@@ -128,12 +131,13 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():
         if paired is not None:
-            values = paired.run(batch)
+            values = paired.run(batch)  # numpy, or torch tensors on the GPU: compared where they lie
             for agreement, tensor in zip(out_agree, outputs):
                 agreement.add(values[tensor], values[PAIRED_PREFIX + tensor])
+            reduced = values[OUTPUT].tolist()  # the layers' sums: the one small vector that comes to the host
             for agreement, (_, tensor) in zip(layer_agree, layers):
                 if tensor in sums:  # else an output: it takes that output's sums below
-                    agreement.add_sums(*map(float, values[OUTPUT][sums[tensor]:sums[tensor] + len(SUMS)]))
+                    agreement.add_sums(*reduced[sums[tensor]:sums[tensor] + len(SUMS)])
             del values
         else:
             ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
@@ -154,7 +158,7 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
         for agreement, (_, tensor) in zip(layer_agree, layers):
             if tensor in by_output:
                 agreement.add_sums(*(getattr(by_output[tensor], key) for key in SUMS))
-    return Comparison(out_agree, layer_agree, alone, batches, runner_kind, calib)
+    return Comparison(out_agree, layer_agree, alone, batches, runner_kind, calib, provider)
 
 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations

@@ -15,7 +15,8 @@ def _fmt_db(value: float) -> str:
 
 def format_text(report: EvalReport) -> str:
     level = f", ORT_ENABLE_{report.level.upper()}" if report.runner == "onnxruntime" else ""
-    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}{level})", "",
+    provider = f" {report.provider}" if report.provider is not None else ""
+    lines = [f"compared on {report.samples} samples in {report.batches} batches ({report.runner}{provider}{level})", "",
              "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
     for a in report.outputs:
         lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")
@@ -128,7 +129,8 @@ def format_html(report: EvalReport, title: str) -> str:
     advice = (" ".join(f"--ignore {html.escape(n)}" for n in ignore) if ignore
               else "no layer is more than 6 dB under the median layer")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-            f"<h1>{html.escape(title)}</h1><p>{report.samples} samples, {report.runner}</p>"
+            f"<h1>{html.escape(title)}</h1><p>{report.samples} samples, {report.runner}"
+            f"{' ' + html.escape(report.provider) if report.provider is not None else ''}</p>"
             f"<h2>Outputs</h2><table border='1' cellpadding='4'><tr><th>output</th><th>SQNR (dB)</th><th>cosine</th>"
             f"<th>max abs error</th></tr>{rows}</table><h2>Layers</h2>{svg}"
             f"<p>Worst: {', '.join(html.escape(a.name) for a in report.worst())}</p><p>{advice}</p></body></html>")

@@ -9,6 +9,7 @@ from pathlib import Path
 from graphcal.errors import UsageError
 
 LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
+DEVICES = ("auto", "cpu", "cuda")  # as run's --device (graphcal.runtime.DEVICES)
 DEFAULT_TIME_LIMIT_S = 3600.0  # eval --time-limit's default: a sensitivity estimated past an hour is refused
 
 
@@ -28,6 +29,8 @@ class EvalOptions:
     fallback: str | Path | None = None  # the higher form of the mix (None: float)
     size_budget_bytes: int | None = None
     target_db: float | None = None
+    device: str = "auto"  # where every session runs, as run's --device: "auto" (CUDA when usable), "cpu", "cuda"
+    device_id: int = 0  # the GPU, with CUDA
 
     def __post_init__(self):
         object.__setattr__(self, "writes", tuple(tuple(w) for w in self.writes))
@@ -40,6 +43,10 @@ class EvalOptions:
         """Refuse, in one line, settings that need another or take no value given."""
         if self.level not in LEVELS:
             raise UsageError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
+            raise UsageError(f"--device-id must be a GPU index (0 or more), got {self.device_id!r}")
         if self.size_budget_bytes is not None and self.target_db is not None:
             raise UsageError("give one of --size-budget and --target-db")
         if self.fallback is not None and not self.mixing:

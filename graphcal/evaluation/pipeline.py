@@ -50,6 +50,12 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     With ``in_graph`` (the default, onnxruntime models without ``isolated``), both models run as one
     graph that reduces each compared pair to six float64 sums (graph.compare).
 
+    ``device`` ("auto" | "cpu" | "cuda", GPU ``device_id``) is run's --device, checked up front
+    (runtime.check_device): every session (the comparison, the isolated copy, the switchable session
+    of sensitivity and mixing) runs there, and on a GPU the compared outputs stay there as torch
+    tensors (DLPack), reduced there to their sums; only those come to the host. onnx.reference
+    (fp4 / e8m0 models) runs on the CPU whatever it says.
+
     ``writes``: (option, path) of each file the caller will write with the report (the CLI's
     ``--html``); one that is an input (a model, its external data, the data) is refused before
     any pass. The models are read once (graphcal.evaluation.models)."""
@@ -58,6 +64,10 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     elif settings:
         raise TypeError("give the options as one EvalOptions or as keywords, not both")
     options.check()
+    from graphcal.runtime import check_device  # lazy: it imports onnxruntime
+
+    check_device(options.device)  # --device cuda without a usable GPU: one line, before any model is read
+    _check_device_id(options)
     inputs = [reference, candidate, *([data] if isinstance(data, (str, os.PathLike)) else [])]
     for option, path in options.writes:
         check_output_file(path, inputs, option)
@@ -84,7 +94,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     if plans:  # the comparison's sessions are gone: one switchable session for both measures
         trim_heap()
         session = open_switch_session(models, {k: v for p in plans for k, v in p.fp32_layers.items()}, layout.outputs,
-                                      optimization)
+                                      optimization, device=options.device, device_id=options.device_id)
         if sens_plan is not None:
             sens = measure_sensitivity(sens_plan, session, layout.outputs, comparison.calib, keep)
             trim_heap()
@@ -93,9 +103,20 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
         del session
     models.check_unchanged()
     return EvalReport(comparison.outputs, comparison.layers, comparison.calib.num_samples, comparison.batches,
-                      comparison.runner, layout.skipped, level=options.level, ignored=ignored,
+                      comparison.runner, layout.skipped, level=options.level, ignored=ignored, provider=comparison.provider,
                       isolated=comparison.isolated, smoothable=smoothable, sensitivity=sens, mix=mix,
                       warnings=list(comparison.calib.notes))
+
+
+def _check_device_id(options: EvalOptions) -> None:
+    """A --device-id past the GPUs torch sees, where it sees any, refused before any model is read."""
+    if options.device == "cpu" or options.device_id == 0:
+        return
+    import torch  # lazy: loaded with the runtime above
+
+    if torch.cuda.is_available() and options.device_id >= torch.cuda.device_count():
+        raise UsageError(f"--device-id {options.device_id}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"numbered from 0")
 
 
 def _plans(models: EvalModels, layout, options: EvalOptions, keep: list[str]) -> tuple:

@@ -30,6 +30,7 @@ class EvalReport:
     sensitivity: Sensitivity | None = None  # eval --sensitivity
     mix: Mix | None = None  # eval --size-budget / --target-db
     warnings: list[str] = field(default_factory=list)  # what the CLI shows on stderr (inputs filled for the data)
+    provider: str | None = None  # the onnxruntime provider every session ran on (None: onnx.reference)
 
     @property
     def ranked(self) -> list[Agreement]:
@@ -79,7 +80,8 @@ class EvalReport:
         return ["--smoothquant"] + ([scope] if scope != "norms" else [])
 
     def as_dict(self) -> dict:
-        return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "level": self.level,
+        return {"samples": self.samples, "batches": self.batches, "runner": self.runner, "provider": self.provider,
+                "level": self.level,
                 "outputs": [a.as_dict() for a in self.outputs],
                 "layers": [{**a.as_dict(), **({"isolated_sqnr_db": finite(b.sqnr_db)} if b is not None else {})}
                            for a, b in zip(self.layers, self.isolated or [None] * len(self.layers))],

@@ -25,10 +25,12 @@ class SwitchSession:
         return {s: np.array(False) for names in self.switches.values() for s in names if s is not None}
 
 
-def open_switch_session(models: EvalModels, layers: dict[str, str], outputs: list[str], optimization) -> SwitchSession:
+def open_switch_session(models: EvalModels, layers: dict[str, str], outputs: list[str], optimization,
+                        device: str = "cpu", device_id: int = 0) -> SwitchSession:
     """``layers`` (layer -> the fp32 node computing it) switchable between fp32, the quantized model's
     form and the fallback's (where there is one), as one onnxruntime session fetching ``outputs``
-    (onnx.reference where onnxruntime cannot run the forms: every weight read in)."""
+    (onnx.reference where onnxruntime cannot run the forms: every weight read in), on ``device`` (as
+    run's --device; on a GPU the outputs stay there as torch tensors, compared there by Agreement)."""
     forms = [models.candidate, *([models.fallback] if models.fallback is not None else [])]
     if models.in_onnxruntime:  # weights stay on disk, read by onnxruntime from the one folder
         ref, cands, folder = models.reference.model, [m.model for m in forms], models.folder
@@ -39,5 +41,6 @@ def open_switch_session(models: EvalModels, layers: dict[str, str], outputs: lis
     del ref, cands
     from graphcal.runtime import open_model_runner  # lazy: it imports onnxruntime, loaded when a comparison runs
 
-    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True).run
+    run = open_model_runner(model, outputs, optimization=optimization, external_folder=folder, shared=True,
+                            device=device, device_id=device_id).run
     return SwitchSession(run, switches)
