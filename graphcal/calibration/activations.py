@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from graphcal.calibration.decisions import Loaded, RunPlan
@@ -25,7 +26,7 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import needed_initializers
 from graphcal.graph.taps import Reduction, TapRequest, build_tapped, gram, itemsize, tap_bytes
 from graphcal.limits import check_fits, format_size
-from graphcal.observers.helpers import extrema, finite_extrema
+from graphcal.observers.helpers import extrema
 from graphcal.progress import Progress
 from graphcal.runtime import open_runtime
 
@@ -50,17 +51,35 @@ class Padding:
     def share(self) -> float | None:
         return self.padded / self.positions if self.positions else None
 
-    def count(self, batch: dict, count: bool = True) -> torch.Tensor | None:
+    def count(self, batch: dict, count: bool = True) -> Kept | None:
         """Count ``batch``'s padding (unless ``count`` is false: a later pass over the same data);
-        returns its keep mask [batch, seq] (bool) when padding is excluded."""
+        returns its kept positions when padding is excluded. Counted in numpy, on the host."""
         mask = batch.get(MASK_INPUT)
         if mask is None or mask.ndim != 2:
             return None
-        keep = torch.from_numpy(mask != 0)
+        keep = mask != 0
         if count:
-            self.padded += int(keep.numel() - keep.sum())
-            self.positions += keep.numel()
-        return keep if self.exclude else None
+            self.padded += int(keep.size - np.count_nonzero(keep))
+            self.positions += keep.size
+        return Kept(torch.from_numpy(keep)) if self.exclude else None
+
+
+class Kept:
+    """A batch's unpadded positions: its keep mask [batch, seq] and, found once on the host, the
+    flat index of its kept rows, copied once to each device a tap lies on. ``x[mask]`` on a GPU
+    would find the rows again, with a host sync, for every tap."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.shape = tuple(mask.shape)
+        self._index = {mask.device: mask.reshape(-1).nonzero().reshape(-1)}
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[mask]`` (``x`` [batch, seq, ...]): its kept rows [N, ...], in the mask's order."""
+        index = self._index.get(x.device)
+        if index is None:
+            index = self._index[x.device] = self._index[self.mask.device].to(x.device)
+        return x.flatten(0, 1).index_select(0, index)
 
 
 @dataclass(frozen=True)
@@ -231,13 +250,13 @@ def run_activation_pass(plan: RunPlan, loaded: Loaded, observers: Consumers, cal
     return PassResult(provider, batches, padding, len(shares), whole_bytes, limit)
 
 
-def _unpadded(x: torch.Tensor, keep: torch.Tensor, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:
+def _unpadded(x: torch.Tensor, keep: Kept, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:
     """``x``'s unpadded rows [N, ...] when ``x`` is [batch, seq, ...] like the mask (else None, and
     ``tensor`` is listed as observed with its padding); key/value states are never masked."""
-    if all(c.feed is Feed.KV for c in consumers) or x.ndim < 3 or tuple(x.shape[:2]) != tuple(keep.shape):
+    if all(c.feed is Feed.KV for c in consumers) or x.ndim < 3 or tuple(x.shape[:2]) != keep.shape:
         padding.unmasked.setdefault(tensor, tuple(x.shape))
         return None
-    return x[keep.to(x.device)]
+    return keep.rows(x)
 
 
 def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_graph: bool, progress: bool, dist=None,
@@ -249,6 +268,8 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
     routes = {t: mine for t, cs in observers.by_tensor().items()
               if (mine := [c for c in cs if c.request(in_graph) in tapped.outputs])}
     takes = runtime.inputs
+    tolerant = set(getattr(observers, "tolerant", ())) & set(routes)
+    finite = Finiteness(defer=not tolerant and all(_takes_nonfinite(c) for cs in routes.values() for c in cs))
     done = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     if dist is None:  # samples/s and the time left over the whole data
@@ -262,36 +283,109 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
                 continue
             keep = padding.count(batch, count) if padding is not None else None
             values = runtime.run({k: v for k, v in batch.items() if k in takes})
-            _feed(values, routes, tapped, in_graph, keep, padding, index, observers)
+            _feed(values, routes, tapped, in_graph, keep, padding, index, observers, finite)
             del values
             done += 1
             bar.update(batch_samples(batch) if dist is None else 1)
+        finite.check_deferred()
     return done
 
 
-def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep, padding: Padding | None, index: int,
-          observers: Consumers | None = None) -> None:
+#: batches whose taps' finiteness is kept on the device between two reads of it (deferred checks)
+CHECK_EVERY = 64
+
+
+def _takes_nonfinite(consumer) -> bool:
+    """Whether ``consumer`` may be fed a batch before its finiteness is known: min/max observers of
+    activations (statistics that are the batch extrema) only carry a NaN or Inf along, and the pass
+    refuses it before they are read."""
+    return consumer.feed in (Feed.INPUT, Feed.KV) and getattr(consumer.observer, "takes_extrema", False)
+
+
+class Finiteness:
+    """Whether the taps of a pass hold NaN or Inf, read from the device once per batch, or (``defer``)
+    once every :data:`CHECK_EVERY` batches and at the end of the pass.
+
+    A batch's probes (a reduced tap's finiteness probe from the graph, a whole tap's min and max:
+    NaN and Inf carry through both) are stacked into one tensor. Checked now, the batch's flags come
+    to the host in one read before any tap is fed. Deferred (every consumer of the pass takes a
+    non-finite batch harmlessly, :func:`_takes_nonfinite`), the first batch each probe was non-finite
+    in is kept on the device and read later; the error is the same: the first batch that held one,
+    and in it the first tap in the pass's order."""
+
+    NEVER = 2**62
+
+    def __init__(self, defer: bool):
+        self.defer = defer
+        self.keys: list | None = None  # (tensor, its consumers) of each probe, the same every batch
+        self.first: torch.Tensor | None = None  # per probe: the first batch it was non-finite in (NEVER)
+        self.batches = 0
+
+    def observe(self, probes: list, index: int, observers=None, tolerant=()) -> set[str]:
+        """Check batch ``index``'s ``probes`` ([(tensor, consumers, 0-d tensor)], in the pass's order);
+        returns the tensors not to feed (non-finite, ``tolerant``: added to ``observers.nonfinite``)."""
+        if not probes:
+            return set()
+        finite = torch.isfinite(torch.stack([p for _, _, p in probes]))  # one stack, whatever the dtypes
+        keys = [(t, cs) for t, cs, _ in probes]
+        if self.defer and (self.keys is None or keys == self.keys):
+            self.keys = keys
+            bad = torch.where(finite, self.NEVER, index)
+            self.first = bad if self.first is None else torch.minimum(self.first, bad)
+            self.batches += 1
+            if self.batches % CHECK_EVERY == 0:
+                self.check_deferred()
+            return set()
+        self.check_deferred()  # a batch whose taps differ (not seen): what is kept is read first
+        skip: set[str] = set()
+        for (tensor, consumers), ok in zip(keys, finite.tolist()):  # the one read of this batch
+            if ok or tensor in skip:
+                continue
+            if tensor not in tolerant:
+                raise _nonfinite(tensor, index, consumers)
+            observers.nonfinite.add(tensor)
+            skip.add(tensor)
+        return skip
+
+    def check_deferred(self) -> None:
+        """Refuse, from what is kept on the device (one read), the first non-finite tap seen so far."""
+        if self.first is None:
+            return
+        first = self.first.tolist()
+        batch = min(first)
+        if batch != self.NEVER:
+            tensor, consumers = self.keys[first.index(batch)]
+            raise _nonfinite(tensor, batch, consumers)
+
+
+def _nonfinite(tensor: str, index: int, consumers) -> GraphcalError:
+    return GraphcalError(f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
+                         f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations")
+
+
+def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep: Kept | None, padding: Padding | None, index: int,
+          observers: Consumers | None = None, finite: Finiteness | None = None) -> None:
     """Feed ``routes`` (tensor -> its consumers in this pass) from ``values``, the outputs of
-    ``tapped`` (this pass's graph) for batch ``index``. A tap holding NaN or Inf is refused, unless
-    ``observers`` lists it in its ``tolerant`` tensors: then it is added to its ``nonfinite`` set and
-    that batch's value is not observed (SmoothQuant's ranges under --skip-nonfinite-weights)."""
+    ``tapped`` (this pass's graph) for batch ``index``. A tap holding NaN or Inf is refused
+    (:class:`Finiteness`: checked before the batch is fed, or, where every consumer takes it
+    harmlessly, later in the pass), unless ``observers`` lists it in its ``tolerant`` tensors: then
+    it is added to its ``nonfinite`` set and that batch's value is not observed (SmoothQuant's
+    ranges under --skip-nonfinite-weights)."""
+    finite = finite or Finiteness(defer=False)
+    spans, probes = {}, []
     for tensor, consumers in routes.items():
         x = values.get(tensor)
-        probe = tapped.finite.get(tensor)
-        span = None
         if x is not None and x.is_floating_point():  # its extrema, read once, also serve the observers
-            span = extrema(x)
-            finite = finite_extrema(span)
-        else:
-            finite = probe not in values or bool(torch.isfinite(values[probe]).all())
-        if not finite and tensor in getattr(observers, "tolerant", ()):
-            observers.nonfinite.add(tensor)
+            span = spans[tensor] = extrema(x)
+            if span is not None:
+                probes += [(tensor, consumers, span[0]), (tensor, consumers, span[1])]
+        elif (probe := tapped.finite.get(tensor)) in values:  # a reduced tap: the graph's probe
+            probes.append((tensor, consumers, values[probe]))
+    skip = finite.observe(probes, index, observers, getattr(observers, "tolerant", ()))
+    for tensor, consumers in routes.items():
+        if tensor in skip:
             continue
-        if not finite:
-            raise GraphcalError(
-                f"tap {tensor!r} holds NaN or Inf in batch {index} (observer "
-                f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations"
-            )
+        x, span = values.get(tensor), spans.get(tensor)
         rows = _unpadded(x, keep, consumers, padding, tensor) if keep is not None else None
         for c in consumers:
             seen = x

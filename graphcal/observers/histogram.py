@@ -32,6 +32,7 @@ from graphcal.observers.mse import Scores, shrink_search, validate_search_kwargs
 
 __all__ = [
     "add_to_histogram",
+    "bin_counts",
     "merge_histograms",
     "percentile_edge",
     "percentile_range",
@@ -83,24 +84,35 @@ def add_to_histogram(counts: torch.Tensor | None, width: float, x: torch.Tensor,
     while absmax > bins * width:
         counts, width = _coarsen(counts), width * 2
     flat = x.reshape(-1)
+    chunk = CHUNK_ELEMENTS if x.device.type == "cpu" else COUNT_ELEMENTS  # a GPU has no cache to stay in
     if x.device not in _SCRATCH or _SCRATCH[x.device][1].numel() < min(flat.numel(), COUNT_ELEMENTS):
-        _SCRATCH[x.device] = (torch.empty(CHUNK_ELEMENTS, device=x.device),
-                              torch.empty(max(CHUNK_ELEMENTS, min(flat.numel(), COUNT_ELEMENTS)),
+        _SCRATCH[x.device] = (torch.empty(chunk, device=x.device),
+                              torch.empty(max(chunk, min(flat.numel(), COUNT_ELEMENTS)),
                                           dtype=torch.int32, device=x.device))
     scratch, index = _SCRATCH[x.device]
     total = None
     for values in flat.split(COUNT_ELEMENTS):
         done = 0
-        for part in values.split(CHUNK_ELEMENTS):
+        for part in values.split(chunk):
             n = part.numel()
             # floor(x / width) + bins, exact (width is a power of two); int32: bincount reads it 4x faster than int64
             torch.mul(part, 1.0 / width, out=scratch[:n]).floor_().add_(bins).clamp_(0, 2 * bins - 1)
             index[done:done + n].copy_(scratch[:n])
             done += n
-        found = torch.bincount(index[:done], minlength=2 * bins)
+        found = bin_counts(index[:done], 2 * bins)
         total = found if total is None else total.add_(found)
     counts += total.to(counts)
     return counts, width
+
+
+def bin_counts(index: torch.Tensor, size: int, add: bool | None = None) -> torch.Tensor:
+    """How many of ``index`` (int32, each in ``[0, size)``) fall on each of ``size`` bins (int64).
+    ``torch.bincount`` on the CPU; on a GPU (``add``: either way) an ``index_add_`` of ones, the
+    same counts without bincount's read of the largest index back to the host on every call."""
+    if not (index.device.type != "cpu" if add is None else add):
+        return torch.bincount(index, minlength=size)
+    ones = torch.ones(1, dtype=torch.int64, device=index.device).expand(index.numel())
+    return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
 
 
 def merge_histograms(parts: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, float]:
@@ -244,7 +256,8 @@ class _HistogramObserver(Observer):
 
     @torch.no_grad()
     def _update_spanned(self, observed: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        absmax = max(-float(lo), float(hi))
+        low, high = torch.stack([lo, hi]).tolist()  # one read of the pair from the device (it sets the width)
+        absmax = max(-low, high)
         self.hist, width = add_to_histogram(self.hist, self._width(), observed, absmax, self.kwargs["bins"])
         self.hist_width = torch.tensor(width, dtype=torch.float64)
         lo, hi = lo.reshape(1), hi.reshape(1)

@@ -98,19 +98,32 @@ def shrink_search(
         cand_max = torch.stack([max0 * p for p in batch])
         scale, zero_point = calculate_qparams(cand_min, cand_max, candidate_args)  # elementwise
         errors = scores(scale, zero_point, candidate_args)
-        for i in range(len(batch)):
-            err = errors[i]
-            improved = err < best_err
-            if bool(improved.any()):
-                best_err = torch.where(improved, err, best_err)
-                best_min = torch.where(improved, cand_min[i], best_min)
-                best_max = torch.where(improved, cand_max[i], best_max)
+        before = (best_err, best_min, best_max)
+        best_err, best_min, best_max, improved = _keep_best(errors, cand_min, cand_max, *before, len(batch))
+        for i, better in enumerate(improved.tolist()):  # the one host read of the batch's candidates
+            if better:
                 stalled = 0
-            else:
-                stalled += 1
-                if patience is not None and stalled >= patience:
-                    return best_min, best_max
+                continue
+            stalled += 1
+            if patience is not None and stalled >= patience:
+                if i < len(batch) - 1:  # stopped before the batch's last candidate: the best up to candidate i
+                    best_err, best_min, best_max, _ = _keep_best(errors, cand_min, cand_max, *before, i + 1)
+                return best_min, best_max
     return best_min, best_max
+
+
+def _keep_best(errors, cand_min, cand_max, best_err, best_min, best_max, count: int):
+    """The best ``(error, min, max)`` per qparam after the first ``count`` candidates (strict ``<``, in
+    order), and whether each improved any qparam (a bool tensor, left on the device). A candidate
+    that improves none leaves every value as it was, so the updates need not wait for the host."""
+    improved = []
+    for i in range(count):
+        better = errors[i] < best_err
+        improved.append(better.any())
+        best_err = torch.where(better, errors[i], best_err)
+        best_min = torch.where(better, cand_min[i], best_min)
+        best_max = torch.where(better, cand_max[i], best_max)
+    return best_err, best_min, best_max, torch.stack(improved)
 
 
 #: candidates scored together (one read of each chunk of the tensor serves them all)
@@ -170,7 +183,7 @@ class Scores:
         scale = scale.reshape(shape)
         zero_point = zero_point.reshape(shape)
         is_int = enum_value(args.type) == "int" and scale.dtype == torch.float32
-        q_range = tuple(float(v) for v in calculate_range(args, scale.device)) if is_int else None
+        q_range = tuple(float(v) for v in calculate_range(args, "cpu")) if is_int else None  # no device read
         inverse = torch.reciprocal(scale) if is_int else None
         out = torch.zeros(k, q, dtype=torch.float32, device=scale.device)
         whole = slice(0, q)
