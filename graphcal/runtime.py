@@ -50,12 +50,21 @@ class Runtime:
         """The graph inputs the session takes (a pruned graph may take fewer than the model)."""
         return {i.name for i in self.session.get_inputs()}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def run(self, feeds: dict[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
-        onnxruntime's memory (it lives as long as the tensor does)."""
+        onnxruntime's memory (it lives as long as the tensor does). A feed may be a torch tensor,
+        on the host or on the GPU: onnxruntime reads it where it lies (:func:`bind_torch_input`)."""
         binding = self.session.io_binding()
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
+        held, gpus = [], set()  # the bound tensors, alive until the run is over
+        for name, value in feeds.items():
+            if isinstance(value, torch.Tensor):
+                held.append(bind_torch_input(binding, name, value))
+                if value.device.type == "cuda":
+                    gpus.add(value.device)
+            else:
+                binding.bind_cpu_input(name, value)  # copied to the device by onnxruntime where needed
+        for gpu in gpus:  # onnxruntime runs on its own stream: what torch queued for the inputs must be done first
+            torch.cuda.current_stream(gpu).synchronize()
         for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         try:
@@ -64,6 +73,11 @@ class Runtime:
             detail = first_line(e).removeprefix("Error in execution: ")
             raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
         return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
+
+    @property
+    def torch_outputs(self) -> bool:
+        """Whether every output has an element type torch takes (:meth:`run`); float8 and int4 do not."""
+        return all(o.type in TORCH_TYPES for o in self.session.get_outputs() if o.name in self.outputs)
 
     def run_shared(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """:meth:`run` with every output as a numpy array over onnxruntime's own memory (on the CPU,
@@ -95,6 +109,29 @@ class Runtime:
             self._tmp.cleanup()
             self._tmp = None
         trim_heap()
+
+
+#: onnxruntime's tensor types torch holds: the ONNX element type of each torch dtype
+ONNX_TYPE = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+             torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
+             torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32, torch.int16: onnx.TensorProto.INT16,
+             torch.int8: onnx.TensorProto.INT8, torch.uint8: onnx.TensorProto.UINT8, torch.bool: onnx.TensorProto.BOOL}
+TORCH_TYPES = {f"tensor({t})" for t in ("float", "float16", "bfloat16", "double", "int64", "int32", "int16", "int8",
+                                        "uint8", "bool")}
+
+
+def bind_torch_input(binding: ort.IOBinding, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Bind ``value`` as input ``name`` from its own memory (host or GPU; no copy unless it is not
+    contiguous). Returns the tensor bound, which must stay alive until the run is over."""
+    value = value.detach().contiguous()
+    if value.dtype not in ONNX_TYPE:
+        raise GraphcalError(f"input {name!r}: onnxruntime takes no torch {value.dtype}")
+    shape, device = list(value.shape), value.device
+    if value.numel() == 0:  # no memory of its own (a null pointer): any buffer does, nothing is read
+        value = torch.empty(1, dtype=value.dtype, device=device)
+    binding.bind_input(name, "cuda" if device.type == "cuda" else "cpu", device.index or 0, ONNX_TYPE[value.dtype],
+                       shape, value.data_ptr())
+    return value
 
 
 def trim_heap() -> None:
