@@ -63,7 +63,11 @@ class Runtime:
                     gpus.add(value.device)
             else:
                 binding.bind_cpu_input(name, value)  # copied to the device by onnxruntime where needed
-        for gpu in gpus:  # onnxruntime runs on its own stream: what torch queued for the inputs must be done first
+        if self.device.type == "cuda":
+            gpus.add(self.device)
+        # onnxruntime runs on its own stream: what torch queued must be done first, both the inputs it
+        # made and its reads of earlier outputs (whose memory onnxruntime may hand out again once dropped)
+        for gpu in gpus:
             torch.cuda.current_stream(gpu).synchronize()
         for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
