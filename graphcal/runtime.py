@@ -71,15 +71,24 @@ class Runtime:
 
     def run(self, feeds: dict[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run one batch; every output comes back as a torch tensor on ``self.device``, sharing
-        onnxruntime's memory (it lives as long as the tensor does). A feed may be a torch tensor on
-        the session's GPU (an output of another run): onnxruntime reads it where it lies."""
+        onnxruntime's memory (it lives as long as the tensor does). A feed may be a torch tensor,
+        on the host or on the GPU: onnxruntime reads it where it lies (:func:`bind_torch_input`)."""
         startup_probe()
         binding = self.session.io_binding()
-        for name, array in feeds.items():
-            if isinstance(array, torch.Tensor):
-                _bind_tensor(binding, name, array)
+        held, gpus = [], set()  # the bound tensors, alive until the run is over
+        for name, value in feeds.items():
+            if isinstance(value, torch.Tensor):
+                held.append(bind_torch_input(binding, name, value))
+                if value.device.type == "cuda":
+                    gpus.add(value.device)
             else:
-                binding.bind_cpu_input(name, array)  # copied to the device by onnxruntime where needed
+                binding.bind_cpu_input(name, value)  # copied to the device by onnxruntime where needed
+        if self.device.type == "cuda":
+            gpus.add(self.device)
+        # onnxruntime runs on its own stream: what torch queued must be done first, both the inputs it
+        # made and its reads of earlier outputs (whose memory onnxruntime may hand out again once dropped)
+        for gpu in gpus:
+            torch.cuda.current_stream(gpu).synchronize()
         for name in self.outputs:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         try:
@@ -88,6 +97,11 @@ class Runtime:
             detail = first_line(e).removeprefix("Error in execution: ")
             raise GraphcalError(f"onnxruntime failed on a batch: {detail}") from e
         return {name: torch.from_dlpack(value) for name, value in zip(self.outputs, binding.get_outputs())}
+
+    @property
+    def torch_outputs(self) -> bool:
+        """Whether every output has an element type torch takes (:meth:`run`); float8 and int4 do not."""
+        return all(o.type in TORCH_TYPES for o in self.session.get_outputs() if o.name in self.outputs)
 
     def run_shared(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """:meth:`run` with every output as a numpy array over onnxruntime's own memory (on the CPU,
@@ -122,19 +136,27 @@ class Runtime:
         trim_heap()
 
 
-def _bind_tensor(binding, name: str, tensor: torch.Tensor) -> None:
-    """Bind a torch tensor as an input: one on a GPU by its device pointer (no copy), one on the CPU
-    (or of a type numpy lacks a name for) through numpy. It must outlive the run (the feeds hold it)."""
-    element = _NUMPY_OF.get(tensor.dtype)
-    if tensor.device.type != "cuda" or element is None:
-        binding.bind_cpu_input(name, np.ascontiguousarray(tensor.detach().cpu().numpy()))
-        return
-    tensor = tensor.contiguous()
-    binding.bind_input(name, "cuda", tensor.device.index or 0, element, list(tensor.shape), tensor.data_ptr())
+#: onnxruntime's tensor types torch holds: the ONNX element type of each torch dtype
+ONNX_TYPE = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+             torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE,
+             torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32, torch.int16: onnx.TensorProto.INT16,
+             torch.int8: onnx.TensorProto.INT8, torch.uint8: onnx.TensorProto.UINT8, torch.bool: onnx.TensorProto.BOOL}
+TORCH_TYPES = {f"tensor({t})" for t in ("float", "float16", "bfloat16", "double", "int64", "int32", "int16", "int8",
+                                        "uint8", "bool")}
 
 
-_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
-             torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
+def bind_torch_input(binding: ort.IOBinding, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Bind ``value`` as input ``name`` from its own memory (host or GPU; no copy unless it is not
+    contiguous). Returns the tensor bound, which must stay alive until the run is over."""
+    value = value.detach().contiguous()
+    if value.dtype not in ONNX_TYPE:
+        raise GraphcalError(f"input {name!r}: onnxruntime takes no torch {value.dtype}")
+    shape, device = list(value.shape), value.device
+    if value.numel() == 0:  # no memory of its own (a null pointer): any buffer does, nothing is read
+        value = torch.empty(1, dtype=value.dtype, device=device)
+    binding.bind_input(name, "cuda" if device.type == "cuda" else "cpu", device.index or 0, ONNX_TYPE[value.dtype],
+                       shape, value.data_ptr())
+    return value
 
 
 def trim_heap() -> None:

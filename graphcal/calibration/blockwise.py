@@ -7,6 +7,11 @@
       --> what the caller taps in the block (Hessians, AWQ's parent inputs)
       --> the block's outputs, cached for the blocks after it (each dropped after its last reader)
 
+Where the session runs on CUDA, what a block run hands back (its outputs, the caller's taps) stays
+on the GPU as torch tensors, and is fed back from there (runtime.Runtime.run binds torch tensors
+where they lie): no block tensor makes a host round trip. A block's tensors for all the data that
+would take more than CACHE_SHARE of the GPU's free memory are kept on the host instead.
+
 Nothing runs the whole graph once per block: each block's nodes run once per pass, plus what
 depends on no weight (masks, rotary tables, embeddings), which every subgraph recomputes from the
 graph inputs. The cache holds the boundary tensors (the residual stream) of every batch; it is
@@ -28,13 +33,15 @@ from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
 from graphcal.graph.io import skeleton, value_types
 from graphcal.graph.taps import build_tapped
-from graphcal.limits import check_fits
-from graphcal.runtime import open_runtime
+from graphcal.limits import check_fits, format_size
+from graphcal.runtime import ONNX_TYPE, open_runtime
 from graphcal.types import Target
 
 log = logging.getLogger("graphcal")
 
-CACHE_SHARE = 0.5  # of the available memory the cached tensors may take
+CACHE_SHARE = 0.5  # of the available memory (host, or the GPU's free memory) the cached tensors may take
+TORCH_DTYPE = {elem: dtype for dtype, elem in ONNX_TYPE.items()}  # the torch dtype of an ONNX element type
+Value = torch.Tensor | np.ndarray  # a cached tensor: torch where the session ran, numpy where torch has no such type
 
 
 class Blockwise:
@@ -62,20 +69,20 @@ class Blockwise:
         self.blocks: list[Block] = blocks(model, self.targets, run.groups)  # fused units kept whole
         self.dependent = weight_dependent(model, self.targets)
         self.types = dict(loaded.types)
-        self.cache: dict[str, list[np.ndarray]] = {}
+        self.cache: dict[str, list[Value]] = {}
         # where each target's node reads its weight (the initializer, or the end of its Transpose/Cast
         # path), and the dtype a fed weight takes there: looked up once, fed many times (AWQ's grid)
         nodes = {t.node for t in run.found}
         b_input = {n.name: n.input[1] for n in model.graph.node if n.name in nodes and len(n.input) > 1}
         init_types = {i.name: i.data_type for i in model.graph.initializer}
-        self._fed: dict[str, tuple[str, np.dtype]] = {}
+        self._fed: dict[str, tuple[str, int]] = {}  # (the tensor fed, its ONNX element type)
         for t in run.found:
             if t.node not in b_input:
                 raise GraphcalError(f"{t.name}: node {t.node!r} not found")
             name = b_input[t.node]
             known = self.types.get(name)
             elem = init_types.get(name) or (known.elem_type if known is not None else 0)
-            self._fed[t.name] = (name, onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else np.dtype(np.float32))
+            self._fed[t.name] = (name, elem or onnx.TensorProto.FLOAT)
         self._inits = set(init_types)
         self._last_reader: dict[str, int] = {}
         for k, b in enumerate(self.blocks):
@@ -108,11 +115,17 @@ class Blockwise:
         """The initializers ``sub`` reads, as they were when the frame was made."""
         return [self.originals[t.name] for t in needed_initializers(sub, self.frame)]
 
-    def feed_weight(self, t: Target, w: torch.Tensor) -> tuple[str, np.ndarray]:
-        """The feed that stands ``w`` (torch [out, in]) in for ``t``'s weight, as the node reads it."""
-        name, dtype = self._fed[t.name]
-        consumed = w.T if t.layout == "in_out" else w
-        return name, np.ascontiguousarray(consumed.detach().cpu().numpy().astype(dtype, copy=False))
+    def feed_weight(self, t: Target, w: torch.Tensor) -> tuple[str, Value]:
+        """The feed that stands ``w`` (torch [out, in]) in for ``t``'s weight, as the node reads it: a
+        torch tensor where ``w`` lies (on the GPU, fed from there), or a numpy array for an element
+        type torch has not."""
+        name, elem = self._fed[t.name]
+        consumed = (w.T if t.layout == "in_out" else w).detach()
+        dtype = TORCH_DTYPE.get(elem)
+        if dtype is not None:
+            return name, consumed.to(dtype).contiguous()
+        return name, np.ascontiguousarray(consumed.cpu().numpy().astype(onnx.helper.tensor_dtype_to_np_dtype(elem),
+                                                                          copy=False))
 
     # -- passes ----------------------------------------------------------------------------------
 
@@ -126,20 +139,31 @@ class Blockwise:
             yield i, feeds
 
     def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
-                  what: str = "") -> dict[str, list[np.ndarray]]:
+                  what: str = "") -> dict[str, list[Value]]:
         """Block ``k``'s subgraph computing ``names`` from the block's inputs, run on every batch:
-        each name's value per batch. ``weights`` (target name -> torch [out, in] weight) are fed in
+        each name's value per batch, a torch tensor where the session ran (on the GPU under CUDA;
+        on the host where it would not fit there, :meth:`placement`), or a numpy array for an
+        element type torch has not. ``weights`` (target name -> torch [out, in] weight) are fed in
         place of the model's. After the first batch, what all the batches will hold is checked
         (:meth:`check_cache`; ``what`` names it in the error)."""
         weights = weights or {}
         by_name = {t.name: t for t in self.run.found}
         runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in weights])
         fed = dict(self.feed_weight(by_name[n], w) for n, w in weights.items())
-        out: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        out: dict[str, list[Value]] = {n: [] for n in names}
         reads = {i.name for i in runtime.session.get_inputs()}  # a block's inputs the asked outputs need
+        in_torch, place = runtime.torch_outputs, None
         try:
             for i, feeds in self.batches(k):
-                values = runtime.run_numpy({n: v for n, v in {**feeds, **fed}.items() if n in reads})
+                feeds = {n: v for n, v in {**feeds, **fed}.items() if n in reads}
+                if not in_torch:
+                    values: dict[str, Value] = runtime.run_numpy(feeds)
+                else:  # copied out of onnxruntime's memory, which the session's end would otherwise pin
+                    got = runtime.run(feeds)
+                    if place is None:
+                        place = self.placement(k, {n: got[n] for n in names})
+                    values = {n: got[n].to(place, copy=True) for n in names}
+                    del got
                 if i == 0:
                     self.check_cache(k, {n: values[n] for n in names}, what)
                 for n in names:
@@ -148,11 +172,26 @@ class Blockwise:
             runtime.close()
         return out
 
+    def placement(self, k: int, first: dict[str, torch.Tensor]) -> torch.device:
+        """Where block ``k``'s tensors for all the data are kept (``first``: their first batch's): where
+        the session made them, or the host where they would take more than CACHE_SHARE of the GPU's
+        free memory."""
+        device = next(iter(first.values())).device
+        if device.type != "cuda":
+            return device
+        nbytes = sum(_nbytes(a) for a in first.values()) * (self.calib.num_batches or 1)
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes <= CACHE_SHARE * free:
+            return device
+        log.info("block %s: its %s of cached tensors are kept on the host (the GPU has %s free)",
+                 self.blocks[k].name, format_size(nbytes), format_size(free))
+        return torch.device("cpu")
+
     def needed(self, k: int) -> list[str]:
         """Block ``k``'s outputs that a later block reads (graph outputs such as logits are not kept)."""
         return [n for n in self.blocks[k].outputs if self._last_reader.get(n, -1) > k]
 
-    def keep(self, k: int, outputs: dict[str, list[np.ndarray]]) -> None:
+    def keep(self, k: int, outputs: dict[str, list[Value]]) -> None:
         """Cache block ``k``'s outputs and drop what no later block reads."""
         for name, values in outputs.items():
             if self._last_reader.get(name, -1) > k:
@@ -160,16 +199,24 @@ class Blockwise:
         for name in [n for n in self.cache if self._last_reader.get(n, -1) <= k]:
             del self.cache[name]
 
-    def check_cache(self, k: int, first: dict[str, np.ndarray], what: str = "") -> None:
+    def check_cache(self, k: int, first: dict[str, Value], what: str = "") -> None:
         """Refuse to go on when block ``k``'s tensors for all the data (``first``: their first batch's,
-        times the batches), with what is cached already, would not fit."""
+        times the batches), with what is cached already, would not fit in the host's memory (what
+        lies on the GPU is :meth:`placement`'s business)."""
 
         batches = self.calib.num_batches or 1
-        nbytes = sum(a.nbytes for a in first.values()) * batches
-        nbytes += sum(sum(a.nbytes for a in v) for n, v in self.cache.items() if n not in first)
+        nbytes = sum(_nbytes(a, host=True) for a in first.values()) * batches
+        nbytes += sum(sum(_nbytes(a, host=True) for a in v) for n, v in self.cache.items() if n not in first)
         check_fits(nbytes, f"{what or f'the tensors between layer blocks ({self.blocks[k].name})'} for "
                    f"{self.calib.num_samples} samples", CACHE_SHARE,
                    hint="calibrate on fewer samples (--num-samples) or shorter sequences")
+
+
+def _nbytes(value: Value, host: bool = False) -> int:
+    """The bytes ``value`` holds (with ``host``: 0 for a tensor on the GPU)."""
+    if isinstance(value, torch.Tensor):
+        return 0 if host and value.device.type != "cpu" else value.numel() * value.element_size()
+    return value.nbytes
 
 
 def value_types_of(sub: onnx.ModelProto, types: dict) -> dict:

@@ -238,7 +238,8 @@ def test_the_loss_dtype_is_caught(cases, monkeypatch):
     def fp64_loss(refs, outs):
         return sum(F.mse_loss(r, o, reduction="sum").item() for r, o in zip(refs, outs)) / sum(r.numel() for r in refs)
 
-    monkeypatch.setattr(awq, "loss", fp64_loss)
+    monkeypatch.setattr(awq, "mean_squared_error", lambda refs, outs: torch.tensor(fp64_loss(refs, list(outs)),
+                                                                                 dtype=torch.float64))
     assert "mapping 0 grid_losses" in mismatches(cases[0], run_case(cases[0]))
 
 

@@ -40,8 +40,9 @@ class LayerLoss:
         self._g = self.gram.sum.float()
         return None
 
-    def __call__(self, trial: dict[str, torch.Tensor]) -> float:
-        total = torch.zeros((), dtype=torch.float64)
+    def score(self, trial: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``trial`` as a 0-d fp64 tensor where G lies (no sync)."""
+        total = torch.zeros((), dtype=torch.float64, device=self._g.device)
         rows = 0
         for name, w in self.original.items():
             rows += w.shape[0]
@@ -49,5 +50,8 @@ class LayerLoss:
             if t is w:
                 continue
             d = (t.float() - w.float()).to(self._g.device)
-            total += ((d @ self._g) * d).sum(dtype=torch.float64).cpu()
-        return (total / (self.gram.count * rows)).item()
+            total += ((d @ self._g) * d).sum(dtype=torch.float64)
+        return total / (self.gram.count * rows)
+
+    def __call__(self, trial: dict[str, torch.Tensor]) -> float:
+        return self.score(trial).item()

@@ -236,23 +236,40 @@ def quantize_scaled(weights: dict[str, torch.Tensor], args: dict[str, Quantizati
     return out
 
 
+def _first(y):
+    """A parent's output (the first element where it yields tuples)."""
+    return y[0] if isinstance(y, (tuple, list)) else y
+
+
 def _outputs(parent: Parent, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The parent's output per cached batch (the first element where it yields tuples)."""
-    return [y[0] if isinstance(y, (tuple, list)) else y for y in parent(dict(weights))]
+    """The parent's output per cached batch."""
+    return [_first(y) for y in parent(dict(weights))]
+
+
+def mean_squared_error(references: Sequence[torch.Tensor], outputs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum over batches of sum (ref - out)^2, over the total element count``, accumulated in fp32 where
+    the references lie (a 0-d tensor: nothing leaves the GPU). ``outputs`` may be a generator: each
+    batch is scored as it comes and dropped."""
+    total, count, seen = None, 0, 0
+    for out in outputs:
+        seen += 1
+        if seen > len(references):
+            continue  # refused below, with the count
+        ref, out = references[seen - 1], _first(out)
+        if ref.shape != out.shape:
+            raise ValueError(f"AWQ: parent output {tuple(out.shape)} against reference {tuple(ref.shape)}")
+        if total is None:
+            total = torch.zeros((), dtype=torch.float32, device=ref.device)
+        total = total + torch.nn.functional.mse_loss(ref.float(), out.float().to(ref.device), reduction="sum")
+        count += ref.numel()
+    if seen != len(references):
+        raise ValueError(f"AWQ: the parent yielded {seen} batches, the reference {len(references)}")
+    return (torch.zeros((), dtype=torch.float32) if total is None else total) / count
 
 
 def loss(references: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> float:
-    """``sum over batches of sum (ref - out)^2, over the total element count``, accumulated in fp32."""
-    if len(references) != len(outputs):
-        raise ValueError(f"AWQ: the parent yielded {len(outputs)} batches, the reference {len(references)}")
-    total = torch.zeros((), dtype=torch.float32)
-    count = 0
-    for ref, out in zip(references, outputs):
-        if ref.shape != out.shape:
-            raise ValueError(f"AWQ: parent output {tuple(out.shape)} against reference {tuple(ref.shape)}")
-        total = total + torch.nn.functional.mse_loss(ref.float(), out.float().to(ref.device), reduction="sum").cpu()
-        count += ref.numel()
-    return (total / count).item()
+    """:func:`mean_squared_error` as a Python float."""
+    return mean_squared_error(references, outputs).item()
 
 
 class ParentLoss:
@@ -267,12 +284,24 @@ class ParentLoss:
         self.references = _outputs(self.parent, weights)
         if not self.references:
             return "yielded no batch"
-        if not all(torch.isfinite(r).all() for r in self.references):
+        if not bool(torch.stack([torch.isfinite(r).all().to(self.references[0].device) for r in self.references]).all()):
             return "gives non-finite outputs"
         return None
 
+    def score(self, trial: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of ``trial`` as a 0-d tensor where the parent's outputs lie (no sync)."""
+        return mean_squared_error(self.references, self.parent(dict(trial)))
+
     def __call__(self, trial: dict[str, torch.Tensor]) -> float:
-        return loss(self.references, _outputs(self.parent, trial))
+        return self.score(trial).item()
+
+
+def _as_floats(values: Sequence) -> list[float]:
+    """The grid's losses as Python floats: 0-d tensors read in one go (one sync on the GPU), the
+    value each would give alone (``.item()``)."""
+    if values and all(isinstance(v, torch.Tensor) for v in values) and len({(v.dtype, v.device) for v in values}) == 1:
+        return torch.stack([v.reshape(()) for v in values]).tolist()
+    return [float(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -351,15 +380,18 @@ def search(x_mean: torch.Tensor, weights: dict[str, torch.Tensor], args: dict[st
         log.warning("AWQ: the parent of %s %s; mapping skipped", ", ".join(names), skip)
         return None
 
-    losses: list[float] = []
-    best_index, best_loss, best_scales = -1, math.inf, None
+    score = getattr(objective, "score", objective)  # a 0-d tensor where the objective computes: no sync per point
+    values, candidates = [], []
     for ratio, duo in points:
         s = candidate_scales(x_mean, w_mean, ratio, duo)
         trial = quantize_scaled(weights, schemes, s, fused)
-        value = objective(trial)
-        losses.append(value)
+        values.append(score(trial))
+        candidates.append(s)
+    losses = _as_floats(values)  # the mapping's one host read
+    best_index, best_loss, best_scales = -1, math.inf, None
+    for i, value in enumerate(losses):
         if value < best_loss:  # strict: ties keep the first point; nan never wins
-            best_index, best_loss, best_scales = len(losses) - 1, value, s
+            best_index, best_loss, best_scales = i, value, candidates[i]
     if best_scales is None:
         raise ValueError(f"AWQ: no grid point gave a finite loss for {', '.join(names)} (losses {losses})")
     log.debug("AWQ %s: best point %s of %d, loss %.6g (identity %.6g)", ", ".join(names), points[best_index],

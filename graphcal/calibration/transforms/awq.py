@@ -24,6 +24,12 @@ parent run in float. Memory: one block's parent inputs for all the data, plus th
 between blocks; both are counted and refused with an error when they would not fit. Cost: one run
 of each block, plus 1 + n_grid runs of the attention and MLP parents on the samples they are scored
 on (docs/gptq_awq.md "What AWQ costs").
+
+Where the tensors live: the search computes where the block's cached inputs lie (Blockwise keeps
+them where the session ran: on the GPU under CUDA). The statistics, the Gram matrices, the trial
+weights Q(W * s) / s, the parents' runs (inputs and candidate weights bound from torch's memory,
+outputs handed back by DLPack), the losses and the clip search all stay there; the host reads the
+grid's losses once per mapping (to pick the best) and keeps the chosen scales and clip bounds.
 """
 
 from __future__ import annotations
@@ -148,20 +154,21 @@ class BlockSearch:
 
         run, settings = self.run, self.settings
         here, clip_here = self._work(k)
+        inputs = {n: [_tensor(v) for v in values] for n, values in inputs.items()}
         grams: dict[str, Gram] = {}  # an input's Gram matrix, computed once for its mappings and clips
         for p in here:
             m, balance, output, reads = p.mapping, p.balance, p.output, p.reads
             x = m.candidate.activation
             stats, gram = AbsMean(), Gram() if p.output is None else None
             for value in inputs[x]:
-                value = torch.from_numpy(value)
                 stats.update(value)
                 if gram is not None:
                     gram.update(value)
             if gram is not None:
                 grams[x] = gram
+            device = inputs[x][0].device if inputs[x] else torch.device("cpu")  # where the search computes
             done = self.done
-            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(self.model, t, run.base_dir)))
+            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(self.model, t, run.base_dir))).to(device)
                        for t in balance}
             args = {t.name: run.schemes[t.name].weights for t in balance
                     if t.name in run.schemes and run.schemes[t.name].weights is not None}
@@ -181,7 +188,7 @@ class BlockSearch:
             advance(1)
             if result is None:
                 continue
-            self.scales[x] = result.scales
+            self.scales[x] = result.scales.cpu()  # the result, kept on the host as the weight pass reads it
             self.done = ChannelScales([*done.mappings, m], dict(self.scales), method=ScaleMethod.AWQ)
             self.records.append({"smooth": m.smooth, "kind": m.candidate.kind, "balance": list(m.balance),
                                  "initial_error": result.initial_error, "best_error": result.best_error,
@@ -219,17 +226,17 @@ def _clip(run: RunPlan, model: onnx.ModelProto, done: ChannelScales, t: Target, 
     if gram is None:
         gram = grams[t.activation] = Gram()
         for value in cached[t.activation]:
-            gram.update(torch.from_numpy(value))
+            gram.update(value)
     if gram.sum is None or not torch.isfinite(gram.sum).all():
         return None
     g = done.smooth_hessian(t, gram.sum)
-    w = done.weight(t, torch.from_numpy(torch_weight(model, t, run.base_dir)))
+    w = done.weight(t, torch.from_numpy(torch_weight(model, t, run.base_dir))).to(g.device)  # searched where G lies
     found = clip_search(w, run.schemes[t.name].weights, g)
     if found is None:
         return None
     log.info("AWQ clip %s: error %.4g -> %.4g (%.0f%% of groups clipped)", t.name, found.before, found.after,
              100 * found.shrunk)
-    return found.bound, {"layer": t.name, "initial_error": found.before / gram.count,
+    return found.bound.cpu(), {"layer": t.name, "initial_error": found.before / gram.count,
                          "best_error": found.after / gram.count, "groups_clipped": found.shrunk}
 
 
@@ -244,31 +251,53 @@ def search_batches(calib: Calibration, samples: int | None) -> list[int]:
     return sorted({round(k * total / want) for k in range(want)})
 
 
+def _tensor(value) -> torch.Tensor:
+    """A cached value as torch: a torch tensor as it is (on the GPU under CUDA), a numpy array viewed."""
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+
+
 class _Parent:
-    """The parent sub-network of one mapping, run on the cached inputs with candidate balance weights."""
+    """The parent sub-network of one mapping, run on the cached inputs with candidate balance weights.
+
+    Every run goes through an IOBinding (runtime.Runtime.run): the cached inputs and the candidate
+    weights are bound where they lie, the output comes back where the session ran (DLPack), so on
+    CUDA nothing of a parent run reaches the host. Where the output's type is one torch has not,
+    the run goes through ``session.run`` instead."""
 
     def __init__(self, walk, balance: list[Target], output: str, reads: list[str], cached: dict,
                  current: dict[str, torch.Tensor], used: list[int]):
         self.walk, self.balance, self.output, self.reads, self.cached = walk, balance, output, reads, cached
-        self.used = set(used)
         self.current = current  # the balance weights a candidate leaves as they are
         self.runtime, _ = walk.session([output], reads, balance)
         self.inputs = {i.name for i in self.runtime.session.get_inputs()}
+        self.in_torch = self.runtime.torch_outputs
+        used = set(used)
+        # each scored batch's graph inputs and cached tensors, gathered once for the 1 + n_grid runs
+        self.feeds = []
+        for i, batch in enumerate(walk.calib.batches()):
+            if i not in used:
+                continue
+            feeds = {n: batch[n] for n in self.inputs if n in batch}
+            feeds.update({n: cached[n][i] for n in reads if n in self.inputs})
+            self.feeds.append(feeds)
 
     def __call__(self, weights: dict[str, torch.Tensor]):
         fed = dict(self.walk.feed_weight(t, weights.get(t.name, self.current[t.name])) for t in self.balance)
-        for i, batch in enumerate(self.walk.calib.batches()):
-            if i not in self.used:
-                continue
-            feeds = {n: batch[n] for n in self.inputs if n in batch}
-            for n in self.reads:
-                if n in self.inputs:
-                    feeds[n] = self.cached[n][i]
-            feeds.update({n: v for n, v in fed.items() if n in self.inputs})
-            yield torch.from_numpy(self.runtime.run_numpy(feeds)[self.output])
+        fed = {n: v for n, v in fed.items() if n in self.inputs}
+        for feeds in self.feeds:
+            if self.in_torch:
+                yield self.runtime.run({**feeds, **fed})[self.output]
+            else:
+                yield torch.from_numpy(self.runtime.run_numpy({n: _numpy(v) for n, v in {**feeds, **fed}.items()})
+                                       [self.output])
 
     def close(self) -> None:
         self.runtime.close()
+
+
+def _numpy(value):
+    """A feed as numpy, for ``session.run`` (a torch tensor copied to the host)."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(frozen=True)
