@@ -10,12 +10,13 @@ from graphcal.cli.bench import bench_command
 from graphcal.cli.eval import eval_command
 from graphcal.cli.export import export_command
 from graphcal.cli.inspect import inspect_command
+from graphcal.cli.options import OneLineGroup
 from graphcal.cli.run import run
 
 EXAMPLE = "graphcal run models/tiny-llama/model.onnx --data models/tiny-llama/calib.npz --scheme W8A8 -o out/"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="graphcal")
 @click.option("--verbose", "-v", is_flag=True,
               help="Log each stage (loading, targets, pass, weights, writing) to stderr, and every 30 s of a long "

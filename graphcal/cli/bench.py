@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION
+from graphcal.cli.options import DEBUG_OPTION, OneLineCommand
 
 
-@click.command(name="bench")
+@click.command(name="bench", cls=OneLineCommand)
 @click.argument("reference", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("quantized", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--data", "-d", required=True, type=click.Path(path_type=Path),

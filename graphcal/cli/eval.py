@@ -9,14 +9,14 @@ import click
 from click.core import ParameterSource
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Index, Number, OneOf
+from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Index, Number, OneLineCommand, OneOf
 from graphcal.errors import UsageError
 
 MAX_DB = 1000.0  # an output SQNR target in dB, either way (fp32 itself is under 200 dB)
 MAX_MINUTES = 1e6  # --time-limit: about two years
 
 
-@click.command(name="eval")
+@click.command(name="eval", cls=OneLineCommand)
 @click.argument("reference", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("quantized", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--data", "-d", required=True, type=click.Path(path_type=Path),

@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import DEBUG_OPTION
+from graphcal.cli.options import DEBUG_OPTION, OneLineCommand
 
 
-@click.command(name="export")
+@click.command(name="export", cls=OneLineCommand)
 @click.argument("model_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for model.onnx (and calib.npz with --text); for an onnxruntime-genai folder, calib.npz only.")

@@ -19,6 +19,49 @@ class Refused(click.BadParameter):
         click.echo(f"error: {self.format_message()}", file=file, err=True)
 
 
+class OneLineUsage(click.UsageError):
+    """click's own refusals (an unknown flag, a missing argument, a bad choice or count), shown as
+    graphcal's errors are: one ``error:`` line (exit 2), without click's usage lines."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=True)
+
+
+class OneLineCommand(click.Command):
+    """A verb whose command-line refusals are one line (:class:`OneLineUsage`)."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if isinstance(e, (Refused, OneLineUsage)):
+                raise
+            raise OneLineUsage(e.format_message(), ctx) from None
+
+
+class OneLineGroup(click.Group):
+    """The verbs' group: an unknown verb or group flag is refused in one line, and its verbs are
+    :class:`OneLineCommand`."""
+
+    command_class = OneLineCommand
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if isinstance(e, (Refused, OneLineUsage)):
+                raise
+            raise OneLineUsage(e.format_message(), ctx) from None
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            if isinstance(e, OneLineUsage):
+                raise
+            raise OneLineUsage(e.format_message(), ctx) from None
+
+
 class OneLine:
     """Mixed into a click type: its refusals are :class:`Refused` (one ``error:`` line, exit 2)."""
 

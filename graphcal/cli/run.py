@@ -8,10 +8,19 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.cli.options import CONFIG_OPTIONS, DEBUG_OPTION, PASS_OPTIONS, data_option, options, options_from_flags, output_option
+from graphcal.cli.options import (
+    CONFIG_OPTIONS,
+    DEBUG_OPTION,
+    PASS_OPTIONS,
+    OneLineCommand,
+    data_option,
+    options,
+    options_from_flags,
+    output_option,
+)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @data_option(required=True)
 @output_option(required=True)
