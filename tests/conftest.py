@@ -24,11 +24,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _int8_kernels_exact(monkeypatch):
     """graphcal warns where onnxruntime's int8 kernels saturate on the CPU it runs on
-    (graphcal.runtime.int8_gemm_saturates); tests about other things see the same warnings on every
+    (graphcal.devices.int8_gemm_saturates); tests about other things see the same warnings on every
     CPU. tests/test_saturation.py asks the real CPU."""
-    import graphcal.runtime
+    import graphcal.devices
 
-    monkeypatch.setattr(graphcal.runtime, "_SATURATES", False)
+    monkeypatch.setattr(graphcal.devices, "_SATURATES", False)
 
 
 @pytest.fixture

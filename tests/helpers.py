@@ -29,7 +29,7 @@ def int8_kernels_saturate() -> bool:
     """Whether onnxruntime's u8 x s8 integer GEMM on this CPU differs from exact integer arithmetic
     (numpy's int32 matmul) on random full-range data: on x86 without AVX-VNNI, MLAS's AVX2 kernel adds
     products in pairs in int16 with saturation. Tests comparing onnxruntime's integer kernels with
-    the Q/DQ spec need a CPU where it does not (graphcal.runtime.int8_gemm_saturates asks the same
+    the Q/DQ spec need a CPU where it does not (graphcal.devices.int8_gemm_saturates asks the same
     of a single extreme case; tests/test_saturation.py checks the two agree)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper

@@ -194,7 +194,7 @@ def test_the_private_import_finder_finds_one(tmp_path):
 
 
 #: tools that open onnxruntime sessions of their own on purpose: plain sessions are the floors they time
-PLAIN_SESSIONS = ("tools/bench.py", "tools/infer_baseline.py", "tools/lib/perplexity.py")
+PLAIN_SESSIONS = ("tools/bench.py", "tools/infer_baseline.py", "tools/lib/perplexity.py", "tools/pass_overhead.py")
 
 
 def _tools_reimplementing() -> list[str]:

@@ -8,10 +8,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from graphcal.devices import cuda_usable
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets
-from graphcal.runtime import cuda_usable, open_runtime
+from graphcal.runtime import open_runtime
 
 
 def _plain_ort(model: onnx.ModelProto, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -49,7 +50,7 @@ def test_cuda_without_a_usable_gpu_is_a_clear_error(llama_dir):
 
 
 def test_observers_work_on_the_host_without_a_cuda_session():
-    from graphcal.runtime import observer_device
+    from graphcal.devices import observer_device
 
     assert observer_device("CPUExecutionProvider", "auto") == torch.device("cpu")
     assert observer_device(None, "cpu") == torch.device("cpu")

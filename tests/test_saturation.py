@@ -7,21 +7,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import graphcal.runtime
-from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
+import graphcal.devices
+from graphcal.devices import INT8_SATURATION_NOTE, int8_gemm_saturates
 from tests.helpers import INT8_SATURATES, run_cli
 
 
 def test_the_probe_agrees_with_exact_integer_arithmetic(monkeypatch):
     """graphcal's one extreme case and tests.helpers' random full-range GEMM against numpy's exact
     int32 matmul say the same of this CPU."""
-    monkeypatch.setattr(graphcal.runtime, "_SATURATES", None)  # ask onnxruntime, not the tests' default
+    monkeypatch.setattr(graphcal.devices, "_SATURATES", None)  # ask onnxruntime, not the tests' default
     assert int8_gemm_saturates() is INT8_SATURATES
 
 
 @pytest.mark.parametrize("saturates", [True, False])
 def test_inspect_and_run_warn_only_where_the_kernels_saturate(monkeypatch, llama_dir, tmp_path, saturates):
-    monkeypatch.setattr(graphcal.runtime, "_SATURATES", saturates)
+    monkeypatch.setattr(graphcal.devices, "_SATURATES", saturates)
     model = str(llama_dir / "model.onnx")
     for scheme in ("W8A8", "W8A8_STATIC"):  # u8 x s8 kernels: DynamicQuantizeMatMul, MatMulIntegerToFloat
         result = run_cli("inspect", model, "--scheme", scheme)

@@ -86,6 +86,7 @@ def count_ops(counts: Counter):
 def measure(model: Path, vocab: int, seq: int, samples: int, batch: int, device: str, scheme: str,
             observer: str | None, reduce_in_graph: bool, repeat: int, base: int) -> dict:
     import numpy as np
+    import onnx
     import onnxruntime as ort
     import torch
 
@@ -99,7 +100,9 @@ def measure(model: Path, vocab: int, seq: int, samples: int, batch: int, device:
     from graphcal.runtime import open_runtime
     from tools.lib.synthetic import make_data
 
-    names = [i.name for i in ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).get_inputs()]
+    graph = onnx.load(str(model), load_external_data=False).graph
+    weights = {i.name for i in graph.initializer}
+    names = [i.name for i in graph.input if i.name not in weights]
     data = make_data(names, vocab, samples, seq, seed=4242)
     config = resolve(Options(scheme=scheme, observer=observer))
     ready = prepare(model, config, data=data, batch_size=batch, device=device, reduce_in_graph=reduce_in_graph)

@@ -26,11 +26,11 @@ from graphcal.bench.report import MODELS, BenchReport, GenaiLoop, ModelFacts, Sh
 from graphcal.bench.session import CPU, CUDA, open_session, options, runner
 from graphcal.bench.timing import RunFailed, time_interleaved
 from graphcal.data import InputSpec, graph_inputs, load_data
+from graphcal.devices import INT8_SATURATION_NOTE, check_device, cuda_usable, int8_gemm_saturates
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model_info, model_files
 from graphcal.graph.targets import find_targets
 from graphcal.output.process import on_abort
-from graphcal.runtime import INT8_SATURATION_NOTE, check_device, cuda_usable, int8_gemm_saturates
 
 log = logging.getLogger("graphcal")
 

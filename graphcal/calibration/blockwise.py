@@ -29,12 +29,13 @@ import torch
 
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.data import Calibration
+from graphcal.devices import ONNX_TYPE
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, needed_initializers, subgraph, weight_dependent
 from graphcal.graph.io import skeleton, value_types
 from graphcal.graph.taps import build_tapped
 from graphcal.limits import check_fits, format_size
-from graphcal.runtime import ONNX_TYPE, open_runtime
+from graphcal.runtime import open_runtime
 from graphcal.types import Target
 
 log = logging.getLogger("graphcal")

@@ -45,6 +45,7 @@ from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, RunConfig, resolve
 from graphcal.config.options import with_keywords
 from graphcal.data import Calibration, data_paths
+from graphcal.devices import observer_device
 from graphcal.graph import identity
 from graphcal.graph.io import runs_in_onnxruntime, save_model
 from graphcal.graph.names import one_budget
@@ -52,7 +53,7 @@ from graphcal.graph.qdq import QDQWriter
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.output.companions import copy_companions
 from graphcal.output.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
-from graphcal.runtime import check_loads, observer_device
+from graphcal.runtime import check_loads
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 log = logging.getLogger("graphcal")

@@ -20,6 +20,7 @@ from graphcal.calibration.sizing import size_parts
 from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.calibration.transforms.base import PlanScope
 from graphcal.config import DEFAULT_IGNORE, RunConfig, observer_name
+from graphcal.devices import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
@@ -31,7 +32,6 @@ from graphcal.graph.ties import find_ties
 from graphcal.observers import make_observer
 from graphcal.output import MODEL_FILE
 from graphcal.output.companions import find_companions
-from graphcal.runtime import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.types import KVState, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")

@@ -24,7 +24,7 @@ from graphcal.calibration.transforms import configured
 from graphcal.calibration.transforms.base import refuse_reader
 from graphcal.config import RunConfig
 from graphcal.data import Calibration, check_padding_input, data_label, graph_inputs, load_data
-from graphcal.runtime import check_device
+from graphcal.devices import check_device
 
 
 @dataclass(frozen=True)

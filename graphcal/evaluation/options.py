@@ -9,7 +9,7 @@ from pathlib import Path
 from graphcal.errors import UsageError
 
 LEVELS = {"basic": "ORT_ENABLE_BASIC", "all": "ORT_ENABLE_ALL"}
-DEVICES = ("auto", "cpu", "cuda")  # as run's --device (graphcal.runtime.DEVICES)
+DEVICES = ("auto", "cpu", "cuda")  # as run's --device (graphcal.devices.DEVICES)
 DEFAULT_TIME_LIMIT_S = 3600.0  # eval --time-limit's default: a sensitivity estimated past an hour is refused
 
 

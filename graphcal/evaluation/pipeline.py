@@ -51,7 +51,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     graph that reduces each compared pair to six float64 sums (graph.compare).
 
     ``device`` ("auto" | "cpu" | "cuda", GPU ``device_id``) is run's --device, checked up front
-    (runtime.check_device): every session (the comparison, the isolated copy, the switchable session
+    (devices.check_device): every session (the comparison, the isolated copy, the switchable session
     of sensitivity and mixing) runs there, and on a GPU the compared outputs stay there as torch
     tensors (DLPack), reduced there to their sums; only those come to the host. onnx.reference
     (fp4 / e8m0 models) runs on the CPU whatever it says.
@@ -64,7 +64,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     elif settings:
         raise TypeError("give the options as one EvalOptions or as keywords, not both")
     options.check()
-    from graphcal.runtime import check_device  # lazy: it imports onnxruntime
+    from graphcal.devices import check_device  # lazy: it imports onnxruntime
 
     check_device(options.device)  # --device cuda without a usable GPU: one line, before any model is read
     _check_device_id(options)

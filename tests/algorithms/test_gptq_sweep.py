@@ -34,6 +34,7 @@ from compressed_tensors.quantization.utils import calculate_range
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
 from graphcal.algorithms.gptq import math as gptq
+from graphcal.algorithms.gptq import sweep as gsweep
 from graphcal.observers import Observer
 
 ARGS = {
@@ -80,7 +81,7 @@ def _hostile(weight: torch.Tensor, scale, zp, gs, args: QuantizationArgs, gen: t
     """``weight`` with a third of its entries replaced by values on the rounding's edges (on the element's
     own grid: ties, boundaries, the ends of the range and past them), zeros, -0.0 and tiny values."""
     rows, cols = weight.shape
-    col_scale, col_zp = gptq._column_qparams((rows, cols), scale, zp, args)
+    col_scale, col_zp = gsweep.column_qparams((rows, cols), scale, zp, args)
     s = col_scale.float() / (gs.float() if gs is not None else 1.0)
     if args.type == "int":
         q_min, q_max = (float(v) for v in calculate_range(args, "cpu"))
@@ -121,15 +122,15 @@ def test_column_rounding_is_compressed_tensors_bit_for_bit(name, pow2, scale_dty
         scale = scale.to(scale_dtype)
     w = _hostile(weight, scale, zp, gs, args, gen)
 
-    col_scale, col_zp = gptq._column_qparams((rows, cols), scale, zp, args)
+    col_scale, col_zp = gsweep.column_qparams((rows, cols), scale, zp, args)
     if gs is not None:
         col_scale = col_scale / gs
-    grid = gptq._Grid.of(col_scale, col_zp, args)
+    grid = gsweep.Grid.of(col_scale, col_zp, args)
     wt = w.t().contiguous()
     out, row = torch.empty_like(wt), torch.empty(rows)
     for k in range(cols):
         d, za, s, zs = (None if t is None else t[0] for t in grid.block(k, k + 1))
-        gptq._fake_quantize_into(wt[k], d, za, s, zs, grid, out[k], row)
+        gsweep.fake_quantize_into(wt[k], d, za, s, zs, grid, out[k], row)
 
     # compressed-tensors' fused quantize-dequantize, elementwise on the same per-element qparams
     q_min, q_max = calculate_range(args, "cpu")
@@ -147,7 +148,7 @@ def test_fp4_rounding_is_compressed_tensors_cast_to_fp4():
     near = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, 10.0)),
                       torch.nextafter(edges, torch.full_like(edges, -10.0)), torch.rand(1000) * 6.5])
     x = torch.cat([near, -near, torch.tensor([-0.0, 0.0, 1e-38, -1e-38])])
-    assert torch.equal(_bits(gptq._cast_to_fp4(x.clone())), _bits(cast_to_fp4(x.clone())))
+    assert torch.equal(_bits(gsweep.cast_to_fp4(x.clone())), _bits(cast_to_fp4(x.clone())))
 
 
 def _case(rows=40, cols=320, seed=0, name="int4_group_asym", diagonal=False):
@@ -166,7 +167,7 @@ def _case(rows=40, cols=320, seed=0, name="int4_group_asym", diagonal=False):
 
 
 def test_capture_off_cuda_falls_back_to_the_eager_loop(monkeypatch, caplog):
-    monkeypatch.setattr(gptq, "_CAPTURE_FAILED_LOGGED", False)
+    monkeypatch.setattr(gsweep, "CAPTURE_FAILED_LOGGED", False)
     case = _case()
     eager = gptq.quantize_weight(*case, block_size=64, capture=False)
     with caplog.at_level(logging.DEBUG, logger="graphcal"):
@@ -196,13 +197,13 @@ def _on(case, device):
 
 def _spy(monkeypatch):
     made = []
-    original = gptq._block_graph
+    original = gsweep.block_graph
 
     def recording(*a, **k):
         made.append(original(*a, **k))
         return made[-1]
 
-    monkeypatch.setattr(gptq, "_block_graph", recording)
+    monkeypatch.setattr(gsweep, "block_graph", recording)
     return made
 
 

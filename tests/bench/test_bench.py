@@ -314,10 +314,10 @@ def test_bench_on_cuda_reports_the_provider_kernels_and_gpu_memory(tmp_path, lla
 def test_int8_kernels_that_saturate_are_noted(tmp_path, data, monkeypatch, saturates):
     """bench runs the model on this CPU: where onnxruntime's u8 x s8 kernels saturate
     (tests/test_saturation.py) and the quantized model runs one, the report says so."""
-    import graphcal.runtime
-    from graphcal.runtime import INT8_SATURATION_NOTE
+    import graphcal.devices
+    from graphcal.devices import INT8_SATURATION_NOTE
 
-    monkeypatch.setattr(graphcal.runtime, "_SATURATES", saturates)
+    monkeypatch.setattr(graphcal.devices, "_SATURATES", saturates)
     ref = _save(fp32_model(), tmp_path / "ref.onnx")
     quant = _save(int8_static_model(), tmp_path / "q.onnx")
     report = _bench_json(ref, quant, "--data", data, "--device", "cpu", "--no-decode", "--no-memory", *FAST)

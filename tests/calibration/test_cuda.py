@@ -14,9 +14,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from graphcal.devices import observer_device
 from graphcal.graph.taps import add_taps
 from graphcal.graph.targets import find_targets, torch_weight
-from graphcal.runtime import observer_device, open_runtime
+from graphcal.runtime import open_runtime
 from tests.graph.test_ort_forms import EXPECTED
 from tests.helpers import load_written, run_cli, run_layers
 

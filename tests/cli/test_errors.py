@@ -142,7 +142,7 @@ def test_regex_matching_nothing_warns_but_runs(tmp_path, llama):
 
 
 def test_cuda_requested_without_a_gpu(tmp_path, llama):
-    from graphcal.runtime import cuda_usable
+    from graphcal.devices import cuda_usable
 
     if cuda_usable():
         pytest.skip("a GPU is usable here")

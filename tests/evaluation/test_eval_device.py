@@ -14,9 +14,10 @@ import torch
 from onnx import TensorProto, helper
 
 import graphcal.evaluation.agreement as agreement_module
+from graphcal.devices import check_device
 from graphcal.errors import UsageError
 from graphcal.evaluation import Agreement, evaluate
-from graphcal.runtime import check_device, open_model_runner, open_runtime
+from graphcal.runtime import open_model_runner, open_runtime
 from tests.helpers import run_cli, sqnr_db
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
@@ -84,7 +85,7 @@ def _cuda_runs_here() -> bool:
 
 
 def test_device_cuda_without_a_usable_gpu_is_one_line_before_any_work(llama_dir, tmp_path, monkeypatch):
-    """Here onnxruntime-gpu has its CUDA provider but no GPU: runtime.check_device's probe session refuses it
+    """Here onnxruntime-gpu has its CUDA provider but no GPU: devices.check_device's probe session refuses it
     up front, as run's does, before any model is read (a load would fail the test) and no --html is written."""
     if _cuda_runs_here():
         pytest.skip("onnxruntime starts its CUDA provider here")
