@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from graphcal.graph import identity
 from graphcal.graph.io import runs_in_onnxruntime, save_model
 from graphcal.graph.names import one_budget
 from graphcal.graph.qdq import QDQWriter
+from graphcal.graph.spill import DataSpill, streams
 from graphcal.output import MODEL_FILE, releases_outputs, reserve_output
 from graphcal.output.companions import copy_companions
 from graphcal.output.metadata import CONFIG_FILE, QPARAMS_FILE, build_quantization_config, config_json, qparam_tensors
@@ -121,10 +123,11 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
     rounding = rounding_for(units, run, loaded, observers, calib, settings, scales)
+    spill = _spill(run, slot)
     weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
-                                                options.skip_nonfinite_weights, progress)
+                                                options.skip_nonfinite_weights, progress, spill)
     ignored = run.ignored + weights.left_in_float
-    files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items))  # all or none
+    files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items, spill))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
                      slot.warnings, transform.reads_blocks)
@@ -140,16 +143,28 @@ def rounding_for(units, run: RunPlan, loaded: Loaded, observers: ObserverSet, ca
     return next((r for unit in units if (r := unit.rounding(run, loaded, observers, calib, settings, scales)) is not None), None)
 
 
+def _spill(run: RunPlan, slot) -> DataSpill | None:
+    """The output's data file, written as the weight pass makes each tensor, for a large model whose output
+    keeps external data (graph.spill.streams), in the output's temporary folder (removed unless swapped in)."""
+    data_bytes = sum(os.path.getsize(os.path.join(run.base_dir, name)) for name in run.data_files)
+    if not streams(data_bytes):
+        return None
+    log.info("writing the output's weights tensor by tensor into its external data")
+    return DataSpill(slot.early_folder() / f"{MODEL_FILE}.data")
+
+
 def _weight_pass(run: RunPlan, loaded: Loaded, observers: ObserverSet, scales: ChannelScales | None,
-                 rounding: Rounding | None, device: torch.device, skip_nonfinite: bool, progress: bool):
+                 rounding: Rounding | None, device: torch.device, skip_nonfinite: bool, progress: bool,
+                 spill: DataSpill | None = None):
     """The channel scales folded, every weight quantized into the QDQ writer, then the input and
     k/v Q/DQ: (WeightResult, the k/v qparams, the written model). The writer edits the working model
-    (``loaded.model``) in place (a big model is never copied): the last stage that reads it."""
+    (``loaded.model``) in place (a big model is never copied): the last stage that reads it. With
+    ``spill``, each tensor the writer makes goes to the output's data file as it is made."""
     types = dict(loaded.types)  # read before the model is edited
     model = loaded.model
     if scales is not None:
         scales.fold(model, run, {t.name for t in run.chosen}, types)
-    writer = QDQWriter(model, run.opset, run.target_runtime, types, matmulnbits=run.matmulnbits)
+    writer = QDQWriter(model, run.opset, run.target_runtime, types, matmulnbits=run.matmulnbits, spill=spill)
     weights = quantize_weights(run, observers, writer, device, skip_nonfinite=skip_nonfinite, progress=progress,
                                smoothed=scales, rounding=rounding)
     kv_items = observers.kv_qparams()
@@ -188,7 +203,8 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
         warnings=warnings, forms=list(run.forms), rank=0, transforms=records, **common)
 
 
-def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: list[str], kv_items: list[QuantizedKV]):
+def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: list[str], kv_items: list[QuantizedKV],
+             spill: DataSpill | None = None):
     """The function that writes a run's three files into a (temporary) folder."""
     transform = next((m for unit, _ in configured(run.config) if (d := run.decision(unit.settings_type)) is not None
                       and (m := unit.metadata(d)) is not None), None)  # compressed-tensors' transform_config
@@ -199,7 +215,7 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
         from safetensors.torch import save_file  # lazy: safetensors' torch half loads only when writing
 
         files = save_model(qdq_model, tmp / MODEL_FILE, external=bool(run.data_files), base_dir=run.base_dir,
-                           unchecked=run.unchecked)
+                           unchecked=run.unchecked, spill=spill)
         if run.unchecked and runs_in_onnxruntime(qdq_model):  # what the checker passed over, onnxruntime loads
             check_loads(tmp / MODEL_FILE)
         files += copy_companions(run.companions, tmp)  # genai_config.json, the tokenizer, ...

@@ -18,6 +18,7 @@ from graphcal.graph import identity
 from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
 from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.spill import DataSpill
 from graphcal.graph.stored import check_tensors
 from graphcal.graph.wire import strip_inline_weights
 from graphcal.limits import check_fits, confinement, leads_inside, open_regular
@@ -156,20 +157,30 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int = 1024,
-                            base_dir: str | os.PathLike | None = None) -> list[Path]:
+                            base_dir: str | os.PathLike | None = None, spill: DataSpill | None = None) -> list[Path]:
     """Write ``model`` to ``path`` with tensors over ``threshold`` bytes in ``<name>.data``,
     without modifying ``model`` or copying it whole (onnx's own saver rewrites the tensors in place).
 
     Tensors are written one at a time; the graph file holds a hollow copy that references them.
     Tensors kept in typed fields instead of raw bytes (rare, and small) stay in the graph file.
     Tensors still in the source model's external data (``base_dir``) are copied over one by one.
+    ``spill``: the data file the weight phase wrote already (graph.spill, at ``<name>.data``): its
+    tensors keep their references, the others are appended after them.
     """
     data_path = path.with_name(path.name + ".data")
     hollow = hollow_copy(model)
     g = hollow.graph
     offset = 0
-    with open(data_path, "wb") as data:
+    if spill is not None:
+        if spill.path != data_path:
+            raise ValueError(f"the streamed data file {spill.path} is not {data_path}")
+        spill.close()
+        offset = spill.offset
+    with open(data_path, "ab" if spill is not None else "wb") as data:
         for t in model.graph.initializer:
+            if spill is not None and t.name in spill.names and is_external(t):
+                g.initializer.append(t)  # written already, as it was made
+                continue
             raw = t.raw_data if t.HasField("raw_data") else None
             if raw is None and is_external(t) and base_dir is not None:
                 raw = read_tensor_buffer(t, base_dir)  # written as it is read: no bytes copy of a big tensor
@@ -256,7 +267,8 @@ def _estimated_size(model: onnx.ModelProto) -> int | None:
 
 
 def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
-               base_dir: str | os.PathLike | None = None, unchecked: frozenset[str] = frozenset()) -> list[Path]:
+               base_dir: str | os.PathLike | None = None, unchecked: frozenset[str] = frozenset(),
+               spill: DataSpill | None = None) -> list[Path]:
     """Write ``model`` to ``path``; with ``external``, and always over 2 GB, the weights go to
     ``<name>.data`` beside it (one file, tensors over 1 KB). Without ``external``, weights still
     referenced in the input's file (a lazy inline model) are read into ``model`` first.
@@ -265,8 +277,10 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
     models past 2 GB are checked too); a model it rejects is an error, never an output.
     ``unchecked``: default-domain op types onnx has no schema for, which the input held too
     (:func:`unchecked_ops`); the checker passes over them as it would over a custom domain's.
+    ``spill``: the weights written already into ``<name>.data`` (graph.spill); the output keeps external data.
     Returns the files written.
     """
+    external = external or spill is not None
     if not external:  # weights still referenced in the (inline) input file come into the model
         for t in model.graph.initializer:
             if is_external(t):
@@ -278,7 +292,7 @@ def save_model(model: onnx.ModelProto, path: Path, external: bool = False,
         onnx.save_model(model, str(path))
         files = [path]
     else:
-        files = save_with_external_data(model, path, base_dir=base_dir)
+        files = save_with_external_data(model, path, base_dir=base_dir, spill=spill)
     check_written(path, unchecked)
     return files
 

@@ -94,6 +94,8 @@ class OutputSlot:
         self._written = False
         self._released = False
         self._abort_key: int | None = None  # release() registered for an abort from another thread
+        self._tmp: Path | None = None  # the temporary folder, once made (early_folder or write)
+        self._tmp_abort: int | None = None  # its removal, registered for an abort from another thread
 
     def __enter__(self) -> OutputSlot:
         return self
@@ -151,6 +153,16 @@ class OutputSlot:
             elif not remove_ours(folder):
                 self.warnings.append(f"could not remove {folder}, left by an interrupted graphcal run")
 
+    def early_folder(self) -> Path:
+        """The temporary folder :meth:`write` will fill and swap in, made now (marker first), for a
+        file written before the outputs are (the streamed weights' data file, graph.spill). Removed
+        with what it holds when the slot is released unwritten (an error, Ctrl-C, SIGTERM) or on an abort."""
+        if self._released or not self.main:
+            raise RuntimeError("early_folder() needs a reservation held by the writing process")
+        if self._tmp is None:
+            self._make_tmp()
+        return self._tmp
+
     def write(self, write: Callable[[Path], list[Path]]) -> list[Path]:
         """Call ``write(tmp_dir)``, then swap ``tmp_dir`` in as ``-o``; return the final paths of
         the files ``write`` returned. Releases the reservation."""
@@ -160,6 +172,7 @@ class OutputSlot:
             with sigterm_as_interrupt(only_if_default=True):
                 tmp, files = self._write_tmp(write)
                 self._swap(tmp)
+                self._tmp = None  # swapped in: -o now, no temporary folder to remove
                 self._written = True
         finally:
             self.release()
@@ -171,6 +184,7 @@ class OutputSlot:
             return
         self._released = True
         unregister_abort(self._abort_key)
+        self._drop_tmp()
         if self._lock is not None:
             self._lock.release()
         if not self._written:
@@ -181,19 +195,40 @@ class OutputSlot:
     def _aside(self, kind: str) -> Path:
         return self.path.parent / f".{self.path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def _write_tmp(self, write) -> tuple[Path, list[Path]]:
+    def _make_tmp(self) -> None:
         tmp = self._aside("tmp")
         try:
             os.mkdir(tmp, 0o777)  # the umask applies: a new output gets the user's usual mode
         except OSError as e:
             raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
-        abort = register_abort(lambda: shutil.rmtree(tmp, ignore_errors=True))  # stopped from another thread
+        self._tmp = tmp
+        self._tmp_abort = register_abort(lambda: shutil.rmtree(tmp, ignore_errors=True))  # stopped from another thread
         try:
             fd = os.open(tmp / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 os.write(fd, f"graphcal {os.getpid()}\n".encode())
             finally:
                 os.close(fd)
+        except OSError as e:
+            self._drop_tmp()
+            raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
+        except BaseException:
+            self._drop_tmp()
+            raise
+
+    def _drop_tmp(self) -> None:
+        """Remove the temporary folder (unless swapped in already) and its abort hook."""
+        unregister_abort(self._tmp_abort)
+        self._tmp_abort = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone already once swapped in as -o
+            self._tmp = None
+
+    def _write_tmp(self, write) -> tuple[Path, list[Path]]:
+        if self._tmp is None:
+            self._make_tmp()
+        tmp = self._tmp
+        try:
             umask_mode = stat.S_IMODE((tmp / TMP_MARKER).stat().st_mode)  # 0o666 & ~umask, read without os.umask
             files = [Path(f) for f in write(tmp)]
             names = sorted(e.name for e in os.scandir(tmp) if e.is_file(follow_symlinks=False) and e.name != TMP_MARKER)
@@ -206,13 +241,11 @@ class OutputSlot:
                     os.chmod(tmp, folder_mode)
             _fsync(tmp)
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._drop_tmp()
             raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._drop_tmp()
             raise
-        finally:
-            unregister_abort(abort)
         return tmp, files
 
     def _keep_modes(self, tmp: Path, names: list[str], new_mode: int) -> None:

@@ -16,6 +16,7 @@ from graphcal.graph.qdq.lookups import lookup_gather_block, share_dq, share_gath
 from graphcal.graph.qdq.opset import upgrade_opset
 from graphcal.graph.qdq.policy import Form, InputForm, TargetRuntime, WeightForm, choose_form
 from graphcal.graph.qdq.weights import weight_cast_mul, weight_dq, weight_matmulnbits
+from graphcal.graph.spill import DataSpill
 from graphcal.types import QuantizedKV, QuantizedTarget
 
 
@@ -25,10 +26,12 @@ class QDQWriter:
     it go), then activations and key/value states, then ``finish()``. A model below ``opset``
     (from ``items_opset``) is converted first (``self.model`` is then the converted copy).
     ``matmulnbits``: the accuracy level of com.microsoft.MatMulNBits written for integer weights
-    (onnxruntime only; None writes DequantizeLinear)."""
+    (onnxruntime only; None writes DequantizeLinear). ``spill`` (graph.spill.DataSpill): each tensor
+    the writer makes goes to the output's data file once its weight is written, the model keeping only
+    its reference; without it they stay in memory until the model is saved."""
 
     def __init__(self, model: onnx.ModelProto, opset: int, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME,
-                 types: dict | None = None, matmulnbits: int | None = None):
+                 types: dict | None = None, matmulnbits: int | None = None, spill: DataSpill | None = None):
         types = value_types(model) if types is None else types  # activation dtypes and ranks
         if default_opset(model) < opset:
             model = upgrade_opset(model, opset)
@@ -40,6 +43,14 @@ class QDQWriter:
         self.shared: dict[tuple, tuple[str, str | None]] = {}  # (form, *input_key) -> (input, output scale)
         self.detached: set[str] = set()  # weight-path node outputs / initializers that may be dead now
         self.node_by_name = {n.name: n for n in self.graph.node}
+        self.spill = spill
+        self._kept = 0  # how many of edits.inits the spill has seen
+
+    def _spill(self) -> None:
+        """The tensors made since the last call to the data file (with a spill)."""
+        if self.spill is not None:
+            self.spill.take(self.edits.inits[self._kept:])
+            self._kept = len(self.edits.inits)
 
     def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
         """Store the item's weight quantized behind DequantizeLinear; ``weight`` is its torch
@@ -50,10 +61,14 @@ class QDQWriter:
         self.detached.update((node.input[1], t.weight))
         if form.weight is WeightForm.MATMULNBITS:
             weight_matmulnbits(self.edits, t, args, qp, weight, self.matmulnbits, node)
-            return
-        if form.weight is WeightForm.CAST_MUL:
+        elif form.weight is WeightForm.CAST_MUL:
             node.input[1] = weight_cast_mul(self.edits, t, args, qp, weight)
-            return
+        else:
+            self._weight_dq(item, form, node, weight)
+        self._spill()
+
+    def _weight_dq(self, item: QuantizedTarget, form: Form, node: onnx.NodeProto, weight: torch.Tensor) -> None:
+        t, args, qp = item.target, item.scheme.weights, item.qparams["weight"]
         stored = None
         if self.target_runtime is TargetRuntime.ONNXRUNTIME and t.layout == "out_in":
             # onnxruntime fuses DQ -> Gemm into MatMulNBits only for a weight stored [in, out] (transB=0)
@@ -72,6 +87,7 @@ class QDQWriter:
             lookup_gather_block(self.edits, t, args, qp, weight, node)
         else:  # the table, an [out, in] weight, behind DequantizeLinear
             node.input[0] = weight_dq(self.edits, t, args, qp, weight, self.target_runtime)
+        self._spill()
 
     def share_lookup(self, item: QuantizedTarget, partner: QuantizedTarget) -> None:
         """An embedding lookup reads the quantized weight of the lm_head it is tied to (graph.ties;
@@ -150,6 +166,7 @@ class QDQWriter:
 
     def finish(self) -> onnx.ModelProto:
         """Place the new nodes, drop what nothing reads any more; returns the model."""
+        self._spill()
         self.edits.place(self.graph)
         drop_dead_paths(self.graph, self.detached)
         have = {o.domain for o in self.model.opset_import}
