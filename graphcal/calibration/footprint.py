@@ -30,8 +30,8 @@ from graphcal.limits import format_size
 
 IMPORTS = 400_000_000  # torch + onnxruntime + onnx + compressed-tensors, measured: 0.40-0.42 GB on tiny-llama
 ARENA = 6.0  # onnxruntime's CPU arena over the largest intermediate (several alive, rounded up to powers of two)
-OUTPUT_HELD = 1.5  # the writer's tensors, then the model serialized beside them (graph/qdq/writer.py)
-WEIGHT_COPIES = 4.0  # one weight in hand: its float read, the fp32 torch copy, the rounded codes and the observer's
+OUTPUT_HELD = 0.9  # the writer holds every written tensor, the float ones left read lazily (graph/qdq/writer.py)
+WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch copy
 MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
 
 PASSES = ("whole-graph", "blockwise", "none")
@@ -52,7 +52,7 @@ class Footprint:
         return sum(self.parts.values())
 
     def dominant(self) -> str:
-        return max((k for k in self.parts if k != "imports"), key=lambda k: self.parts[k], default="imports")
+        return max(self.parts, key=lambda k: self.parts[k])
 
     def line(self, available: int | None) -> str:
         shown = ", ".join(f"{k} {format_size(v)}" for k, v in self.parts.items() if v)
@@ -74,10 +74,10 @@ class Footprint:
                  "taps": "a smaller --tap-limit-mb",
                  "hessians": "--gptq-order sequential" if self.pass_kind == "whole-graph" else "a smaller --batch-size",
                  "block cache": "fewer --num-samples"}
-        fix = fixes.get(top, "a machine with more memory")
+        fix = fixes[top] + " or a machine with more memory" if top in fixes else "a machine with more memory"
         return (f"this run needs about {format_size(self.total)} of memory at its peak, more than the "
-                f"{format_size(available)} available ({top} {format_size(self.parts[top])} dominate); try {fix} or a "
-                "machine with more memory, or --ignore-memory-check to run anyway")
+                f"{format_size(available)} available ({top} {format_size(self.parts[top])} dominate); try {fix}, "
+                "or --ignore-memory-check to run anyway")
 
 
 def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int, ...]], *, pass_kind: str,
