@@ -25,9 +25,6 @@ from graphcal.cli.options import (
 @data_option(required=True)
 @output_option(required=True)
 @options(*CONFIG_OPTIONS, *PASS_OPTIONS)
-@click.option("--ignore-memory-check", is_flag=True,
-              help="Run even when the peak memory estimated before any weight is read exceeds the memory available "
-                   "(graphcal inspect shows the estimate).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
