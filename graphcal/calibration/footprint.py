@@ -24,8 +24,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
+from graphcal import limits  # limits.available_memory looked up at each call (tests patch it)
+from graphcal.calibration.activations import TAP_LIMIT_MB
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.transforms.awq import AWQSettings
+from graphcal.calibration.transforms.smoothquant import Smoothing
+from graphcal.errors import GraphcalError
+from graphcal.graph.io import skeleton
+from graphcal.graph.taps import Reduction
 from graphcal.limits import format_size
 
 IMPORTS = 400_000_000  # torch + onnxruntime + onnx + compressed-tensors, measured: 0.40-0.42 GB on tiny-llama
@@ -177,8 +186,6 @@ def largest_intermediate(model: onnx.ModelProto, input_shapes: Mapping[str, tupl
 
 
 def _frame(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
-    from graphcal.graph.io import skeleton  # the graph without data
-
     frame = skeleton(model)
     for inp in frame.graph.input:
         shape = input_shapes.get(inp.name)
@@ -213,14 +220,6 @@ def _block_of(name: str) -> str:
 def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
     """The estimate for a prepared run (graphcal.calibration.prepare.Prepared, with its data): which
     pass the run takes from its plan, the batch's shapes from the data's first batch (data, not weights)."""
-    import numpy as np
-
-    from graphcal.calibration.activations import TAP_LIMIT_MB
-    from graphcal.calibration.observe import ObserverSet
-    from graphcal.calibration.transforms.awq import AWQSettings
-    from graphcal.calibration.transforms.smoothquant import Smoothing
-    from graphcal.graph.taps import Reduction
-
     run, calib = ready.plan, ready.calib
     first = calib.first_batch() if calib is not None else {}
     shapes = {k: tuple(np.shape(v)) for k, v in first.items()}
@@ -248,9 +247,6 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
 def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
     """Refuse (GraphcalError, one line) a run whose estimated peak, with :data:`MARGIN`, exceeds the
     memory available (graphcal.limits.available_memory: MemAvailable and the cgroup's limit)."""
-    from graphcal import limits
-    from graphcal.errors import GraphcalError
-
     fp = for_run(ready, tap_limit_mb, exclude_padding)
     free = limits.available_memory()
     if not fp.fits(free):

@@ -44,7 +44,7 @@ def inspect_command(model, data, output, as_json, debug, **flags):
     from graphcal.calibration.report import format_text, from_plan, to_dict  # lazy: loads torch and onnx
 
     def call():
-        from graphcal.calibration.footprint import for_run
+        from graphcal.calibration.footprint import for_run  # lazy: loads torch, onnx and onnxruntime
         from graphcal.calibration.prepare import prepare  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
         from graphcal.config import resolve  # lazy: loads torch and onnx
         from graphcal.limits import available_memory
