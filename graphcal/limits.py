@@ -98,10 +98,20 @@ def read_regular(path: str | os.PathLike, what: str, max_bytes: int,
     return data
 
 
-def available_memory() -> int | None:
-    """Bytes of memory the system can still give (Linux MemAvailable), or None if unknown."""
+def available_memory(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+                     cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of memory this process can still take, or None if unknown: the smaller of the system's
+    (Linux MemAvailable) and what the memory cgroup it runs in leaves (:func:`cgroup_memory_left`:
+    ``systemd-run -p MemoryMax=14G``, a container's limit). The paths are arguments for tests."""
+    system = _meminfo_available(meminfo)
+    left = cgroup_memory_left(proc_cgroup, cgroup_root)
+    known = [n for n in (system, left) if n is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available(meminfo: str) -> int | None:
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(meminfo, "rb") as f:
             for line in f:
                 if line.startswith(b"MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -112,6 +122,59 @@ def available_memory() -> int | None:
     except (ValueError, OSError, AttributeError):
         return None
     return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def cgroup_memory_left(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes the memory cgroups of this process still allow (limit minus usage, the least over the
+    cgroup and every cgroup above it: a limit set on a parent binds its children), or None where no
+    limit is set or none can be read. cgroup v2: ``memory.max`` ("max": none) and ``memory.current``
+    under ``cgroup_root``/PATH for the ``0::PATH`` line; v1: ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes`` under ``cgroup_root``/memory/PATH for the ``memory`` controller's line."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            found += _left(Path(cgroup_root), parts[2], "memory.max", "memory.current")
+        elif "memory" in parts[1].split(","):
+            found += _left(Path(cgroup_root) / "memory", parts[2], "memory.limit_in_bytes", "memory.usage_in_bytes")
+    return min(found) if found else None
+
+
+def _left(root: Path, path: str, limit_file: str, usage_file: str) -> list[int]:
+    """limit - usage for each cgroup from ``path`` up to ``root`` that has a limit (a container sees
+    its own cgroup as ``root``: its files are read there when ``path`` is not under it)."""
+    out = []
+    here = root / path.strip("/")
+    folders = [here, *here.relative_to(root).parents] if path.strip("/") else [root]
+    for folder in folders:
+        folder = root / folder if not folder.is_absolute() else folder
+        limit, usage = _read_number(folder / limit_file), _read_number(folder / usage_file)
+        if limit is not None and limit < _UNLIMITED:
+            out.append(max(0, limit - (usage or 0)))
+    return out
+
+
+def _read_number(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def check_fits(nbytes: int, what: str, share: float = 0.5, hint: str = "") -> None:

@@ -35,6 +35,7 @@ import torch
 
 from graphcal.calibration.activations import PassResult, run_activation_pass
 from graphcal.calibration.decisions import Loaded, RunPlan
+from graphcal.calibration.footprint import check_memory
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.result import CalibrationResult, scheme_label
@@ -105,6 +106,8 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
                     batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
                     device=device, join=True, reduce_in_graph=options.reduce_in_graph)
     run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
+    if not options.ignore_memory_check:  # before any weight is read: a run that cannot fit is refused, not killed
+        log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding).line(None))
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
                             options.skip_nonfinite_weights)

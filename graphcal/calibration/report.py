@@ -60,6 +60,8 @@ class Inspection:
     # each transform unit's lines and JSON (graphcal.calibration.transforms), in the order they run
     transform_lines: list[str] = field(default_factory=list)
     transform_json: dict[str, object] = field(default_factory=dict)
+    memory: dict | None = None  # the run's estimated peak memory (graphcal.calibration.footprint), as JSON
+    memory_line: str = ""  # the same, one line
 
     @property
     def quantized(self) -> list[str]:
@@ -174,6 +176,7 @@ def to_dict(report: Inspection) -> dict:
             "ratio": round(report.expected_size / report.input_size, 4),
             "parts": {k: v for k, v in report.size_parts.items() if k != "input"},
         },
+        **({"memory": report.memory} if report.memory is not None else {}),
     }
 
 
@@ -217,6 +220,8 @@ def format_text(report: Inspection) -> str:
         lines.append("kernels  in onnxruntime (CPU, default settings): " + "; ".join(report.forms))
     lines.append(f"size     input {report.input_size:,} bytes -> expected {report.expected_size:,} bytes "
                  f"({report.expected_size / report.input_size:.2f}x)")
+    if report.memory_line:
+        lines.append(f"memory   {report.memory_line}")
     return "\n".join(lines)
 
 

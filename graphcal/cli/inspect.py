@@ -44,8 +44,10 @@ def inspect_command(model, data, output, as_json, debug, **flags):
     from graphcal.calibration.report import format_text, from_plan, to_dict  # lazy: loads torch and onnx
 
     def call():
+        from graphcal.calibration.footprint import for_run  # lazy: loads torch, onnx and onnxruntime
         from graphcal.calibration.prepare import prepare  # lazy: loads torch, onnx and onnxruntime; graphcal --help stays fast
         from graphcal.config import resolve  # lazy: loads torch and onnx
+        from graphcal.limits import available_memory
 
         if output is not None:
             check_output_dir(output, [model, *([data] if data is not None else [])])
@@ -55,6 +57,10 @@ def inspect_command(model, data, output, as_json, debug, **flags):
                         exclude_padding=options.exclude_padding, device=options.device)
         report = from_plan(ready.plan, ready.loaded.model)  # every refusal of run's before its passes, as run makes them
         report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
+        memory = for_run(ready, options.tap_limit_mb, options.exclude_padding)  # before any weight is read, as run
+        free = available_memory()
+        report.memory = memory.as_dict(free)
+        report.memory_line = memory.line(free) + ("" if ready.calib is not None else " (no --data: activations not counted)")
         return report
 
     report = guarded(call, debug)

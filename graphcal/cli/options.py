@@ -265,6 +265,9 @@ PASS_OPTIONS = (
                  help="At most this many MB of activations tapped whole (mse and imatrix observers, "
                       "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
                       "computing only what its share needs (default 1024)."),
+    click.option("--ignore-memory-check", is_flag=True,
+                 help="Run even when the peak memory estimated before any weight is read exceeds the memory "
+                      "available (inspect shows the estimate)."),
 )
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 

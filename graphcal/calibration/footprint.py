@@ -1,0 +1,254 @@
+"""The peak memory of a run, estimated before it reads any weight: from the graph, the initializers'
+dims and types, the plan and the shape of one batch of data (no weight is read).
+
+    peak = imports + max(the activation pass, the weight phase (+ the blockwise passes of sequential GPTQ/AWQ))
+
+Each term is a rule times a constant fitted to peaks measured with tools/peak_rss.py (docs/benchmarks.md,
+"Pre-flight: the estimated peak against the measured one"):
+
+- ``imports``: torch, onnxruntime, onnx and compressed-tensors themselves (:data:`IMPORTS`);
+- ``weights in onnxruntime``: the float initializers the session holds (onnxruntime reads external data
+  from the model's files, inline weights are handed over in place: held once), the whole-graph pass only;
+- ``activations``: :data:`ARENA` x the largest intermediate one batch makes (onnx shape inference on the
+  skeleton with the batch's shapes; the logits of a pruned lm_head not counted), per session;
+- ``taps``: whole taps a batch holds (mse/imatrix observers, --exclude-padding), at most --tap-limit-mb;
+- ``hessians``: GPTQ's fp32 input Hessians (one-pass: all; sequential: one block's);
+- ``block cache``: the blockwise passes' cached block inputs (every sample's, one block at a time) and the
+  largest block's weights;
+- ``weight phase``: :func:`weight_phase_bytes` (the output as the writer holds it, and one weight in hand).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from graphcal import limits  # limits.available_memory looked up at each call (tests patch it)
+from graphcal.calibration.activations import TAP_LIMIT_MB
+from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.transforms.awq import AWQSettings
+from graphcal.calibration.transforms.smoothquant import Smoothing
+from graphcal.errors import GraphcalError
+from graphcal.graph.io import skeleton
+from graphcal.graph.taps import Reduction
+from graphcal.limits import format_size
+
+IMPORTS = 400_000_000  # torch + onnxruntime + onnx + compressed-tensors, measured: 0.40-0.42 GB on tiny-llama
+ARENA = 6.0  # onnxruntime's CPU arena over the largest intermediate (several alive, rounded up to powers of two)
+OUTPUT_HELD = 0.9  # the writer holds every written tensor, the float ones left read lazily (graph/qdq/writer.py)
+WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch copy
+MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
+
+PASSES = ("whole-graph", "blockwise", "none")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The estimate: ``parts`` (bytes, by name, those of the phase that peaks) and the pass it assumes."""
+
+    parts: Mapping[str, int]
+    pass_kind: str
+    batch: int
+    seq: int
+    phases: Mapping[str, int] = field(default_factory=dict)  # each phase's own total, imports included
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def dominant(self) -> str:
+        return max(self.parts, key=lambda k: self.parts[k])
+
+    def line(self, available: int | None) -> str:
+        shown = ", ".join(f"{k} {format_size(v)}" for k, v in self.parts.items() if v)
+        of = f" of {format_size(available)} available" if available is not None else ""
+        return f"peak memory ~{format_size(self.total)} ({shown}){of}"
+
+    def as_dict(self, available: int | None = None) -> dict:
+        return {"peak_bytes": self.total, "parts": dict(self.parts), "pass": self.pass_kind, "batch": self.batch,
+                "seq": self.seq, "available_bytes": available}
+
+    def fits(self, available: int | None) -> bool:
+        return available is None or self.total * MARGIN <= available
+
+    def refusal(self, available: int) -> str:
+        """One line: what dominates and what would fix it (run's refusal)."""
+        top = self.dominant()
+        fixes = {"weights in onnxruntime": "a weight-only scheme with no data pass (W4A16, NVFP4A16)",
+                 "activations": "a smaller --batch-size",
+                 "taps": "a smaller --tap-limit-mb",
+                 "hessians": "--gptq-order sequential" if self.pass_kind == "whole-graph" else "a smaller --batch-size",
+                 "block cache": "fewer --num-samples"}
+        fix = fixes[top] + " or a machine with more memory" if top in fixes else "a machine with more memory"
+        return (f"this run needs about {format_size(self.total)} of memory at its peak, more than the "
+                f"{format_size(available)} available ({top} {format_size(self.parts[top])} dominate); try {fix}, "
+                "or --ignore-memory-check to run anyway")
+
+
+def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int, ...]], *, pass_kind: str,
+             num_samples: int = 1, gptq: str | None = None, whole_tap_bytes: int = 0) -> Footprint:
+    """The peak memory of ``plan``'s run on ``model`` (dims and types only) with batches shaped
+    ``input_shapes``. ``pass_kind``: "whole-graph" (one onnxruntime session over the tapped graph),
+    "blockwise" (block subgraphs over cached inputs: sequential GPTQ, AWQ) or "none" (weight-only round
+    to nearest: no data pass); ``gptq``: None, "one-pass" or "sequential" (its blockwise passes run in
+    the weight phase); ``whole_tap_bytes``: whole taps a batch holds (at most --tap-limit-mb)."""
+    if pass_kind not in PASSES:
+        raise ValueError(pass_kind)
+    shapes = dict(input_shapes)
+    batch = next((s[0] for s in shapes.values() if len(s) >= 1), 1)
+    seq = next((s[1] for s in shapes.values() if len(s) >= 2), 1)
+    chosen = list(plan.chosen)
+    act = int(ARENA * largest_intermediate(model, shapes, {t.node for t in chosen}))
+    weight = weight_phase_bytes(plan, model)
+    phases, parts = {}, {}
+    if pass_kind == "whole-graph":
+        pass_parts = {"weights in onnxruntime": float_initializer_bytes(model), "activations": act,
+                      "taps": whole_tap_bytes,
+                      "hessians": hessian_bytes(chosen) if gptq == "one-pass" else 0}
+        phases["pass"] = sum(pass_parts.values())
+        parts = pass_parts
+    weight_parts = {"weight phase": weight}
+    if gptq == "sequential" or pass_kind == "blockwise":
+        weight_parts.update(blockwise_parts(model, plan, batch, seq, num_samples, act))
+    phases["weights"] = sum(weight_parts.values())
+    if phases["weights"] >= phases.get("pass", 0):
+        parts = weight_parts
+    return Footprint({"imports": IMPORTS, **parts}, pass_kind, batch, seq,
+                     {k: IMPORTS + v for k, v in phases.items()})
+
+
+def weight_phase_bytes(plan, model: onnx.ModelProto) -> int:
+    """The weight phase's own peak: the output as the writer holds it (every written tensor until the
+    end, then the model serialized: :data:`OUTPUT_HELD` x the expected output, float weights left in
+    float included) plus one float weight in hand (:data:`WEIGHT_COPIES` x the largest chosen one).
+    One small function: a writer that streams its tensors to disk changes only this."""
+    inits = {t.name: t for t in model.graph.initializer}
+    largest = max((_init_bytes(inits[t.weight]) for t in plan.chosen if t.weight in inits), default=0)
+    return int(OUTPUT_HELD * max(plan.expected_size, 0) + WEIGHT_COPIES * largest)
+
+
+def blockwise_parts(model: onnx.ModelProto, plan, batch: int, seq: int, num_samples: int, act: int) -> dict[str, int]:
+    """Sequential GPTQ's and AWQ's block passes: every weight (each block's session reads its weights from
+    the model's files, and they stay resident over the walk: measured 1.0-1.2x the weights on the bench
+    decoder and the 1.5B), one block's Hessians, every sample's cached block inputs and outputs at the
+    hidden width, and one batch's activations."""
+    blocks: dict[str, list] = {}
+    for t in plan.chosen:
+        blocks.setdefault(_block_of(t.name), []).append(t)
+    inits = {t.name: t for t in model.graph.initializer}
+    heaviest = max(blocks.values(), key=lambda ts: sum(_init_bytes(inits[t.weight]) for t in ts if t.weight in inits))
+    hidden = min((t.in_features for t in heaviest), default=1)  # q/k/v's input: the residual stream's width
+    return {"weights in onnxruntime": float_initializer_bytes(model), "hessians": hessian_bytes(heaviest),
+            "block cache": 2 * 4 * num_samples * seq * hidden, "activations": act}
+
+
+def hessian_bytes(targets) -> int:
+    """fp32 Hessians of the distinct activations ``targets`` read."""
+    seen = {t.activation: t.in_features for t in targets}
+    return sum(4 * n * n for n in seen.values())
+
+
+def float_initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of every initializer of the main graph (dims x element size: nothing is read)."""
+    return sum(_init_bytes(t) for t in model.graph.initializer)
+
+
+def largest_intermediate(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]],
+                         until: set[str]) -> int:
+    """Bytes of the largest value one batch makes before the last of the nodes ``until`` (the chosen
+    targets: what the tapped pass computes; a pruned lm_head's logits are not), by onnx shape inference
+    on the graph's skeleton with the inputs' dims set to ``input_shapes``; 0 where nothing is inferred."""
+    frame = _frame(model, input_shapes)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(frame, data_prop=True)
+    except Exception:  # noqa: BLE001 -- onnx raises its own types; no estimate of activations then
+        return 0
+    last = max((k for k, n in enumerate(frame.graph.node) if n.name in until), default=len(frame.graph.node) - 1)
+    computed = {o for n in frame.graph.node[:last + 1] for o in n.output}
+    best = 0
+    for v in inferred.graph.value_info:
+        if v.name not in computed or not v.type.HasField("tensor_type"):
+            continue
+        tt = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tt.shape.dim]
+        if not dims or not all(dims):
+            continue
+        try:
+            size = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            size = 4
+        best = max(best, math.prod(dims) * size)
+    return best
+
+
+def _frame(model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]]) -> onnx.ModelProto:
+    frame = skeleton(model)
+    for inp in frame.graph.input:
+        shape = input_shapes.get(inp.name)
+        if shape is None or not inp.type.HasField("tensor_type"):
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            continue
+        for d, n in zip(dims, shape):
+            d.Clear()
+            d.dim_value = int(n)
+    return frame
+
+
+def _init_bytes(t: onnx.TensorProto) -> int:
+    try:
+        size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        size = 1
+    return math.prod(t.dims) * size
+
+
+def _block_of(name: str) -> str:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3`` (the first dotted number's prefix)."""
+    parts = name.split(".")
+    for k, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:k + 1])
+    return name
+
+
+def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
+    """The estimate for a prepared run (graphcal.calibration.prepare.Prepared, with its data): which
+    pass the run takes from its plan, the batch's shapes from the data's first batch (data, not weights)."""
+    run, calib = ready.plan, ready.calib
+    first = calib.first_batch() if calib is not None else {}
+    shapes = {k: tuple(np.shape(v)) for k, v in first.items()}
+    observers = ObserverSet(run, {})
+    gptq = run.config.gptq.order if run.config.gptq is not None else None
+    if observers.consumers or run.decision(Smoothing) is not None:
+        kind = "whole-graph"
+    elif run.decision(AWQSettings) is not None or gptq == "sequential":
+        kind = "blockwise"
+    else:
+        kind = "none"
+    whole = 0
+    if observers.consumers:
+        requests = observers.requests(not exclude_padding)
+        n_whole = sum(getattr(r, "reduction", None) is Reduction.WHOLE for r in requests)
+        batch = next((s[0] for s in shapes.values() if s), 1)
+        seq = next((s[1] for s in shapes.values() if len(s) >= 2), 1)
+        width = max((t.in_features for t in run.chosen), default=1)
+        limit = int((TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb) * 1e6)
+        whole = min(limit, n_whole * batch * seq * width * 4)
+    return estimate(ready.loaded.model, run, shapes, pass_kind=kind,
+                    num_samples=calib.num_samples if calib is not None else 1, gptq=gptq, whole_tap_bytes=whole)
+
+
+def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
+    """Refuse (GraphcalError, one line) a run whose estimated peak, with :data:`MARGIN`, exceeds the
+    memory available (graphcal.limits.available_memory: MemAvailable and the cgroup's limit)."""
+    fp = for_run(ready, tap_limit_mb, exclude_padding)
+    free = limits.available_memory()
+    if not fp.fits(free):
+        raise GraphcalError(fp.refusal(free))
+    return fp
