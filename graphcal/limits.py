@@ -177,6 +177,16 @@ def _read_number(path: Path) -> int | None:
         return None
 
 
+def resident_memory() -> int:
+    """Bytes this process holds in memory now (its resident set, Linux /proc/self/statm), 0 if unknown:
+    memory already held is not asked of :func:`available_memory` again."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def check_fits(nbytes: int, what: str, share: float = 0.5, hint: str = "") -> None:
     """Refuse to hold ``nbytes`` at once when that exceeds ``share`` of the available memory."""
     free = available_memory()

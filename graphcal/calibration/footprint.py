@@ -72,8 +72,10 @@ class Footprint:
         return {"peak_bytes": self.total, "parts": dict(self.parts), "pass": self.pass_kind, "batch": self.batch,
                 "seq": self.seq, "available_bytes": available}
 
-    def fits(self, available: int | None) -> bool:
-        return available is None or self.total * MARGIN <= available
+    def fits(self, available: int | None, resident: int = 0) -> bool:
+        """Whether the peak, less what the process already holds (``resident``: the imports, the graph),
+        fits the memory available with :data:`MARGIN`."""
+        return available is None or max(0, self.total - resident) * MARGIN <= available
 
     def refusal(self, available: int) -> str:
         """One line: what dominates and what would fix it (run's refusal)."""
@@ -249,6 +251,6 @@ def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool
     memory available (graphcal.limits.available_memory: MemAvailable and the cgroup's limit)."""
     fp = for_run(ready, tap_limit_mb, exclude_padding)
     free = limits.available_memory()
-    if not fp.fits(free):
+    if not fp.fits(free, limits.resident_memory()):
         raise GraphcalError(fp.refusal(free))
     return fp

@@ -152,6 +152,7 @@ def _garbage_data(tmp_path):
 def test_run_refused_in_one_line_before_any_weight_is_read(tmp_path, monkeypatch):
     path, data = _garbage_data(tmp_path)
     monkeypatch.setattr(graphcal.limits, "available_memory", lambda *a, **k: 100_000_000)
+    monkeypatch.setattr(graphcal.limits, "resident_memory", lambda: 0)  # as a fresh process would hold nearly
     out = tmp_path / "out"
     result = run_cli("run", path, "--data", data, "--scheme", "W8A8_STATIC", "-o", out, "-q")
     assert result.exit_code != 0
@@ -167,6 +168,7 @@ def test_run_refused_in_one_line_before_any_weight_is_read(tmp_path, monkeypatch
 def test_ignore_memory_check_runs(tmp_path, monkeypatch):
     path, data = _two_layer(tmp_path / "m")
     monkeypatch.setattr(graphcal.limits, "available_memory", lambda *a, **k: 100_000_000)
+    monkeypatch.setattr(graphcal.limits, "resident_memory", lambda: 0)
     out = tmp_path / "out"
     assert run_cli("run", path, "--data", data, "--scheme", "W8A8_STATIC", "-o", out, "-q").exit_code != 0
     result = run_cli("run", path, "--data", data, "--scheme", "W8A8_STATIC", "-o", out, "-q", "--ignore-memory-check")
@@ -193,3 +195,15 @@ def test_margin(tmp_path, monkeypatch, margin_over):
     _, fp = _estimate(path, data, scheme="W8A8_STATIC")
     free = int(fp.total * footprint.MARGIN) + (-1 if margin_over else 1)
     assert fp.fits(free) is not margin_over
+
+
+def test_memory_already_held_is_not_asked_again(tmp_path):
+    """The check runs with the libraries already loaded: what the process holds is not asked of the
+    available memory a second time (MemAvailable already excludes it)."""
+    path, data = _two_layer(tmp_path / "m")
+    _, fp = _estimate(path, data, scheme="W8A8_STATIC")
+    half = fp.total // 2
+    assert not fp.fits(half)  # nothing held yet: the whole peak is asked for
+    assert fp.fits(half, resident=fp.total - half // 2)  # the libraries held: only the rest is
+    assert 0 < graphcal.limits.resident_memory() < 1 << 40
+
