@@ -27,16 +27,21 @@ class OneLineUsage(click.UsageError):
         click.echo(f"error: {self.format_message()}", file=file, err=True)
 
 
+def _in_one_line(parse, ctx, *args):
+    """``parse(ctx, *args)``, click's own refusals turned into :class:`OneLineUsage`."""
+    try:
+        return parse(ctx, *args)
+    except click.UsageError as e:
+        if isinstance(e, (Refused, OneLineUsage)):
+            raise
+        raise OneLineUsage(e.format_message(), ctx) from None
+
+
 class OneLineCommand(click.Command):
     """A verb whose command-line refusals are one line (:class:`OneLineUsage`)."""
 
     def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if isinstance(e, (Refused, OneLineUsage)):
-                raise
-            raise OneLineUsage(e.format_message(), ctx) from None
+        return _in_one_line(super().parse_args, ctx, args)
 
 
 class OneLineGroup(click.Group):
@@ -46,20 +51,10 @@ class OneLineGroup(click.Group):
     command_class = OneLineCommand
 
     def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            if isinstance(e, (Refused, OneLineUsage)):
-                raise
-            raise OneLineUsage(e.format_message(), ctx) from None
+        return _in_one_line(super().parse_args, ctx, args)
 
     def resolve_command(self, ctx, args):
-        try:
-            return super().resolve_command(ctx, args)
-        except click.UsageError as e:
-            if isinstance(e, OneLineUsage):
-                raise
-            raise OneLineUsage(e.format_message(), ctx) from None
+        return _in_one_line(super().resolve_command, ctx, args)
 
 
 class OneLine:

@@ -203,12 +203,18 @@ class OutputSlot:
             raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
         self._tmp = tmp
         self._tmp_abort = register_abort(lambda: shutil.rmtree(tmp, ignore_errors=True))  # stopped from another thread
-        try:
+        with self._dropped_on_failure():
             fd = os.open(tmp / TMP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 os.write(fd, f"graphcal {os.getpid()}\n".encode())
             finally:
                 os.close(fd)
+
+    @contextlib.contextmanager
+    def _dropped_on_failure(self):
+        """The temporary folder removed if the block fails; an OSError said in one line."""
+        try:
+            yield
         except OSError as e:
             self._drop_tmp()
             raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
@@ -228,7 +234,7 @@ class OutputSlot:
         if self._tmp is None:
             self._make_tmp()
         tmp = self._tmp
-        try:
+        with self._dropped_on_failure():
             umask_mode = stat.S_IMODE((tmp / TMP_MARKER).stat().st_mode)  # 0o666 & ~umask, read without os.umask
             files = [Path(f) for f in write(tmp)]
             names = sorted(e.name for e in os.scandir(tmp) if e.is_file(follow_symlinks=False) and e.name != TMP_MARKER)
@@ -240,12 +246,6 @@ class OutputSlot:
                 if folder_mode is not None:
                     os.chmod(tmp, folder_mode)
             _fsync(tmp)
-        except OSError as e:
-            self._drop_tmp()
-            raise GraphcalError(f"could not write outputs to {self.path.parent}: {e.strerror or e}") from e
-        except BaseException:
-            self._drop_tmp()
-            raise
         return tmp, files
 
     def _keep_modes(self, tmp: Path, names: list[str], new_mode: int) -> None:
