@@ -95,8 +95,13 @@ def observer_device(provider: str | None, device: str, device_id: int = 0) -> to
     if provider is not None:
         gpu = provider == CUDA
     else:
-        gpu = device == "cuda" or (device == "auto" and cuda_usable())
+        gpu = wants_cuda(device)
     return torch.device("cuda", device_id) if gpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def wants_cuda(device: str) -> bool:
+    """Whether ``--device`` means a run on CUDA: ``cuda``, or ``auto`` with a usable GPU."""
+    return device == "cuda" or (device == "auto" and cuda_usable())
 
 
 def cuda_usable() -> bool:

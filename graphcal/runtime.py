@@ -31,7 +31,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from graphcal.devices import CPU, CUDA, TORCH_TYPES, bind_torch_input, check_device_choice, cuda_usable, observer_device
+from graphcal.devices import CPU, CUDA, TORCH_TYPES, bind_torch_input, check_device_choice, observer_device, wants_cuda
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph import io as graph_io
 from graphcal.graph.external import is_external, rebase
@@ -169,7 +169,7 @@ def open_runtime(
     DequantizeLinear copies at the highest node indices and priority order then dequantizes every
     weight up front."""
     check_device_choice(device)
-    want_cuda = device == "cuda" or (device == "auto" and cuda_usable())
+    want_cuda = wants_cuda(device)
     providers = [(CUDA, {"device_id": device_id}), CPU] if want_cuda else [CPU]
     if want_cuda and hasattr(ort, "preload_dlls"):
         try:

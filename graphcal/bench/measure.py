@@ -26,7 +26,7 @@ from graphcal.bench.report import MODELS, BenchReport, GenaiLoop, ModelFacts, Sh
 from graphcal.bench.session import CPU, CUDA, open_session, options, runner
 from graphcal.bench.timing import RunFailed, time_interleaved
 from graphcal.data import InputSpec, graph_inputs, load_data
-from graphcal.devices import INT8_SATURATION_NOTE, check_device, cuda_usable, int8_gemm_saturates
+from graphcal.devices import INT8_SATURATION_NOTE, check_device, int8_gemm_saturates, wants_cuda
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.graph.io import load_model_info, model_files
 from graphcal.graph.targets import find_targets
@@ -52,7 +52,7 @@ def bench(reference: str | os.PathLike, quantized: str | os.PathLike, data, *, b
         raise UsageError(f"past must be at least 1, genai_tokens at least 0 and genai_rounds at least 1 (got {past}, "
                          f"{genai_tokens} and {genai_rounds})")
     check_device(device)
-    providers = [CUDA, CPU] if device == "cuda" or (device == "auto" and cuda_usable()) else [CPU]
+    providers = [CUDA, CPU] if wants_cuda(device) else [CPU]
     if providers[0] == CUDA and hasattr(ort, "preload_dlls"):
         try:
             ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip packages, as graphcal's runtime does

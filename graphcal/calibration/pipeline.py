@@ -47,7 +47,7 @@ from graphcal.calibration.weights import WeightResult, quantize_weights
 from graphcal.config import Options, RunConfig, resolve
 from graphcal.config.options import with_keywords
 from graphcal.data import Calibration, data_paths
-from graphcal.devices import cuda_usable, observer_device
+from graphcal.devices import observer_device, wants_cuda
 from graphcal.graph import identity
 from graphcal.graph.io import runs_in_onnxruntime, save_model
 from graphcal.graph.names import one_budget
@@ -108,7 +108,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
     # before any weight is read: a run that cannot fit is refused, not killed (on the CPU: on a GPU the weights and
     # activations sit in GPU memory, which the estimate does not model yet, so a host estimate would refuse wrongly)
-    if not options.ignore_memory_check and not (device == "cuda" or (device == "auto" and cuda_usable())):
+    if not options.ignore_memory_check and not wants_cuda(device):
         log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding).line(None))
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
