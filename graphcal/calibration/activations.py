@@ -269,7 +269,7 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
               if (mine := [c for c in cs if c.request(in_graph) in tapped.outputs])}
     takes = runtime.inputs
     tolerant = set(getattr(observers, "tolerant", ())) & set(routes)
-    finite = Finiteness(defer=not tolerant and all(_takes_nonfinite(c) for cs in routes.values() for c in cs))
+    finite = Finiteness(defer=not tolerant and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
     done = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     if dist is None:  # samples/s and the time left over the whole data
@@ -283,7 +283,7 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
                 continue
             keep = padding.count(batch, count) if padding is not None else None
             values = runtime.run({k: v for k, v in batch.items() if k in takes})
-            _feed(values, routes, tapped, in_graph, keep, padding, index, observers, finite)
+            feed_taps(values, routes, tapped, in_graph, keep, padding, index, observers, finite)
             del values
             done += 1
             bar.update(batch_samples(batch) if dist is None else 1)
@@ -295,7 +295,7 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
 CHECK_EVERY = 64
 
 
-def _takes_nonfinite(consumer) -> bool:
+def takes_nonfinite(consumer) -> bool:
     """Whether ``consumer`` may be fed a batch before its finiteness is known: min/max observers of
     activations (statistics that are the batch extrema) only carry a NaN or Inf along, and the pass
     refuses it before they are read."""
@@ -309,7 +309,7 @@ class Finiteness:
     A batch's probes (a reduced tap's finiteness probe from the graph, a whole tap's min and max:
     NaN and Inf carry through both) are stacked into one tensor. Checked now, the batch's flags come
     to the host in one read before any tap is fed. Deferred (every consumer of the pass takes a
-    non-finite batch harmlessly, :func:`_takes_nonfinite`), the first batch each probe was non-finite
+    non-finite batch harmlessly, :func:`takes_nonfinite`), the first batch each probe was non-finite
     in is kept on the device and read later; the error is the same: the first batch that held one,
     and in it the first tap in the pass's order."""
 
@@ -363,7 +363,7 @@ def _nonfinite(tensor: str, index: int, consumers) -> GraphcalError:
                          f"{consumers[0].observer.observer_name}); the model or the data produce non-finite activations")
 
 
-def _feed(values: dict, routes: dict, tapped, in_graph: bool, keep: Kept | None, padding: Padding | None, index: int,
+def feed_taps(values: dict, routes: dict, tapped, in_graph: bool, keep: Kept | None, padding: Padding | None, index: int,
           observers: Consumers | None = None, finite: Finiteness | None = None) -> None:
     """Feed ``routes`` (tensor -> its consumers in this pass) from ``values``, the outputs of
     ``tapped`` (this pass's graph) for batch ``index``. A tap holding NaN or Inf is refused

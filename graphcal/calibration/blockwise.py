@@ -49,9 +49,10 @@ class Blockwise:
     """A plan's chosen targets in blocks, and the cached tensors between them."""
 
     def __init__(self, run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0,
-                 replaced: set[str] | frozenset[str] = frozenset()):
+                 replaced: set[str] | frozenset[str] = frozenset(), rank=None):
         model = loaded.model  # the working model (calibration.decisions.Loaded), read here and not kept
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
+        self.rank = rank  # torchrun (calibration.distributed.Dist): this rank runs every world-th batch (None: all)
         # a read-only frame, made here, before any weight pass: the subgraphs are cut from the graph as
         # loaded (``frame``, a skeleton without weights) and read the weights as they are now
         # (``originals``). The weight pass may edit the model meanwhile; it adds nodes and initializers
@@ -94,22 +95,30 @@ class Blockwise:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def session(self, outputs: Sequence[str], cut: Sequence[str], weights: Sequence[Target] = (), requests=()):
-        """A runtime over the subgraph computing ``outputs`` (plus the in-graph reductions of
-        ``requests``, graph.taps.TapRequest) from ``cut``; ``weights``: targets whose weights
-        are fed per run (:meth:`feed_weight`). Returns (runtime, tapped graph or None)."""
+    def session(self, outputs: Sequence[str], cut: Sequence[str], weights: Sequence[Target] = (), requests=(),
+                prelude: tuple[list, list] = ((), ()), priority_order: bool = False):
+        """A runtime over the subgraph computing ``outputs`` and the taps of ``requests``
+        (graph.taps.TapRequest: whole tensors or in-graph reductions; ``prelude``: nodes making
+        tensors to tap that the model lacks, as graph.taps.build_tapped takes them) from ``cut``;
+        ``weights``: targets whose weights are fed per run (:meth:`feed_weight`). Only ``outputs``
+        and the taps are graph outputs (a reduced tap's whole tensor is not kept to the run's end).
+        Returns (runtime, tapped graph or None)."""
 
         fed = [self._fed[t.name][0] for t in weights]
+        made = {n.output[0]: n.input[0] for n in prelude[0]}  # x * (1/s) is computed from x
+        wanted = list(dict.fromkeys([*outputs, *(made.get(r.tensor, r.tensor) for r in requests)]))
         # a weight behind a Transpose/Cast path is fed where the node reads it (a cut tensor)
-        sub = subgraph(self.frame, list(outputs) or [r.tensor for r in requests],
-                       [*cut, *(n for n in fed if n not in self._inits)], [n for n in fed if n in self._inits],
-                       dependent=self.dependent, types=self.types)
+        sub = subgraph(self.frame, wanted, [*cut, *(n for n in fed if n not in self._inits)],
+                       [n for n in fed if n in self._inits], dependent=self.dependent, types=self.types)
         tapped, fetch = None, list(outputs)
         if requests:
-            tapped = build_tapped(sub, list(requests), value_types_of(sub, self.types))
+            kept = [o for o in sub.graph.output if o.name in set(outputs)]
+            del sub.graph.output[:]
+            sub.graph.output.extend(kept)
+            tapped = build_tapped(sub, list(requests), value_types_of(sub, self.types), prelude)
             sub, fetch = tapped.model, [*outputs, *tapped.fetch]
         runtime = open_runtime(sub, fetch, self.device, device_id=self.device_id, external_folder=self.run.base_dir,
-                               weights=self._initializers(sub))
+                               weights=self._initializers(sub), priority_order=priority_order)
         return runtime, tapped
 
     def _initializers(self, sub: onnx.ModelProto) -> list[onnx.TensorProto]:
@@ -132,12 +141,42 @@ class Blockwise:
 
     def batches(self, k: int) -> Iterator[tuple[int, dict]]:
         """Block ``k``'s feeds for every batch: the graph inputs it needs and the cached tensors it reads."""
-        block = self.blocks[k]
+        for i, _, feeds in self.batch_feeds(k):
+            yield i, feeds
+
+    def batch_feeds(self, k: int) -> Iterator[tuple[int, dict, dict]]:
+        """(index, the batch, block ``k``'s feeds) for every batch this process runs (under torchrun
+        every world-th): the graph inputs the block needs and the cached tensors it reads."""
+        block, j = self.blocks[k], 0
         for i, batch in enumerate(self.calib.batches()):
+            if self.rank is not None and i % self.rank.world != self.rank.rank:
+                continue
             feeds = {n: batch[n] for n in block.graph_inputs if n in batch}
             for name in block.inputs:
-                feeds[name] = self.cache[name][i]
-            yield i, feeds
+                feeds[name] = self.cache[name][j]
+            j += 1
+            yield i, batch, feeds
+
+    def run_cached(self, runtime, feeds: dict, kept: dict[str, list], k: int, what: str = "") -> dict:
+        """One batch of block ``k``'s ``runtime`` (from :meth:`session`): its values as
+        ``runtime.run`` gives them (torch tensors), and each name of ``kept`` appended a copy of its
+        value to keep past the run (on the device the first batch's :meth:`placement` chose). After
+        the first batch, what all the batches will hold is checked (:meth:`check_cache`)."""
+        reads = runtime.inputs
+        values = runtime.run({n: v for n, v in feeds.items() if n in reads})
+        if kept:
+            first = not next(iter(kept.values()))
+            if first:
+                self._place = self.placement(k, {n: values[n] for n in kept})
+            for n, out in kept.items():
+                out.append(values[n].to(self._place, copy=True))
+            if first:
+                self.check_cache(k, {n: out[0] for n, out in kept.items()}, what)
+        return values
+
+    def close(self) -> None:
+        """Drop what is cached."""
+        self.cache.clear()
 
     def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
                   what: str = "") -> dict[str, list[Value]]:

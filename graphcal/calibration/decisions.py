@@ -77,6 +77,9 @@ class RunPlan:
     # will do (a unit that rewrote the model before the plan: what it did; the model is the rewritten one)
     decisions: Mapping[type, object] = field(default_factory=lambda: MappingProxyType({}))
     pass_hessians: bool = False  # the activation pass takes each chosen layer's input Hessian (a unit's rounding uses it)
+    # the activation pass (calibration.streamed.choose_pass): the layer blocks it streams (0: the whole graph at once)
+    streamed_blocks: int = 0
+    pass_note: str = "whole-graph"  # which pass, and why, for the log and the summary
 
     def decision(self, settings_type: type):
         """The decision of the transform whose settings are of ``settings_type`` (None: not asked for)."""

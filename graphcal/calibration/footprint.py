@@ -8,13 +8,14 @@ Each term is a rule times a constant fitted to peaks measured with tools/peak_rs
 
 - ``imports``: torch, onnxruntime, onnx and compressed-tensors themselves (:data:`IMPORTS`);
 - ``weights in onnxruntime``: the float initializers the session holds (onnxruntime reads external data
-  from the model's files, inline weights are handed over in place: held once), the whole-graph pass only;
+  from the model's files, inline weights are handed over in place: held once): the whole-graph pass's
+  every weight, the streamed pass's one block's (:func:`block_weight_bytes`);
 - ``activations``: :data:`ARENA` x the largest intermediate one batch makes (onnx shape inference on the
   skeleton with the batch's shapes; the logits of a pruned lm_head not counted), per session;
 - ``taps``: whole taps a batch holds (mse/imatrix observers, --exclude-padding), at most --tap-limit-mb;
 - ``hessians``: GPTQ's fp32 input Hessians (one-pass: all; sequential: one block's);
-- ``block cache``: the blockwise passes' cached block inputs (every sample's, one block at a time) and the
-  largest block's weights;
+- ``block cache``: the streamed and blockwise passes' cached block inputs (every sample's, one block at a
+  time) and the largest block's weights;
 - ``weight phase``: :func:`weight_phase_bytes` (the output as the writer holds it, and one weight in hand).
 """
 
@@ -43,7 +44,7 @@ OUTPUT_HELD = 0.9  # the writer holds every written tensor, the float ones left 
 WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch copy
 MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
 
-PASSES = ("whole-graph", "blockwise", "none")
+PASSES = ("whole-graph", "streamed", "blockwise", "none")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class Footprint:
     def refusal(self, available: int) -> str:
         """One line: what dominates and what would fix it (run's refusal)."""
         top = self.dominant()
-        fixes = {"weights in onnxruntime": "a weight-only scheme with no data pass (W4A16, NVFP4A16)",
+        fixes = {"weights in onnxruntime": ("--pass blocks (a decoder's pass one layer block at a time), or "
+                                            if self.pass_kind == "whole-graph" else "")
+                 + "a weight-only scheme with no data pass (W4A16, NVFP4A16)",
                  "activations": "a smaller --batch-size",
                  "taps": "a smaller --tap-limit-mb",
                  "hessians": "--gptq-order sequential" if self.pass_kind == "whole-graph" else "a smaller --batch-size",
@@ -107,10 +110,13 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
     act = int(ARENA * largest_intermediate(model, shapes, {t.node for t in chosen}))
     weight = weight_phase_bytes(plan, model)
     phases, parts = {}, {}
-    if pass_kind == "whole-graph":
-        pass_parts = {"weights in onnxruntime": float_initializer_bytes(model), "activations": act,
-                      "taps": whole_tap_bytes,
+    if pass_kind in ("whole-graph", "streamed"):
+        streamed = pass_kind == "streamed"
+        pass_parts = {"weights in onnxruntime": block_weight_bytes(model, plan) if streamed else float_initializer_bytes(model),
+                      "activations": act, "taps": whole_tap_bytes,
                       "hessians": hessian_bytes(chosen) if gptq == "one-pass" else 0}
+        if streamed:
+            pass_parts["block cache"] = cache_bytes(plan, seq, num_samples)
         phases["pass"] = sum(pass_parts.values())
         parts = pass_parts
     weight_parts = {"weight phase": weight}
@@ -146,6 +152,27 @@ def blockwise_parts(model: onnx.ModelProto, plan, batch: int, seq: int, num_samp
     hidden = min((t.in_features for t in heaviest), default=1)  # q/k/v's input: the residual stream's width
     return {"weights in onnxruntime": float_initializer_bytes(model), "hessians": hessian_bytes(heaviest),
             "block cache": 2 * 4 * num_samples * seq * hidden, "activations": act}
+
+
+def block_weight_bytes(model: onnx.ModelProto, plan) -> int:
+    """The weights one block's session of the streamed pass holds, at most: the heaviest layer block's
+    targets, or the first block's with the largest initializer no target reads (the embedding table,
+    which the first block's subgraph reads to compute its input)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    by_block: dict[str, int] = {}
+    for t in plan.chosen:
+        by_block[_block_of(t.name)] = by_block.get(_block_of(t.name), 0) + (_init_bytes(inits[t.weight]) if t.weight in inits else 0)
+    targets = {t.weight for t in plan.found}
+    other = max((_init_bytes(t) for t in model.graph.initializer if t.name not in targets), default=0)
+    first = next(iter(by_block.values()), 0)
+    return max(max(by_block.values(), default=0), first + other)
+
+
+def cache_bytes(plan, seq: int, num_samples: int) -> int:
+    """The streamed pass's cache: every sample's boundary tensors (the residual stream) at the hidden
+    width in fp32, a block's inputs and its outputs at once."""
+    hidden = min((t.in_features for t in plan.chosen), default=1)
+    return 2 * 4 * num_samples * seq * hidden
 
 
 def hessian_bytes(targets) -> int:
@@ -228,7 +255,7 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
     observers = ObserverSet(run, {})
     gptq = run.config.gptq.order if run.config.gptq is not None else None
     if observers.consumers or run.decision(Smoothing) is not None:
-        kind = "whole-graph"
+        kind = "streamed" if run.streamed_blocks else "whole-graph"
     elif run.decision(AWQSettings) is not None or gptq == "sequential":
         kind = "blockwise"
     else:

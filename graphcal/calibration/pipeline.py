@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.activations import PassResult
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.footprint import check_memory
 from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.passes import run_activation_pass
 from graphcal.calibration.prepare import Prepared, prepare
 from graphcal.calibration.result import CalibrationResult, scheme_label
 from graphcal.calibration.seams import PassSettings, Rounding
@@ -104,8 +105,9 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     device, progress, exclude_padding = options.device, options.progress, options.exclude_padding
     ready = prepare(model, config, target=options.target, matmulnbits=options.matmulnbits, data=data,
                     batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
-                    device=device, join=True, reduce_in_graph=options.reduce_in_graph)
+                    device=device, join=True, reduce_in_graph=options.reduce_in_graph, pass_mode=options.pass_mode)
     run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
+    log.info("activation pass: %s", run.pass_note)
     # before any weight is read: a run that cannot fit is refused, not killed (on the CPU: on a GPU the weights and
     # activations sit in GPU memory, which the estimate does not model yet, so a host estimate would refuse wrongly)
     if not options.ignore_memory_check and not wants_cuda(device):
@@ -191,6 +193,7 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
         warnings.append("--exclude-padding: observed with their padding (not shaped [batch, seq, ...] like the "
                         "attention_mask): " + ", ".join(f"{t} {list(s)}" for t, s in padding.unmasked.items()))
     common = dict(output_dir=out_dir, provider=activations.provider, seconds=time.perf_counter() - start,
+                  pass_note=run.pass_note if activations.provider is not None else "",
                   world=dist.world if dist else 1,
                   padding_share=padding.share if padding is not None else None,
                   exclude_padding=settings.exclude_padding)

@@ -2,6 +2,7 @@
 
     settings --check_device--> the device is there (--device cuda without a GPU fails here)
     model + config --plan--> RunPlan (targets, schemes, forms, sizes: graphcal.calibration.plan)
+    --pass: the activation pass block by block or over the whole graph (graphcal.calibration.streamed)
     data --load_data--> the calibration data, checked against the model's inputs (headers only)
     --exclude-padding: an attention_mask among the inputs
     torchrun: this process joins the job (run only)
@@ -20,6 +21,7 @@ from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import Dist, from_env
 from graphcal.calibration.plan import load, plan
 from graphcal.calibration.seams import PassSettings
+from graphcal.calibration.streamed import choose_pass
 from graphcal.calibration.transforms import configured
 from graphcal.calibration.transforms.base import refuse_reader
 from graphcal.config import RunConfig
@@ -42,10 +44,11 @@ class Prepared:
 
 def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime", matmulnbits: int | None = None,
             data=None, batch_size: int | None = None, num_samples: int | None = None, exclude_padding: bool = False,
-            device: str = "auto", join: bool = False, reduce_in_graph: bool = True) -> Prepared:
+            device: str = "auto", join: bool = False, reduce_in_graph: bool = True, pass_mode: str = "auto") -> Prepared:
     """Check a run of ``config`` on ``model`` with ``data`` for ``target`` before any pass; ``join``
     (run only): join the torchrun job the environment describes; ``reduce_in_graph``: as the passes
-    will run. Raises GraphcalError or UsageError for everything that can be known before calibrating."""
+    will run; ``pass_mode``: --pass (calibration.streamed.choose_pass). Raises GraphcalError or UsageError for
+    everything that can be known before calibrating."""
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
     loaded = load(model, config)  # weight rewrites (--rotate) first
     run = plan(Path(model), config, target, matmulnbits, loaded)
@@ -53,6 +56,7 @@ def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime"
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples,
                       model_dir=Path(model).parent) if data is not None else None
     names = tuple(i.name for i in inputs)
+    run = choose_pass(run, loaded, calib, pass_mode)  # block by block, or the whole graph
     if exclude_padding:
         check_padding_input(data_label(data) if data is not None else f"the model {model}", names)
     dist = from_env() if join else None  # torchrun: this rank's share of the batches

@@ -62,6 +62,7 @@ class Inspection:
     transform_json: dict[str, object] = field(default_factory=dict)
     memory: dict | None = None  # the run's estimated peak memory (graphcal.calibration.footprint), as JSON
     memory_line: str = ""  # the same, one line
+    pass_note: str = ""  # the activation pass run would use (calibration.streamed.choose_pass)
 
     @property
     def quantized(self) -> list[str]:
@@ -177,6 +178,7 @@ def to_dict(report: Inspection) -> dict:
             "parts": {k: v for k, v in report.size_parts.items() if k != "input"},
         },
         **({"memory": report.memory} if report.memory is not None else {}),
+        **({"pass": report.pass_note} if report.pass_note else {}),
     }
 
 
@@ -220,6 +222,8 @@ def format_text(report: Inspection) -> str:
         lines.append("kernels  in onnxruntime (CPU, default settings): " + "; ".join(report.forms))
     lines.append(f"size     input {report.input_size:,} bytes -> expected {report.expected_size:,} bytes "
                  f"({report.expected_size / report.input_size:.2f}x)")
+    if report.pass_note:
+        lines.append(f"pass     {report.pass_note}")
     if report.memory_line:
         lines.append(f"memory   {report.memory_line}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ class CalibrationResult:
     float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
     model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
     scheme: str = "W8A8"  # the scheme as the summary names it (scheme_label)
+    pass_note: str = ""  # the activation pass: "streamed block by block (N layer blocks)" or "whole-graph (why)"
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -67,7 +68,8 @@ class CalibrationResult:
             "ranks": self.world, "seconds": round(self.seconds, 3), "files": [str(f) for f in self.files],
             "warnings": self.warnings, "onnxruntime_kernels": self.forms,
             "padding_share": self.padding_share, "exclude_padding": self.exclude_padding,
-            "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, **self.transform_json(),
+            "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, "pass": self.pass_note,
+            **self.transform_json(),
         }
 
     def summary_lines(self) -> list[str]:
@@ -93,7 +95,7 @@ class CalibrationResult:
         else:
             ranks = f" across {self.world} ranks" if self.world > 1 else ""
             lines.append(f"calibrated on {self.num_samples} samples in {self.num_batches} batches{ranks} "
-                         f"with onnxruntime {self.provider}")
+                         f"with onnxruntime {self.provider}" + (f", {self.pass_note}" if self.pass_note else ""))
         if self.padding_share is not None:
             if self.provider is None and searched:
                 what = "GPTQ's Hessians and AWQ's means count them, as llm-compressor's do"

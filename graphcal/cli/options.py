@@ -260,6 +260,11 @@ PASS_OPTIONS = (
                  help="At most this many MB of activations tapped whole (mse and imatrix observers, "
                       "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
                       "computing only what its share needs (default 1024)."),
+    click.option("--pass", "pass_mode", type=click.Choice(["auto", "blocks", "whole-graph"]), default="auto",
+                 show_default=True,
+                 help="How the activation pass runs: blocks streams a decoder one layer block at a time (memory of "
+                      "one block, its weights read as it runs); whole-graph runs one onnxruntime session over the "
+                      "whole model; auto streams where the targets form layer blocks."),
     click.option("--ignore-memory-check", is_flag=True,
                  help="Run even when the peak memory estimated before any weight is read exceeds the memory "
                       "available (inspect shows the estimate)."),

@@ -78,6 +78,7 @@ class Options:
     exclude_padding: bool = False  # --exclude-padding
     tap_limit_mb: float | None = None  # --tap-limit-mb (None: 1024)
     ignore_memory_check: bool = False  # --ignore-memory-check: run even past the estimated peak memory
+    pass_mode: str = "auto"  # --pass: "auto" (block by block for a decoder), "blocks" or "whole-graph"
 
     def __post_init__(self):  # a list given from Python kept as the tuple a frozen record holds
         for name in ("targets", "ignore", "scheme_for"):

@@ -50,6 +50,7 @@ FLAGS = {
     "exclude_padding": (["--exclude-padding"], "exclude_padding", True),
     "tap_limit_mb": (["--tap-limit-mb", "5"], "tap_limit_mb", 5.0),
     "ignore_memory_check": (["--ignore-memory-check"], "ignore_memory_check", True),
+    "pass_mode": (["--pass", "whole-graph"], "pass_mode", "whole-graph"),
     "as_json": (["--json"], "progress", False),  # --json and --quiet: no progress bar
     "quiet": (["--quiet"], "progress", False),
 }

@@ -1,4 +1,5 @@
-"""Whole-tensor taps in bounded passes (graphcal.calibration.activations.tap_shares, --tap-limit-mb).
+"""Whole-tensor taps in bounded passes (graphcal.calibration.activations.tap_shares, --tap-limit-mb): the
+whole-graph pass (--pass whole-graph; the streamed pass holds one block's taps at a time).
 
 onnxruntime keeps every output of a graph alive until a run ends, fetched or not, so a batch's whole
 taps are held at once. Past the limit the data runs once per share of them, each pass on a graph
@@ -80,11 +81,11 @@ def test_tap_sizes_from_shape_inference_are_the_tensors_onnxruntime_makes(llama_
      '"input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": false}}', {}),
 ])
 def test_passes_in_shares_write_the_same_bytes(llama_dir, tmp_path, monkeypatch, scheme, options):
-    whole = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "whole", scheme=scheme,
+    whole = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "whole", pass_mode="whole-graph", scheme=scheme,
                       **options)
     passes = _passes(monkeypatch)
     limit_mb = 0.3  # tiny-llama's whole taps: about 1.3 MB a batch of 8 x 32 tokens
-    shared = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "shared", scheme=scheme,
+    shared = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "shared", pass_mode="whole-graph", scheme=scheme,
                        tap_limit_mb=limit_mb, **options)
     assert _files(tmp_path / "whole") == _files(tmp_path / "shared")
     assert not any("tap-limit-mb" in w for w in whole.warnings)
@@ -99,7 +100,7 @@ def test_passes_in_shares_write_the_same_bytes(llama_dir, tmp_path, monkeypatch,
 
 def test_under_the_limit_one_pass(llama_dir, tmp_path, monkeypatch):
     passes = _passes(monkeypatch)
-    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", scheme="W8A8_STATIC",
+    result = calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "out", pass_mode="whole-graph", scheme="W8A8_STATIC",
                        observer="mse")
     assert [len(runs) for _, runs in passes] == [result.num_batches]
     assert TAP_LIMIT_MB == 1024
@@ -107,7 +108,7 @@ def test_under_the_limit_one_pass(llama_dir, tmp_path, monkeypatch):
 
 def test_the_flag_reaches_the_pass(llama_dir, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"), "--pass", "whole-graph",
                      "--scheme", "W8A8_STATIC", "--observer", "mse", "--tap-limit-mb", "1",
                      "-o", str(out), "--json")
     assert result.exit_code == 0, result.output
@@ -135,7 +136,7 @@ quant_stage:
                               observer: percentile, observer_kwargs: {bins: 1048576}}
 """)
     out = tmp_path / "out"
-    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+    result = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"), "--pass", "whole-graph",
                      "--recipe", str(recipe), "-o", str(out))
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
@@ -144,7 +145,7 @@ quant_stage:
     assert not out.exists() or not any(out.iterdir())
     # 8 distinct taps x 16 MB fit where there is room for them
     monkeypatch.setattr(graphcal.limits, "available_memory", lambda: 1 << 30)
-    ok = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"),
+    ok = run_cli("run", str(llama_dir / "model.onnx"), "--data", str(llama_dir / "calib.npz"), "--pass", "whole-graph",
                  "--recipe", str(recipe), "-o", str(out), "-q")
     assert ok.exit_code == 0, ok.output
 
@@ -163,10 +164,10 @@ def test_sizes_shape_inference_cannot_tell_are_measured(llama_dir, tmp_path, mon
         return out
 
     monkeypatch.setattr(graphcal.calibration.activations, "tap_shares", shares)
-    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "inferred", scheme="W8A8_STATIC",
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "inferred", pass_mode="whole-graph", scheme="W8A8_STATIC",
               observer="mse", tap_limit_mb=0.3)
     monkeypatch.setattr(graphcal.calibration.activations, "tap_bytes", lambda model, tensors, *a: {t: None for t in tensors})
-    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "measured", scheme="W8A8_STATIC",
+    calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "measured", pass_mode="whole-graph", scheme="W8A8_STATIC",
               observer="mse", tap_limit_mb=0.3)
     inferred, measured = seen["shares"]
     assert inferred == measured and len(inferred) > 2
@@ -200,7 +201,7 @@ def test_weights_also_listed_as_graph_inputs_are_handed_over(tmp_path, observer)
         folder = tmp_path / f"m{as_inputs}"
         folder.mkdir()
         onnx.save(model(as_inputs), folder / "model.onnx")
-        calibrate(folder / "model.onnx", tmp_path / "calib.npz", tmp_path / f"out{as_inputs}", scheme="W8A8_STATIC",
+        calibrate(folder / "model.onnx", tmp_path / "calib.npz", tmp_path / f"out{as_inputs}", pass_mode="whole-graph", scheme="W8A8_STATIC",
                   observer=observer)
         written[as_inputs] = (tmp_path / f"out{as_inputs}" / "qparams.safetensors").read_bytes()
     assert written[True] == written[False]

@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
-from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.activations import PassResult
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import ObserverSet
+from graphcal.calibration.passes import run_activation_pass
 from graphcal.calibration.seams import PassSettings
 from graphcal.calibration.transforms.base import PlanScope, Transform
 from graphcal.calibration.transforms.channel_scales import ChannelScales, ScaleMethod, scaled_layers

@@ -32,9 +32,10 @@ import onnx
 import torch
 
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
-from graphcal.calibration.activations import PassResult, run_activation_pass
+from graphcal.calibration.activations import PassResult
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
+from graphcal.calibration.passes import run_activation_pass
 from graphcal.calibration.ranges import RangeSet
 from graphcal.calibration.seams import PassSettings
 from graphcal.calibration.transforms.base import PlanScope, Transform

@@ -1,0 +1,171 @@
+"""The activation pass streamed one layer block at a time (calibration.streamed, issue 47).
+
+The reference is the whole-graph pass (--pass whole-graph), whose numbers the observer and algorithm
+vectors pin to llm-compressor's: the streamed pass propagates float block outputs, so every written byte
+must be the same. Memory is checked structurally: each session of the streamed pass is handed the
+weights of its own block only."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from graphcal.calibration import streamed
+from tests.helpers import MODELS, run_cli
+from tools.lib.decoder import DecoderShape, make_decoder
+from tools.lib.synthetic import save_npz
+
+LLAMA = MODELS / "tiny-llama"
+BERT = MODELS / "tiny-bert"
+OPTIMUM = MODELS / "tiny-llama-optimum"
+
+
+def written(out) -> bytes:
+    """Every byte a run wrote that the pass decides: the model (and its data file) and the qparams."""
+    return b"".join((out / name).read_bytes() for name in sorted(p.name for p in out.iterdir())
+                    if name.startswith("model.onnx") or name == "qparams.safetensors")
+
+
+def both(tmp_path, model, data, *args) -> tuple[dict, dict]:
+    """The run's JSON summary and written bytes with --pass blocks and with --pass whole-graph."""
+    got = {}
+    for mode in ("blocks", "whole-graph"):
+        out = tmp_path / mode
+        result = run_cli("run", model, "--data", data, *args, "--pass", mode, "-o", out, "--json")
+        assert result.exit_code == 0, result.output
+        got[mode] = (json.loads(result.stdout), written(out))
+    return got["blocks"], got["whole-graph"]
+
+
+@pytest.mark.parametrize("args", [
+    ("--scheme", "W8A8_STATIC"),
+    ("--scheme", "W8A8_STATIC", "--observer", "mse"),
+    ("--scheme", "W8A8_STATIC", "--kv-cache-scheme", "FP8"),
+    ("--scheme", "W8A8_STATIC", "--exclude-padding"),
+    ("--scheme", "W8A8_STATIC", "--smoothquant", "mul"),
+    ("--scheme", "W8A8_STATIC", "--smoothquant", "all", "--smoothing-strength", "auto"),
+    ("--scheme", "W8A8_STATIC", "--algorithm", "awq"),
+    ("--scheme", "NVFP4", "--target", "qdq"),
+], ids=lambda a: " ".join(a[1:]))
+def test_the_streamed_pass_writes_what_the_whole_graph_pass_writes(tmp_path, args):
+    (blocks, a), (whole, b) = both(tmp_path, LLAMA / "model.onnx", LLAMA / "calib.npz", *args)
+    assert blocks["pass"].startswith("streamed block by block")
+    assert whole["pass"].startswith("whole-graph")
+    assert a == b
+
+
+@pytest.mark.parametrize("model", [BERT, OPTIMUM], ids=["tiny-bert", "tiny-llama-optimum"])
+def test_an_encoder_and_an_optimum_export_stream_to_the_same_bytes(tmp_path, model):
+    (blocks, a), (_, b) = both(tmp_path, model / "model.onnx", model / "calib.npz", "--scheme", "W8A8_STATIC")
+    assert blocks["pass"].startswith("streamed block by block")
+    assert a == b
+
+
+def decoder(folder, dtype: str):
+    """A 3-layer Llama with external data (tools/lib/decoder), and token ids with padding."""
+    make_decoder(folder, DecoderShape(hidden=64, layers=3, intermediate=128, heads=4, kv_heads=2, vocab=128),
+                 dtype=dtype, seed=5)
+    ids = np.random.default_rng(2).integers(0, 128, (6, 12), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 8:] = 0
+    save_npz(folder / "calib.npz", {"input_ids": ids, "attention_mask": mask})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp32_decoder(tmp_path_factory):
+    return decoder(tmp_path_factory.mktemp("fp32"), "float32")
+
+
+@pytest.fixture(scope="module")
+def fp16_decoder(tmp_path_factory):
+    return decoder(tmp_path_factory.mktemp("fp16"), "float16")
+
+
+def test_a_decoder_with_external_data_streams_to_the_same_bytes(tmp_path, fp32_decoder):
+    (blocks, a), (_, b) = both(tmp_path, fp32_decoder / "model.onnx", fp32_decoder / "calib.npz",
+                               "--scheme", "W8A8_STATIC", "--batch-size", "4", "--kv-cache-scheme", "FP8")
+    assert blocks["pass"] == "streamed block by block (3 blocks)"
+    assert a == b
+
+
+def test_an_fp16_decoder_streams_within_an_fp16_rounding(tmp_path, fp16_decoder):
+    """onnxruntime's CPU provider runs an fp16 graph's nodes it has no fp16 kernel for in fp32, with Casts
+    around the regions it picks: across a block boundary the residual stream is the graph's fp16, inside
+    one session it may stay fp32. The weights' qparams are the same; an input scale moves by an fp16
+    rounding at most."""
+    from safetensors.torch import load_file
+
+    both(tmp_path, fp16_decoder / "model.onnx", fp16_decoder / "calib.npz", "--scheme", "W8A8_STATIC",
+         "--batch-size", "4")
+    a = load_file(tmp_path / "blocks" / "qparams.safetensors")
+    b = load_file(tmp_path / "whole-graph" / "qparams.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        if "input" in key:
+            assert (a[key].float() - b[key].float()).abs().max() <= 2e-3 * b[key].float().abs().max(), key
+        else:
+            assert (a[key] == b[key]).all(), key
+
+
+def test_each_block_session_reads_its_own_weights_only(tmp_path, fp16_decoder, monkeypatch):
+    """What bounds the pass's memory: no session of it holds another layer's weights, and the embedding
+    table only the first block's (it computes that block's input)."""
+    import graphcal.calibration.blockwise as blockwise
+
+    sessions = []
+    real = blockwise.open_runtime
+
+    def recording(model, outputs, *args, weights=(), **kwargs):
+        sessions.append({t.name for t in weights})
+        return real(model, outputs, *args, weights=weights, **kwargs)
+
+    monkeypatch.setattr(blockwise, "open_runtime", recording)
+    result = run_cli("run", fp16_decoder / "model.onnx", "--data", fp16_decoder / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert len(sessions) == 3
+    for k, names in enumerate(sessions):
+        layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
+        assert layers == {str(k)}, names
+        assert ("model.embed_tokens.weight" in names) == (k == 0)
+        assert "lm_head.weight" not in names
+
+
+def test_the_summary_and_inspect_say_which_pass(tmp_path):
+    result = run_cli("run", LLAMA / "model.onnx", "--data", LLAMA / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "streamed block by block (2 blocks)" in result.output
+    shown = run_cli("inspect", LLAMA / "model.onnx", "--scheme", "W8A8_STATIC", "--pass", "whole-graph")
+    assert "pass     whole-graph (--pass whole-graph)" in shown.output
+
+
+def test_a_graph_without_layer_blocks_keeps_the_whole_graph_pass(tmp_path, layers):
+    folder, _ = layers
+    result = run_cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pass"].startswith("whole-graph (the targets form no two layer blocks")
+    refused = run_cli("run", folder / "model.onnx", "--data", folder / "calib.npz", "--scheme", "W8A8_STATIC",
+                      "--pass", "blocks", "-o", tmp_path / "out2")
+    assert refused.exit_code != 0
+    assert refused.output.strip().splitlines()[-1].startswith("error: --pass blocks: the targets form no two layer")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_reader_read_once_keeps_the_whole_graph_pass():
+    class Once:
+        rereadable = False
+
+    from graphcal.calibration.plan import load, plan
+    from graphcal.config import Options, resolve
+
+    config = resolve(Options(scheme="W8A8_STATIC"))
+    loaded = load(LLAMA / "model.onnx", config)
+    run = plan(LLAMA / "model.onnx", config, loaded=loaded)
+    assert streamed.choose_pass(run, loaded, None).streamed_blocks == 2
+    chosen = streamed.choose_pass(run, loaded, Once())
+    assert chosen.streamed_blocks == 0 and "read once" in chosen.pass_note
