@@ -260,6 +260,10 @@ PASS_OPTIONS = (
                  help="At most this many MB of activations tapped whole (mse and imatrix observers, "
                       "--exclude-padding) held per batch; past it the data runs once per share of them, each pass "
                       "computing only what its share needs (default 1024)."),
+    click.option("--cache-mb", type=Number(0, MAX_MB), default=None, metavar="MB",
+                 help="Sequential GPTQ and AWQ: hold at most this many MB of the tensors cached between layer "
+                      "blocks in memory, and the rest on disk in a temporary folder beside -o, removed at the end "
+                      "(default: half the memory available when the walk starts; 0: all on disk)."),
     click.option("--ignore-memory-check", is_flag=True,
                  help="Run even when the peak memory estimated before any weight is read exceeds the memory "
                       "available (inspect shows the estimate)."),
