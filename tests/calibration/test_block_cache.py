@@ -303,3 +303,43 @@ def test_cache_mb_flag(llama_dir, tmp_path):
         calibrate(llama_dir / "model.onnx", llama_dir / "calib.npz", tmp_path / "o", scheme="W4A16", algorithm="gptq",
                   cache_mb=-5)
     assert not (tmp_path / "o").exists()
+
+
+def _cuda_usable() -> bool:
+    import onnxruntime as ort
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_usable(), reason="needs a CUDA GPU, a CUDA torch and onnxruntime-gpu")]
+
+
+@GPU[0]
+@GPU[1]
+def test_gpu_values_stay_on_the_gpu_uncounted(tmp_path):
+    x = torch.arange(1000, dtype=torch.float32, device="cuda")
+    with BlockCache(0, lambda: tmp_path) as cache:
+        cache.put("x", [x, x.cpu()])
+        assert cache["x"][0] is x and cache["x"].on_disk == 1 and cache.held == 0  # the host copy spilled
+        assert torch.equal(cache["x"][1], x.cpu())
+
+
+@GPU[0]
+@GPU[1]
+@pytest.mark.parametrize("algorithm", list(RUNS))
+def test_cuda_walk_spilling_host_tensors_writes_the_same_bytes(llama_dir, tmp_path, writes, monkeypatch, algorithm):
+    """Under CUDA: the walk's tensors on the GPU (default), and kept on the host (placement told the GPU is
+    full) with every one of them on disk (--cache-mb 0), give the same output bytes."""
+    from graphcal.calibration.blockwise import Blockwise
+
+    args = ["run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", *RUNS[algorithm], "--device", "cuda", "-q"]
+    result = run_cli(*args, "-o", tmp_path / "gpu", "--cache-mb", "0")
+    assert result.exit_code == 0, result.output
+    assert writes == []  # on the GPU: nothing counted, nothing spilled
+    monkeypatch.setattr(Blockwise, "placement", lambda self, k, first: torch.device("cpu"))  # as for a full GPU
+    result = run_cli(*args, "-o", tmp_path / "host", "--cache-mb", "0")
+    assert result.exit_code == 0, result.output
+    assert writes
+    for name in OUTPUTS:
+        assert (tmp_path / "host" / name).read_bytes() == (tmp_path / "gpu" / name).read_bytes(), name
+    assert _leftovers(tmp_path) == []
