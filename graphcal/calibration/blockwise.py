@@ -12,21 +12,30 @@ on the GPU as torch tensors, and is fed back from there (runtime.Runtime.run bin
 where they lie): no block tensor makes a host round trip. A block's tensors for all the data that
 would take more than CACHE_SHARE of the GPU's free memory are kept on the host instead.
 
+The cached tensors (calibration.block_cache.BlockCache) are held in memory up to a budget
+(``cache_mb``, --cache-mb; default: half the memory available when the walk starts) and written to
+disk beyond it, in a folder inside the output's temporary folder (``cache_folder``), read back when a
+block runs; :meth:`Blockwise.close` (callers: in a ``finally``) deletes them.
+
 Nothing runs the whole graph once per block: each block's nodes run once per pass, plus what
 depends on no weight (masks, rotary tables, embeddings), which every subgraph recomputes from the
-graph inputs. The cache holds the boundary tensors (the residual stream) of every batch; it is
-counted and refused with an error that says what to lower when it would not fit.
+graph inputs. The cache holds the boundary tensors (the residual stream) of every batch, in memory
+up to its budget and on disk beyond it; a run whose spill the disk cannot take is refused with an
+error that says what to lower. What a caller taps besides (AWQ's parent inputs) is held in memory,
+counted and refused likewise when it would not fit.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 
+from graphcal.calibration.block_cache import CACHE_SHARE, BlockCache, host_bytes
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.data import Calibration
 from graphcal.devices import ONNX_TYPE
@@ -40,16 +49,19 @@ from graphcal.types import Target
 
 log = logging.getLogger("graphcal")
 
-CACHE_SHARE = 0.5  # of the available memory (host, or the GPU's free memory) the cached tensors may take
+# CACHE_SHARE (block_cache's): of the available memory (host, or the GPU's free memory) a block's tensors may take
 TORCH_DTYPE = {elem: dtype for dtype, elem in ONNX_TYPE.items()}  # the torch dtype of an ONNX element type
 Value = torch.Tensor | np.ndarray  # a cached tensor: torch where the session ran, numpy where torch has no such type
 
 
 class Blockwise:
-    """A plan's chosen targets in blocks, and the cached tensors between them."""
+    """A plan's chosen targets in blocks, and the cached tensors between them (``cache_mb``: the MB of
+    them held in memory, None: the default budget; ``cache_folder``: where the folder for the rest is
+    made, None: the system's temporary folder). A context manager: :meth:`close` deletes the cache."""
 
     def __init__(self, run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0,
-                 replaced: set[str] | frozenset[str] = frozenset(), rank=None):
+                 replaced: set[str] | frozenset[str] = frozenset(), cache_mb: float | None = None,
+                 cache_folder: Callable[[], Path] | None = None, rank=None):
         model = loaded.model  # the working model (calibration.decisions.Loaded), read here and not kept
         self.run, self.calib, self.device, self.device_id = run, calib, device, device_id
         self.rank = rank  # torchrun (calibration.distributed.Dist): this rank runs every world-th batch (None: all)
@@ -71,7 +83,7 @@ class Blockwise:
         self.blocks: list[Block] = blocks(model, self.targets, run.groups)  # fused units kept whole
         self.dependent = weight_dependent(model, self.targets)
         self.types = dict(loaded.types)
-        self.cache: dict[str, list[Value]] = {}
+        self.cache = BlockCache.for_run(cache_mb, cache_folder)  # name -> its values per batch
         # where each target's node reads its weight (the initializer, or the end of its Transpose/Cast
         # path), and the dtype a fed weight takes there: looked up once, fed many times (AWQ's grid)
         nodes = {t.node for t in run.found}
@@ -157,40 +169,45 @@ class Blockwise:
             j += 1
             yield i, batch, feeds
 
-    def run_cached(self, runtime, feeds: dict, kept: dict[str, list], k: int, what: str = "") -> dict:
+    def run_cached(self, runtime, feeds: dict, kept: dict[str, Sequence[Value]], k: int, what: str = "") -> dict:
         """One batch of block ``k``'s ``runtime`` (from :meth:`session`): its values as
-        ``runtime.run`` gives them (torch tensors), and each name of ``kept`` appended a copy of its
-        value to keep past the run (on the device the first batch's :meth:`placement` chose). After
-        the first batch, what all the batches will hold is checked (:meth:`check_cache`)."""
+        ``runtime.run`` gives them (torch tensors), and each name of ``kept`` (a spool of the cache's,
+        :meth:`spools`) appended a copy of its value to keep past the run (on the device the first
+        batch's :meth:`placement` chose; in memory or on disk as the cache's budget says). After the
+        first batch, what all the batches will hold is checked (:meth:`check_cache`)."""
         reads = runtime.inputs
         values = runtime.run({n: v for n, v in feeds.items() if n in reads})
         if kept:
-            first = not next(iter(kept.values()))
+            first = len(next(iter(kept.values()))) == 0
             if first:
                 self._place = self.placement(k, {n: values[n] for n in kept})
-            for n, out in kept.items():
-                out.append(values[n].to(self._place, copy=True))
+            copies = {n: values[n].to(self._place, copy=True) for n in kept}
             if first:
-                self.check_cache(k, {n: out[0] for n, out in kept.items()}, what)
+                self.check_cache(k, copies, what)
+            for n, out in kept.items():
+                out.append(copies[n])
         return values
 
-    def close(self) -> None:
-        """Drop what is cached."""
-        self.cache.clear()
+    def spools(self, k: int) -> dict[str, Sequence[Value]]:
+        """An empty spool of the cache's for each output of block ``k`` a later block reads."""
+        return {n: self.cache.spool() for n in self.needed(k)}
 
     def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
-                  what: str = "") -> dict[str, list[Value]]:
+                  what: str = "") -> dict[str, Sequence[Value]]:
         """Block ``k``'s subgraph computing ``names`` from the block's inputs, run on every batch:
         each name's value per batch, a torch tensor where the session ran (on the GPU under CUDA;
         on the host where it would not fit there, :meth:`placement`), or a numpy array for an
         element type torch has not. ``weights`` (target name -> torch [out, in] weight) are fed in
-        place of the model's. After the first batch, what all the batches will hold is checked
-        (:meth:`check_cache`; ``what`` names it in the error)."""
+        place of the model's. The names a later block reads (:meth:`needed`) are spooled into the
+        cache's budget as they come (in memory, or on disk past it: a Spool, which :meth:`keep` takes
+        as it is); the others are lists. After the first batch, what all the batches will hold is
+        checked (:meth:`check_cache`; ``what`` names it in the error)."""
         weights = weights or {}
         by_name = {t.name: t for t in self.run.found}
         runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in weights])
         fed = dict(self.feed_weight(by_name[n], w) for n, w in weights.items())
-        out: dict[str, list[Value]] = {n: [] for n in names}
+        kept = set(self.needed(k))
+        out: dict[str, Sequence[Value]] = {n: self.cache.spool() if n in kept else [] for n in names}
         reads = {i.name for i in runtime.session.get_inputs()}  # a block's inputs the asked outputs need
         in_torch, place = runtime.torch_outputs, None
         try:
@@ -231,31 +248,45 @@ class Blockwise:
         """Block ``k``'s outputs that a later block reads (graph outputs such as logits are not kept)."""
         return [n for n in self.blocks[k].outputs if self._last_reader.get(n, -1) > k]
 
-    def keep(self, k: int, outputs: dict[str, list[Value]]) -> None:
-        """Cache block ``k``'s outputs and drop what no later block reads."""
+    def keep(self, k: int, outputs: dict[str, Sequence[Value]]) -> None:
+        """Cache block ``k``'s outputs (a :meth:`run_block` spool as it is, a list value by value) and
+        drop what no later block reads (its files deleted)."""
         for name, values in outputs.items():
             if self._last_reader.get(name, -1) > k:
-                self.cache[name] = values
-        for name in [n for n in self.cache if self._last_reader.get(n, -1) <= k]:
-            del self.cache[name]
+                self.cache.put(name, values)
+        for name in [n for n in self.cache.names() if self._last_reader.get(n, -1) <= k]:
+            self.cache.drop(name)
 
     def check_cache(self, k: int, first: dict[str, Value], what: str = "") -> None:
         """Refuse to go on when block ``k``'s tensors for all the data (``first``: their first batch's,
-        times the batches), with what is cached already, would not fit in the host's memory (what
-        lies on the GPU is :meth:`placement`'s business)."""
+        times the batches) cannot be held: those later blocks read go to the cache, which refuses when
+        the disk cannot take what would spill past its budget; the others (a caller's taps) are held
+        in memory and refused past CACHE_SHARE of it (what lies on the GPU is :meth:`placement`'s business)."""
 
         batches = self.calib.num_batches or 1
-        nbytes = sum(_nbytes(a, host=True) for a in first.values()) * batches
-        nbytes += sum(sum(_nbytes(a, host=True) for a in v) for n, v in self.cache.items() if n not in first)
-        check_fits(nbytes, f"{what or f'the tensors between layer blocks ({self.blocks[k].name})'} for "
-                   f"{self.calib.num_samples} samples", CACHE_SHARE,
-                   hint="calibrate on fewer samples (--num-samples) or shorter sequences")
+        label = f"{what or f'the tensors between layer blocks ({self.blocks[k].name})'} for {self.calib.num_samples} samples"
+        hint = "calibrate on fewer samples (--num-samples) or shorter sequences"
+        kept = set(self.needed(k))
+        self.cache.check_disk(sum(host_bytes(a) for n, a in first.items() if n in kept) * batches, label)
+        taps = sum(host_bytes(a) for n, a in first.items() if n not in kept) * batches
+        if taps:
+            check_fits(taps, label, CACHE_SHARE, hint=hint)
+
+    def close(self) -> None:
+        """Delete the cached tensors (their files and folder). Callers close the walk in a ``finally``."""
+        self.cache.close()
+
+    def __enter__(self) -> Blockwise:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _nbytes(value: Value, host: bool = False) -> int:
-    """The bytes ``value`` holds (with ``host``: 0 for a tensor on the GPU)."""
+def _nbytes(value: Value) -> int:
+    """The bytes ``value`` holds, wherever it lies."""
     if isinstance(value, torch.Tensor):
-        return 0 if host and value.device.type != "cpu" else value.numel() * value.element_size()
+        return value.numel() * value.element_size()
     return value.nbytes
 
 

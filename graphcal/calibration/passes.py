@@ -16,8 +16,10 @@ from graphcal.data import Calibration
 
 
 def run_activation_pass(plan: RunPlan, loaded: Loaded, observers, calib: Calibration, *, tap_limit_mb: float | None = None,
-                        **kwargs) -> PassResult:
-    """The plan's pass over ``calib`` feeding ``observers`` (arguments: activations.run_activation_pass's)."""
+                        cache_mb: float | None = None, cache_folder=None, **kwargs) -> PassResult:
+    """The plan's pass over ``calib`` feeding ``observers`` (arguments: activations.run_activation_pass's;
+    ``cache_mb`` and ``cache_folder``: the streamed pass's block cache, calibration.block_cache)."""
     if plan.streamed_blocks and observers.consumers:
-        return streamed.run_streamed_pass(plan, loaded, observers, calib, **kwargs)
+        return streamed.run_streamed_pass(plan, loaded, observers, calib, cache_mb=cache_mb, cache_folder=cache_folder,
+                                          **kwargs)
     return activations.run_activation_pass(plan, loaded, observers, calib, tap_limit_mb=tap_limit_mb, **kwargs)

@@ -114,7 +114,8 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
         log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding).line(None))
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
-                            options.skip_nonfinite_weights)
+                            options.skip_nonfinite_weights, options.cache_mb,
+                            slot.early_folder if slot.main else None)  # the block cache's files go beside the output's
     units = [unit for unit, _ in configured(run.config)]
     for unit in units:  # before any pass: a rewrite (--rotate) that drifts from the model as given goes no further
         if unit.rewrites_weights:

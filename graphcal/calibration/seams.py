@@ -11,11 +11,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from graphcal.calibration.block_cache import check_cache_mb
 
 if TYPE_CHECKING:  # typing only: these modules import this one
     from graphcal.calibration.activations import PassResult
@@ -40,6 +43,13 @@ class PassSettings:
     inputs: tuple[str, ...] = ()  # the model's input names (an attention_mask among them: padding counted)
     tap_limit_mb: float | None = None
     skip_nonfinite: bool = False  # --skip-nonfinite-weights: such weights in float, the mappings scaling them left out
+    # the block walks' cache (calibration.block_cache): --cache-mb (None: half the memory available), and the
+    # folder its files go in, made when first asked (the output's temporary folder; None: the system's)
+    cache_mb: float | None = None
+    cache_folder: Callable[[], Path] | None = None
+
+    def __post_init__(self):
+        check_cache_mb(self.cache_mb)  # a bad value from the API refused in one line before any pass
 
     @property
     def main(self) -> bool:
@@ -47,10 +57,10 @@ class PassSettings:
         return self.dist is None or self.dist.is_main
 
     def kwargs(self) -> dict:
-        """The settings as graphcal.calibration.activations.run_activation_pass takes them."""
+        """The settings as graphcal.calibration.passes.run_activation_pass takes them."""
         return dict(device=self.device, device_id=self.device_id, dist=self.dist, progress=self.progress and self.main,
                     reduce_in_graph=self.reduce_in_graph, exclude_padding=self.exclude_padding, inputs=self.inputs,
-                    tap_limit_mb=self.tap_limit_mb)
+                    tap_limit_mb=self.tap_limit_mb, cache_mb=self.cache_mb, cache_folder=self.cache_folder)
 
 
 class PreTransform(Protocol):

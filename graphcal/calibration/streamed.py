@@ -78,57 +78,20 @@ def choose_pass(run: RunPlan, loaded: Loaded, calib: Calibration | None, mode: s
 def run_streamed_pass(plan: RunPlan, loaded: Loaded, observers, calib: Calibration, *, device: str, device_id: int = 0,
                       dist=None, progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
                       inputs: tuple[str, ...] = (), prelude: tuple[list, list] = ((), ()),
-                      label: str = "calibrating") -> PassResult:
+                      label: str = "calibrating", cache_mb: float | None = None, cache_folder=None) -> PassResult:
     """:func:`graphcal.calibration.activations.run_activation_pass`, one layer block at a time (same
     arguments and result; the taps of one block never pass --tap-limit-mb's concern, so the data
-    runs once per block, never once per share of the taps)."""
+    runs once per block, never once per share of the taps). ``cache_mb``, ``cache_folder``: the
+    block cache's budget and where its files go past it (calibration.block_cache)."""
     padding = Padding(exclude_padding) if MASK_INPUT in inputs else None
     if exclude_padding:
         reduce_in_graph = False  # rows are selected in torch, so the taps leave onnxruntime whole
-    requests = observers.requests(reduce_in_graph)
     error, provider, done = None, None, 0
     try:
         check_state(observers, dist.world if dist is not None else 1)
-        walk = Blockwise(plan, loaded, calib, device=device, device_id=device_id, rank=dist)
-        placed = place_requests(walk, loaded, requests, prelude)
-        routes_of = observers.by_tensor()
-        tolerant = set(getattr(observers, "tolerant", ()))
-        bar = Progress(f"{label} (blocks)", len(walk.blocks), "block", bar=progress)
-        with torch.no_grad(), bar:
-            for k, block in enumerate(walk.blocks):
-                mine = placed[k]
-                nodes = [n for n in prelude[0] if n.output[0] in {r.tensor for r in mine}]
-                made = {n.output[0] for n in nodes}
-                block_prelude = (nodes, [t for t in prelude[1] if any(t.name in n.input for n in nodes)])
-                needed = walk.needed(k)
-                runtime, tapped = walk.session(needed, list(block.inputs), requests=mine, prelude=block_prelude,
-                                               priority_order=True)
-                provider = runtime.provider
-                outs = tapped.outputs if tapped is not None else {}
-                routes = {t: cs2 for t, cs in routes_of.items()
-                          if (cs2 := [c for c in cs if c.request(reduce_in_graph) in outs])}
-                finite = Finiteness(defer=not (tolerant & set(routes))
-                                    and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
-                if k == 0:
-                    log.info("%s pass block by block on onnxruntime %s (taps to torch on %s): %d layer blocks",
-                             label, provider, runtime.device, len(walk.blocks))
-                kept: dict[str, list] = {n: [] for n in needed}
-                try:
-                    done = 0
-                    for i, batch, feeds in walk.batch_feeds(k):
-                        keep = padding.count(batch, k == 0) if padding is not None else None
-                        values = walk.run_cached(runtime, feeds, kept, k, label)
-                        if routes:
-                            feed_taps(values, routes, tapped, reduce_in_graph, keep, padding, i, observers, finite)
-                        del values
-                        done += 1
-                    finite.check_deferred()
-                finally:
-                    runtime.close()
-                del made
-                walk.keep(k, kept)
-                bar.update(1)
-        walk.close()
+        with Blockwise(plan, loaded, calib, device=device, device_id=device_id, rank=dist, cache_mb=cache_mb,
+                       cache_folder=cache_folder) as walk:  # the cache's files deleted however the pass ends
+            provider, done = _walk(walk, loaded, observers, prelude, padding, reduce_in_graph, progress, label)
     except Exception as e:  # noqa: BLE001 -- under torchrun every rank must hear of it
         if dist is None:
             raise
@@ -139,6 +102,51 @@ def run_streamed_pass(plan: RunPlan, loaded: Loaded, observers, calib: Calibrati
         if padding is not None:
             padding.padded, padding.positions = counts
     return PassResult(provider, done, padding)
+
+
+def _walk(walk: Blockwise, loaded: Loaded, observers, prelude: tuple[list, list], padding: Padding | None,
+          reduce_in_graph: bool, progress: bool, label: str) -> tuple[str | None, int]:
+    """Every block of ``walk`` run on every batch, its taps fed to ``observers`` and its outputs cached
+    for the blocks after it: (the provider that ran, the batches this process ran)."""
+    placed = place_requests(walk, loaded, observers.requests(reduce_in_graph), prelude)
+    by_tensor = observers.by_tensor()
+    tolerant = set(getattr(observers, "tolerant", ()))
+    provider, done = None, 0
+    bar = Progress(f"{label} (blocks)", len(walk.blocks), "block", bar=progress)
+    with torch.no_grad(), bar:
+        for k, block in enumerate(walk.blocks):
+            mine = placed[k]
+            tapped_here = {r.tensor for r in mine}
+            nodes = [n for n in prelude[0] if n.output[0] in tapped_here]
+            constants = {i for n in nodes for i in n.input}
+            runtime, tapped = walk.session(walk.needed(k), list(block.inputs), requests=mine,
+                                           prelude=(nodes, [t for t in prelude[1] if t.name in constants]),
+                                           priority_order=True)
+            provider = runtime.provider
+            fetched = tapped.outputs if tapped is not None else {}
+            routes = {t: own for t, cs in by_tensor.items()
+                      if (own := [c for c in cs if c.request(reduce_in_graph) in fetched])}
+            finite = Finiteness(defer=not (tolerant & set(routes))
+                                and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
+            if k == 0:
+                log.info("%s pass block by block on onnxruntime %s (taps to torch on %s): %d blocks",
+                         label, provider, runtime.device, len(walk.blocks))
+            kept = walk.spools(k)
+            try:
+                done = 0
+                for i, batch, feeds in walk.batch_feeds(k):
+                    keep = padding.count(batch, k == 0) if padding is not None else None
+                    values = walk.run_cached(runtime, feeds, kept, k, label)
+                    if routes:
+                        feed_taps(values, routes, tapped, reduce_in_graph, keep, padding, i, observers, finite)
+                    del values
+                    done += 1
+                finite.check_deferred()
+            finally:
+                runtime.close()
+            walk.keep(k, kept)
+            bar.update(1)
+    return provider, done
 
 
 def place_requests(walk: Blockwise, loaded: Loaded, requests: list[TapRequest],

@@ -265,6 +265,10 @@ PASS_OPTIONS = (
                  help="How the activation pass runs: blocks streams a decoder one layer block at a time (memory of "
                       "one block, its weights read as it runs); whole-graph runs one onnxruntime session over the "
                       "whole model; auto streams where the targets form layer blocks."),
+    click.option("--cache-mb", type=Number(0, MAX_MB), default=None, metavar="MB",
+                 help="The streamed pass, sequential GPTQ and AWQ: hold at most this many MB of the tensors cached between layer "
+                      "blocks in memory, and the rest on disk in a temporary folder beside -o, removed at the end "
+                      "(default: half the memory available when the walk starts; 0: all on disk)."),
     click.option("--ignore-memory-check", is_flag=True,
                  help="Run even when the peak memory estimated before any weight is read exceeds the memory "
                       "available (inspect shows the estimate)."),

@@ -77,6 +77,7 @@ class Options:
     skip_nonfinite_weights: bool = False  # --skip-nonfinite-weights
     exclude_padding: bool = False  # --exclude-padding
     tap_limit_mb: float | None = None  # --tap-limit-mb (None: 1024)
+    cache_mb: float | None = None  # --cache-mb: block walks' cached tensors held in memory (None: half the memory available)
     ignore_memory_check: bool = False  # --ignore-memory-check: run even past the estimated peak memory
     pass_mode: str = "auto"  # --pass: "auto" (block by block for a decoder), "blocks" or "whole-graph"
 

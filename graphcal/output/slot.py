@@ -155,7 +155,8 @@ class OutputSlot:
 
     def early_folder(self) -> Path:
         """The temporary folder :meth:`write` will fill and swap in, made now (marker first), for a
-        file written before the outputs are (the streamed weights' data file, graph.spill). Removed
+        file written before the outputs are (the streamed weights' data file, graph.spill; the block
+        cache's folder, calibration.block_cache, which its walk deletes before the write). Removed
         with what it holds when the slot is released unwritten (an error, Ctrl-C, SIGTERM) or on an abort."""
         if self._released or not self.main:
             raise RuntimeError("early_folder() needs a reservation held by the writing process")

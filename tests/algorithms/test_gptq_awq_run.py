@@ -448,14 +448,18 @@ def test_gptq_keeps_the_observers_grid_nvfp4_global_scales_included(llama_dir, t
 
 @pytest.mark.parametrize("algorithm", ["gptq", "awq"])
 def test_cached_block_inputs_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch, algorithm):
-    import graphcal.calibration.blockwise
+    """Past the memory budget the block cache spills to disk; a disk that cannot take it is refused
+    (tests/calibration/test_block_cache.py has the rest)."""
+    import collections
 
-    monkeypatch.setattr(graphcal.calibration.blockwise, "CACHE_SHARE", 1e-9)
+    import graphcal.calibration.block_cache as block_cache
+
+    monkeypatch.setattr(block_cache.shutil, "disk_usage", lambda p: collections.namedtuple("U", "total used free")(1, 1, 0))
     result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o",
-                     "--scheme", "W4A16", "--algorithm", algorithm)
+                     "--scheme", "W4A16", "--algorithm", algorithm, "--cache-mb", "0")
     assert result.exit_code == 1, result.output
     line = result.output.strip().splitlines()[-1]
-    assert "for 64 samples needs" in line and "--num-samples" in line, line
+    assert "for 64 samples need" in line and "--num-samples" in line and "--cache-mb" in line, line
     assert not (tmp_path / "o").exists()
 
 

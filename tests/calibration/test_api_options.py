@@ -49,6 +49,7 @@ FLAGS = {
     "skip_nonfinite_weights": (["--skip-nonfinite-weights"], "skip_nonfinite_weights", True),
     "exclude_padding": (["--exclude-padding"], "exclude_padding", True),
     "tap_limit_mb": (["--tap-limit-mb", "5"], "tap_limit_mb", 5.0),
+    "cache_mb": (["--cache-mb", "0"], "cache_mb", 0.0),
     "ignore_memory_check": (["--ignore-memory-check"], "ignore_memory_check", True),
     "pass_mode": (["--pass", "whole-graph"], "pass_mode", "whole-graph"),
     "as_json": (["--json"], "progress", False),  # --json and --quiet: no progress bar

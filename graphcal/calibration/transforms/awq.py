@@ -77,14 +77,16 @@ class _Search:
     reads: list[str]
 
 
-def awq_smoothing(run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False) -> ChannelScales:
+def awq_smoothing(run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0, progress: bool = False,
+                  cache_mb: float | None = None, cache_folder=None) -> ChannelScales:
     """AWQ's scales for every mapping of the plan's AWQ decision (ChannelScales of ScaleMethod.AWQ): the
     graph walked layer block by layer block (Blockwise), each block's search on its cached inputs
-    (:meth:`BlockSearch.observe_block`); ``loaded``: the working model, read only."""
-    walk = Blockwise(run, loaded, calib, device=device, device_id=device_id)
+    (:meth:`BlockSearch.observe_block`); ``loaded``: the working model, read only. ``cache_mb`` and
+    ``cache_folder``: the walk's cache (Blockwise), deleted when the walk ends."""
+    walk = Blockwise(run, loaded, calib, device=device, device_id=device_id, cache_mb=cache_mb, cache_folder=cache_folder)
     search = BlockSearch(run, loaded.model, walk, calib)
     bar = Progress("AWQ", len(search.plans), "mapping", bar=progress)
-    with bar, torch.no_grad():
+    with walk, bar, torch.no_grad():
         for k, block in enumerate(walk.blocks):
             taps = search.reads(k)
             outputs = walk.needed(k)  # what later blocks read (not the graph's logits)
@@ -380,7 +382,8 @@ class AWQ(Transform):
         # under torchrun every rank searches over all the data (the search is deterministic, so every
         # rank gets rank 0's scales, and no rank waits on another's search past the exchange's timeout)
         self._scales = awq_smoothing(self.run, self.loaded, calib, device=settings.device, device_id=settings.device_id,
-                                     progress=settings.progress and settings.main)
+                                     progress=settings.progress and settings.main, cache_mb=settings.cache_mb,
+                                     cache_folder=settings.cache_folder)
 
     def taps(self) -> dict[str, str]:
         return self._scales.taps()

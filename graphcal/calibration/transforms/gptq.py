@@ -196,20 +196,22 @@ class Sequential:
         self.run, self.scales, self.settings, self.log = run, scales, run.config.gptq, GPTQLog()
         replaced = scales.replaced_initializers(loaded.model, run, {t.name for t in run.chosen}) if scales is not None else ()
         self.walk = Blockwise(run, loaded, calib, device=settings.device, device_id=settings.device_id,
-                              replaced=frozenset(replaced))  # the frame and its weights made before the weight pass
+                              replaced=frozenset(replaced),  # the frame and its weights made before the weight pass
+                              cache_mb=settings.cache_mb, cache_folder=settings.cache_folder)
         self._hessians: dict[str, HessianObserver] = {}
         self._effective: dict[str, torch.Tensor] = {}
         self._by_name = {t.name: t for t in run.chosen}
 
     def units(self, all_units: list[list]) -> Iterator[list]:
         """``all_units`` (the weight pass's) block by block, each block's Hessians taken before its
-        units and the block run again with their rounded weights after them."""
+        units and the block run again with their rounded weights after them. The walk's cache is
+        deleted when the blocks are done, or when the weight pass stops early."""
         in_blocks = {t.name for b in self.walk.blocks for t in b.targets}
         missing = [t.name for t in self.run.chosen if t.name not in in_blocks]
         if missing:
             raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
-        with bar, torch.no_grad():
+        with self.walk, bar, torch.no_grad():
             for k, block in enumerate(self.walk.blocks):
                 self.observe_block(self.walk, k)
                 names = {t.name for t in block.targets}
