@@ -73,7 +73,8 @@ def statistics(mappings: list[Mapping], search: bool, batches: int | None, other
 def smooth_and_calibrate(run: RunPlan, loaded: Loaded, observers, calib: Calibration, *, device: str, device_id: int = 0, dist=None,
                          progress: bool = False, reduce_in_graph: bool = True, exclude_padding: bool = False,
                          inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
-                         mappings: list[Mapping] | None = None, skip_nonfinite: bool = False):
+                         mappings: list[Mapping] | None = None, skip_nonfinite: bool = False,
+                         cache_mb: float | None = None, cache_folder=None):
     """SmoothQuant's scales and the calibration pass over the smoothed activations (``observers``:
     an ObserverSet built with :func:`taps_of` the mappings) on ``loaded`` (the working model, read
     only): (ChannelScales, the pass's PassResult).
@@ -82,7 +83,7 @@ def smooth_and_calibrate(run: RunPlan, loaded: Loaded, observers, calib: Calibra
     mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     search = run.config.smoothing.search
     kwargs = dict(device=device, device_id=device_id, dist=dist, progress=progress, exclude_padding=exclude_padding,
-                  inputs=inputs, tap_limit_mb=tap_limit_mb)
+                  inputs=inputs, tap_limit_mb=tap_limit_mb, cache_mb=cache_mb, cache_folder=cache_folder)
     smoothed_of = {m.tapped: m for m in mappings}
     deferred = [c for c in observers.consumers if c.tensor in smoothed_of]
     why = second_pass(deferred, dist=dist, exclude_padding=exclude_padding, reduce_in_graph=reduce_in_graph)
@@ -143,13 +144,15 @@ def _replay(c: Consumer, lo: torch.Tensor, hi: torch.Tensor) -> None:
 
 def collect(run: RunPlan, loaded: Loaded, calib: Calibration, *, device: str, device_id: int = 0, dist=None, progress: bool = False,
             exclude_padding: bool = False, inputs: tuple[str, ...] = (), tap_limit_mb: float | None = None,
-            mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None) -> ChannelScales:
+            mappings: list[Mapping] | None = None, skip_nonfinite: bool = False, observers=None,
+            cache_mb: float | None = None, cache_folder=None) -> ChannelScales:
     """The smoothing pass over ``loaded`` (the working model, read only): each smooth layer's output
     range, then the scales (every rank gets them)."""
     mappings = list(run.decision(Smoothing).mappings if mappings is None else mappings)
     ranges = statistics(mappings, run.config.smoothing.search, calib.num_batches, tolerate=skip_nonfinite)
     run_activation_pass(run, loaded, ranges, calib, device=device, device_id=device_id, dist=dist, progress=progress,
-                        exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb)
+                        exclude_padding=exclude_padding, inputs=inputs, label="smoothing", tap_limit_mb=tap_limit_mb,
+                        cache_mb=cache_mb, cache_folder=cache_folder)
     smoothed = None
     if dist is None or dist.is_main:  # (under torchrun the search scores rank 0's sample)
         smoothed = scales_from(run, loaded.model, finite_ranges(mappings, ranges, observers), ranges.extrema(), ranges.rows())
