@@ -30,6 +30,7 @@ import onnx
 
 from graphcal import limits  # limits.available_memory looked up at each call (tests patch it)
 from graphcal.calibration.activations import TAP_LIMIT_MB
+from graphcal.calibration.block_cache import budget_bytes
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.transforms.awq import AWQSettings
 from graphcal.calibration.transforms.smoothquant import Smoothing
@@ -87,7 +88,7 @@ class Footprint:
                  "activations": "a smaller --batch-size",
                  "taps": "a smaller --tap-limit-mb",
                  "hessians": "--gptq-order sequential" if self.pass_kind == "whole-graph" else "a smaller --batch-size",
-                 "block cache": "fewer --num-samples"}
+                 "block cache": "a smaller --cache-mb (the rest of the cache on disk)"}
         fix = fixes[top] + " or a machine with more memory" if top in fixes else "a machine with more memory"
         return (f"this run needs about {format_size(self.total)} of memory at its peak, more than the "
                 f"{format_size(available)} available ({top} {format_size(self.parts[top])} dominate); try {fix}, "
@@ -95,12 +96,14 @@ class Footprint:
 
 
 def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int, ...]], *, pass_kind: str,
-             num_samples: int = 1, gptq: str | None = None, whole_tap_bytes: int = 0) -> Footprint:
+             num_samples: int = 1, gptq: str | None = None, whole_tap_bytes: int = 0,
+             cache_budget: int | None = None) -> Footprint:
     """The peak memory of ``plan``'s run on ``model`` (dims and types only) with batches shaped
     ``input_shapes``. ``pass_kind``: "whole-graph" (one onnxruntime session over the tapped graph),
     "blockwise" (block subgraphs over cached inputs: sequential GPTQ, AWQ) or "none" (weight-only round
     to nearest: no data pass); ``gptq``: None, "one-pass" or "sequential" (its blockwise passes run in
-    the weight phase); ``whole_tap_bytes``: whole taps a batch holds (at most --tap-limit-mb)."""
+    the weight phase); ``whole_tap_bytes``: whole taps a batch holds (at most --tap-limit-mb);
+    ``cache_budget``: the bytes of cached block tensors held in memory (--cache-mb; the rest goes to disk)."""
     if pass_kind not in PASSES:
         raise ValueError(pass_kind)
     shapes = dict(input_shapes)
@@ -116,12 +119,13 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
                       "activations": act, "taps": whole_tap_bytes,
                       "hessians": hessian_bytes(chosen) if gptq == "one-pass" else 0}
         if streamed:
-            pass_parts["block cache"] = cache_bytes(plan, seq, num_samples)
+            pass_parts["block cache"] = _within(cache_bytes(plan, seq, num_samples), cache_budget)
         phases["pass"] = sum(pass_parts.values())
         parts = pass_parts
     weight_parts = {"weight phase": weight}
     if gptq == "sequential" or pass_kind == "blockwise":
         weight_parts.update(blockwise_parts(model, plan, batch, seq, num_samples, act))
+        weight_parts["block cache"] = _within(weight_parts["block cache"], cache_budget)
     phases["weights"] = sum(weight_parts.values())
     if phases["weights"] >= phases.get("pass", 0):
         parts = weight_parts
@@ -166,6 +170,11 @@ def block_weight_bytes(model: onnx.ModelProto, plan) -> int:
     other = max((_init_bytes(t) for t in model.graph.initializer if t.name not in targets), default=0)
     first = next(iter(by_block.values()), 0)
     return max(max(by_block.values(), default=0), first + other)
+
+
+def _within(nbytes: int, budget: int | None) -> int:
+    """What of ``nbytes`` of cached tensors stays in memory under the cache's ``budget`` (None: all)."""
+    return nbytes if budget is None else min(nbytes, budget)
 
 
 def cache_bytes(plan, seq: int, num_samples: int) -> int:
@@ -246,7 +255,8 @@ def _block_of(name: str) -> str:
     return name
 
 
-def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
+def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False,
+            cache_mb: float | None = None) -> Footprint:
     """The estimate for a prepared run (graphcal.calibration.prepare.Prepared, with its data): which
     pass the run takes from its plan, the batch's shapes from the data's first batch (data, not weights)."""
     run, calib = ready.plan, ready.calib
@@ -270,13 +280,15 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
         limit = int((TAP_LIMIT_MB if tap_limit_mb is None else tap_limit_mb) * 1e6)
         whole = min(limit, n_whole * batch * seq * width * 4)
     return estimate(ready.loaded.model, run, shapes, pass_kind=kind,
-                    num_samples=calib.num_samples if calib is not None else 1, gptq=gptq, whole_tap_bytes=whole)
+                    num_samples=calib.num_samples if calib is not None else 1, gptq=gptq, whole_tap_bytes=whole,
+                    cache_budget=budget_bytes(cache_mb))
 
 
-def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False) -> Footprint:
+def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False,
+                 cache_mb: float | None = None) -> Footprint:
     """Refuse (GraphcalError, one line) a run whose estimated peak, with :data:`MARGIN`, exceeds the
     memory available (graphcal.limits.available_memory: MemAvailable and the cgroup's limit)."""
-    fp = for_run(ready, tap_limit_mb, exclude_padding)
+    fp = for_run(ready, tap_limit_mb, exclude_padding, cache_mb)
     free = limits.available_memory()
     if not fp.fits(free, limits.resident_memory()):
         raise GraphcalError(fp.refusal(free))

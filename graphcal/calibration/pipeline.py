@@ -111,7 +111,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     # before any weight is read: a run that cannot fit is refused, not killed (on the CPU: on a GPU the weights and
     # activations sit in GPU memory, which the estimate does not model yet, so a host estimate would refuse wrongly)
     if not options.ignore_memory_check and not wants_cuda(device):
-        log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding).line(None))
+        log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding, options.cache_mb).line(None))
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
                             options.skip_nonfinite_weights, options.cache_mb,

@@ -22,6 +22,13 @@ BERT = MODELS / "tiny-bert"
 OPTIMUM = MODELS / "tiny-llama-optimum"
 
 
+def layer_of_weight(model) -> dict[str, str]:
+    """Each Linear weight's initializer -> its decoder layer's number (the exporter names them onnx::MatMul_N)."""
+    from graphcal.graph.targets import find_targets
+
+    return {t.weight: t.name.split(".")[2] for t in find_targets(model)[0] if t.name.startswith("model.layers.")}
+
+
 def written(out) -> bytes:
     """Every byte a run wrote that the pass decides: the model (and its data file) and the qparams."""
     return b"".join((out / name).read_bytes() for name in sorted(p.name for p in out.iterdir())
@@ -127,9 +134,14 @@ def test_each_block_session_reads_its_own_weights_only(tmp_path, fp16_decoder, m
                      "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert len(sessions) == 3
+    import onnx
+
+    of = layer_of_weight(onnx.load(fp16_decoder / "model.onnx", load_external_data=False))
+    assert len(of) == 3 * 7
     for k, names in enumerate(sessions):
-        layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
-        assert layers == {str(k)}, names
+        assert {of[n] for n in names if n in of} == {str(k)}, names
+        if k < 2:  # the last block computes its taps only: its down_proj's weight is never read
+            assert {n for n, layer in of.items() if layer == str(k)} <= names
         assert ("model.embed_tokens.weight" in names) == (k == 0)
         assert "lm_head.weight" not in names
 
@@ -169,3 +181,23 @@ def test_a_reader_read_once_keeps_the_whole_graph_pass():
     assert streamed.choose_pass(run, loaded, None).streamed_blocks == 2
     chosen = streamed.choose_pass(run, loaded, Once())
     assert chosen.streamed_blocks == 0 and "read once" in chosen.pass_note
+
+
+def test_the_pre_flight_counts_one_block_of_weights_and_the_cache_budget(fp32_decoder):
+    """inspect's estimate of the streamed pass holds the first block's weights with the embedding table
+    (its session's), not the model's; --cache-mb bounds the cache held in memory."""
+    import onnx
+
+    model = onnx.load(fp32_decoder / "model.onnx", load_external_data=False)
+    size = {t.name: int(np.prod(t.dims)) * 4 for t in model.graph.initializer}
+    first = sum(size[w] for w, layer in layer_of_weight(model).items() if layer == "0")
+    args = ("inspect", fp32_decoder / "model.onnx", "--data", fp32_decoder / "calib.npz", "--scheme", "W8A8_STATIC",
+            "--json")
+    streamed_run = json.loads(run_cli(*args).stdout)["memory"]
+    whole = json.loads(run_cli(*args, "--pass", "whole-graph").stdout)["memory"]
+    assert streamed_run["pass"] == "streamed" and whole["pass"] == "whole-graph"
+    assert whole["parts"]["weights in onnxruntime"] == sum(size.values())
+    if "weights in onnxruntime" in streamed_run["parts"]:  # the pass's parts, where the pass is the peak
+        assert streamed_run["parts"]["weights in onnxruntime"] == first + size["model.embed_tokens.weight"]
+    bounded = json.loads(run_cli(*args, "--cache-mb", "0").stdout)["memory"]
+    assert bounded["parts"].get("block cache", 0) == 0
