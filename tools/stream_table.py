@@ -92,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r for r in rows if r["run"] == "plain inference" and r["rc"] == 0), None)
     print("| run | pass | wall (s) | peak RSS (MB) | vs inference: time | vs inference: peak | output loads |")
     print("|---|---|---|---|---|---|---|")
+    def ratio(r: dict, key: str) -> str:
+        return f"{r[key] / base[key]:.2f}x" if base and r.get(key) else "-"
+
     for r in rows:
-        ratio = (lambda key: f"{r[key] / base[key]:.2f}x" if base and r.get(key) else "-")
         print(f"| {r['run']} | {r.get('pass', '') or r.get('error', '')} | {r['wall_s']} | "
-              f"{r['peak_rss_mb']:.0f} | {ratio('wall_s')} | {ratio('peak_rss_mb')} | {r.get('loads', '-')} |")
+              f"{r['peak_rss_mb'] or 0:.0f} | {ratio(r, 'wall_s')} | {ratio(r, 'peak_rss_mb')} | {r.get('loads', '-')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0 if all(r["rc"] == 0 for r in rows) else 1

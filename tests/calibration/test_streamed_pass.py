@@ -201,3 +201,15 @@ def test_the_pre_flight_counts_one_block_of_weights_and_the_cache_budget(fp32_de
         assert streamed_run["parts"]["weights in onnxruntime"] == first + size["model.embed_tokens.weight"]
     bounded = json.loads(run_cli(*args, "--cache-mb", "0").stdout)["memory"]
     assert bounded["parts"].get("block cache", 0) == 0
+
+
+def test_rotate_on_a_model_that_cannot_be_held_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    """--rotate folds every weight in memory (it is not streamed): past the memory available, one line."""
+    import graphcal.limits
+
+    monkeypatch.setattr(graphcal.limits, "available_memory", lambda: 2_000_000)  # its file fits (1.5 MB), its rotation (2.0 MB) not
+    result = run_cli("run", LLAMA / "model.onnx", "--data", LLAMA / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "--rotate", "R1", "-o", tmp_path / "out")
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines()[-1].startswith("error: --rotate (every weight rotated in memory")
+    assert not (tmp_path / "out").exists()
