@@ -177,3 +177,22 @@ def test_kept_float_tensors_are_copied_a_chunk_at_a_time(tmp_path, monkeypatch):
     assert reads == [] and buffers and max(buffers) <= 4096
     back = onnx.load(str(out / "model.onnx"))
     np.testing.assert_array_equal(numpy_helper.to_array(back.graph.initializer[0]), table)
+
+
+@pytest.mark.parametrize("options", [{"scheme": "W4A16"}, {"scheme": "W4A16", "lm_head": True}])
+def test_the_estimate_holds_no_output_where_the_writer_streams(made, options, monkeypatch):
+    """The pre-flight's weight phase: one float weight in hand (the largest chosen, lm_head among them with
+    --lm-head), and the output held only where the writer keeps it (the small-model path)."""
+    from graphcal.calibration import footprint
+    from graphcal.calibration.prepare import prepare
+    from graphcal.config import Options, resolve
+
+    model = onnx.load(str(made), load_external_data=False)
+    dims = {t.name: int(np.prod(t.dims)) * 4 for t in model.graph.initializer}  # fp32
+    for streamed in (False, True):
+        monkeypatch.setattr(spill_module, "STREAM_MIN_BYTES", 0 if streamed else 1 << 62)
+        ready = prepare(made, resolve(Options(**options)), data=feeds(SHAPE.vocab))
+        largest = max(dims[t.weight] for t in ready.plan.chosen)
+        assert ("lm_head" in {t.name for t in ready.plan.chosen}) == bool(options.get("lm_head"))
+        held = 0 if streamed else int(footprint.OUTPUT_HELD * ready.plan.expected_size)
+        assert footprint.for_run(ready).parts["weight phase"] == held + int(footprint.WEIGHT_COPIES * largest)
