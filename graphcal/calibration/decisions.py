@@ -6,6 +6,7 @@ Records only (the stages and the transform units read them); plan.py makes them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -90,6 +91,11 @@ class RunPlan:
         """The folder weights left on disk are read from: the model's (its data files', or the model
         file's own, where an inline model's weights stay in it: graph.io.load_model_info)."""
         return str(self.model_path.parent)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the external data files the model reads, on disk now (0: every weight inline)."""
+        return sum(os.path.getsize(os.path.join(self.base_dir, name)) for name in self.data_files)
 
     @property
     def ignored(self) -> list[str]:

@@ -15,8 +15,8 @@ Each term is a rule times a constant fitted to peaks measured with tools/peak_rs
 - ``taps``: whole taps a batch holds (mse/imatrix observers, --exclude-padding), at most --tap-limit-mb;
 - ``hessians``: GPTQ's fp32 input Hessians (one-pass: all; sequential: one block's);
 - ``block cache``: the streamed and blockwise passes' cached block inputs (every sample's, one block at a
-  time) and the largest block's weights;
-- ``weight phase``: :func:`weight_phase_bytes` (the output as the writer holds it, and one weight in hand).
+  time, at most --cache-mb of them in memory) and the largest block's weights;
+- ``weight phase``: :func:`weight_phase_bytes` (one weight in hand, and the output where the writer holds it).
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from graphcal.calibration.transforms.awq import AWQSettings
 from graphcal.calibration.transforms.smoothquant import Smoothing
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import skeleton
+from graphcal.graph.spill import streams
 from graphcal.graph.taps import Reduction
 from graphcal.limits import format_size
 
 IMPORTS = 400_000_000  # torch + onnxruntime + onnx + compressed-tensors, measured: 0.40-0.42 GB on tiny-llama
 ARENA = 6.0  # onnxruntime's CPU arena over the largest intermediate (several alive, rounded up to powers of two)
-OUTPUT_HELD = 0.9  # the writer holds every written tensor, the float ones left read lazily (graph/qdq/writer.py)
+OUTPUT_HELD = 0.9  # the writer holds every written tensor (an input under graph.spill.STREAM_MIN_BYTES of external data)
 WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch copy
 MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
 
@@ -134,13 +135,15 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
 
 
 def weight_phase_bytes(plan, model: onnx.ModelProto) -> int:
-    """The weight phase's own peak: the output as the writer holds it (every written tensor until the
-    end, then the model serialized: :data:`OUTPUT_HELD` x the expected output, float weights left in
-    float included) plus one float weight in hand (:data:`WEIGHT_COPIES` x the largest chosen one).
-    One small function: a writer that streams its tensors to disk changes only this."""
+    """The weight phase's own peak: one float weight in hand (:data:`WEIGHT_COPIES` x the largest chosen
+    one, embedding lookups included) plus the output as the writer holds it: every written tensor until the
+    model is saved (:data:`OUTPUT_HELD` x the expected output), or nothing where the writer streams each
+    tensor to the output's data file as it is made (graph.spill.streams: an input with 256 MB or more of
+    external data; the float tensors kept are copied a chunk at a time)."""
     inits = {t.name: t for t in model.graph.initializer}
-    largest = max((_init_bytes(inits[t.weight]) for t in plan.chosen if t.weight in inits), default=0)
-    return int(OUTPUT_HELD * max(plan.expected_size, 0) + WEIGHT_COPIES * largest)
+    largest = max((_init_bytes(inits[t.weight]) for t in (*plan.chosen, *plan.lookups) if t.weight in inits), default=0)
+    held = 0 if streams(plan.data_bytes) else OUTPUT_HELD * max(plan.expected_size, 0)
+    return int(held + WEIGHT_COPIES * largest)
 
 
 def blockwise_parts(model: onnx.ModelProto, plan, batch: int, seq: int, num_samples: int, act: int) -> dict[str, int]:

@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +153,7 @@ def rounding_for(units, run: RunPlan, loaded: Loaded, observers: ObserverSet, ca
 def _spill(run: RunPlan, slot) -> DataSpill | None:
     """The output's data file, written as the weight pass makes each tensor, for a large model whose output
     keeps external data (graph.spill.streams), in the output's temporary folder (removed unless swapped in)."""
-    data_bytes = sum(os.path.getsize(os.path.join(run.base_dir, name)) for name in run.data_files)
-    if not streams(data_bytes):
+    if not streams(run.data_bytes):
         return None
     log.info("writing the output's weights tensor by tensor into its external data")
     return DataSpill(slot.early_folder() / f"{MODEL_FILE}.data")

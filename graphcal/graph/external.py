@@ -27,6 +27,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx.helper import tensor_dtype_to_np_dtype
@@ -222,11 +223,7 @@ def read_tensor_bytes(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes
 def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> bytearray:
     """The raw bytes of one external tensor in a buffer of its own (numpy can view it writable),
     read straight into it, checked again as it is read."""
-    try:
-        ref = resolve(t, base_dir)
-    except GraphcalError:  # a data file the load recorded and that changed since (shrank, went) says so first
-        identity.check_unchanged(os.path.join(base_dir, e.value) for e in t.external_data if e.key == "location")
-        raise
+    ref = _checked_ref(t, base_dir)
     check_fits(ref.length, f"tensor {t.name!r}", share=0.9)
     buffer = bytearray(ref.length)
     view = memoryview(buffer)
@@ -240,6 +237,36 @@ def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> byte
             done += got
         identity.check_open(fd, ref.path, ref.named)  # and not written to while it was read
     return buffer
+
+
+COPY_CHUNK = 64 << 20  # bytes in hand while a tensor is copied from the input's data file to the output's
+
+
+def copy_tensor(t: onnx.TensorProto, base_dir: str | os.PathLike, out: BinaryIO, chunk: int | None = None) -> int:
+    """Append one external tensor's raw bytes to the open file ``out``, ``chunk`` bytes at a time (one
+    buffer of that size in memory, not the tensor; None: :data:`COPY_CHUNK`), checked as
+    :func:`read_tensor_buffer` checks them; returns the bytes copied."""
+    ref = _checked_ref(t, base_dir)
+    view = memoryview(bytearray(max(1, min(chunk or COPY_CHUNK, ref.length))))
+    with open_regular(ref.path, f"external data of {t.name!r}") as f:
+        fd, done = f.fileno(), 0
+        identity.check_open(fd, ref.path, ref.named)  # the file the load checked, unchanged since
+        while done < ref.length:
+            got = os.preadv(fd, [view[:min(len(view), ref.length - done)]], ref.offset + done)
+            if not got:
+                raise GraphcalError(f"external data of {t.name!r} ended early (the file shrank while reading)")
+            out.write(view[:got])
+            done += got
+        identity.check_open(fd, ref.path, ref.named)  # and not written to while it was read
+    return ref.length
+
+
+def _checked_ref(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
+    try:
+        return resolve(t, base_dir)
+    except GraphcalError:  # a data file the load recorded and that changed since (shrank, went) says so first
+        identity.check_unchanged(os.path.join(base_dir, e.value) for e in t.external_data if e.key == "location")
+        raise
 
 
 def inline(t: onnx.TensorProto, base_dir: str | os.PathLike) -> None:

@@ -17,7 +17,16 @@ from graphcal.errors import GraphcalError, first_line
 from graphcal.graph import identity
 from graphcal.graph.check import check_graph, subgraphs
 from graphcal.graph.edit import name_nodes
-from graphcal.graph.external import all_tensors, check_external_data, element_bits, expected_bytes, inline, is_external, read_tensor_buffer
+from graphcal.graph.external import (
+    all_tensors,
+    check_external_data,
+    copy_tensor,
+    element_bits,
+    expected_bytes,
+    inline,
+    is_external,
+    read_tensor_buffer,
+)
 from graphcal.graph.spill import DataSpill
 from graphcal.graph.stored import check_tensors
 from graphcal.graph.wire import strip_inline_weights
@@ -163,7 +172,7 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
 
     Tensors are written one at a time; the graph file holds a hollow copy that references them.
     Tensors kept in typed fields instead of raw bytes (rare, and small) stay in the graph file.
-    Tensors still in the source model's external data (``base_dir``) are copied over one by one.
+    Tensors still in the source model's external data (``base_dir``) are copied over one by one, a chunk at a time.
     ``spill``: the data file the weight phase wrote already (graph.spill, at ``<name>.data``): its
     tensors keep their references, the others are appended after them.
     """
@@ -181,27 +190,33 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
             if spill is not None and t.name in spill.names and is_external(t):
                 g.initializer.append(t)  # written already, as it was made
                 continue
-            raw = t.raw_data if t.HasField("raw_data") else None
-            if raw is None and is_external(t) and base_dir is not None:
-                raw = read_tensor_buffer(t, base_dir)  # written as it is read: no bytes copy of a big tensor
-                if len(raw) < threshold:  # small: inline, no longer pointing at the source's file
+            if is_external(t) and base_dir is not None:
+                if expected_bytes(t) < threshold:  # small: inline, no longer pointing at the source's file
                     g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type,
-                                                          raw_data=bytes(raw)))
+                                                          raw_data=bytes(read_tensor_buffer(t, base_dir))))
                     continue
+                g.initializer.append(_stub(t, data_path.name, offset, expected_bytes(t)))
+                offset += copy_tensor(t, base_dir, data)  # a chunk at a time: never the whole tensor in memory
+                continue
+            raw = t.raw_data if t.HasField("raw_data") else None
             if raw is None or len(raw) < threshold:
                 g.initializer.append(t)
                 continue
-            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type,
-                                    data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(len(raw)))):
-                entry = stub.external_data.add()
-                entry.key, entry.value = key, value
+            g.initializer.append(_stub(t, data_path.name, offset, len(raw)))
             data.write(raw)
             offset += len(raw)
-            g.initializer.append(stub)
     with open(path, "wb") as f:
         f.write(hollow.SerializeToString())
     return [path, data_path]
+
+
+def _stub(t: onnx.TensorProto, location: str, offset: int, length: int) -> onnx.TensorProto:
+    """``t``'s name, dims and type, its bytes at ``offset`` in the data file ``location``."""
+    stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = stub.external_data.add()
+        entry.key, entry.value = key, value
+    return stub
 
 
 def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -2,10 +2,10 @@
 
 A :class:`DataSpill` owns the output's data file (``model.onnx.data``, in the output's temporary
 folder: graphcal.output.OutputSlot.early_folder). :meth:`DataSpill.take` appends a tensor's raw
-bytes to it and leaves in the proto only the external reference (location, offset, length), so
-the model held during the weight phase is its skeleton plus small tensors, whatever the model's
-size. :func:`graphcal.graph.io.save_with_external_data` then appends the tensors still in memory or
-in the input's data files to the same file and writes the graph. Only models whose output is in
+bytes to it and gives a new proto holding only the external reference (location, offset, length)
+in its place (the old one freed, its bytes with it), so the model held during the weight phase is its
+skeleton plus small tensors, whatever the model's size. :func:`graphcal.graph.io.save_with_external_data`
+then appends the tensors still in memory or in the input's data files to the same file and writes the graph. Only models whose output is in
 external data anyway take this path (:func:`streams`), and only large ones: a smaller output is
 written as before, byte for byte.
 """
@@ -37,23 +37,30 @@ class DataSpill:
         self.offset = 0
         self.names: set[str] = set()  # the tensors whose references point into this file
 
-    def take(self, tensors: Iterable[onnx.TensorProto]) -> None:
+    def take(self, tensors: Iterable[onnx.TensorProto]) -> list[onnx.TensorProto]:
         """Each of ``tensors`` holding at least ``threshold`` raw bytes in memory: its bytes appended
-        to the file, its proto left holding only the reference. Others are left as they are."""
+        to the file. Returns the tensors as the model keeps them: each one written replaced by a new
+        proto holding only its name, type, dims and reference, the others as they are. A new proto,
+        not the old one cleared: protobuf's upb runtime keeps a message's bytes in its arena until the
+        message itself is freed (ClearField frees nothing), so the caller drops the old one."""
+        kept = []
         for t in tensors:
             if is_external(t) or not t.HasField("raw_data") or t.ByteSize() < self.threshold:
+                kept.append(t)
                 continue
             raw = t.raw_data
             if len(raw) < self.threshold:
+                kept.append(t)
                 continue
             self.file.write(raw)
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
+            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, data_location=onnx.TensorProto.EXTERNAL)
             for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(raw)))):
-                entry = t.external_data.add()
+                entry = stub.external_data.add()
                 entry.key, entry.value = key, value
             self.offset += len(raw)
             self.names.add(t.name)
+            kept.append(stub)
+        return kept
 
     def close(self) -> None:
         """Flush and close the file (the saver appends to it by name)."""

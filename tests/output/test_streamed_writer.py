@@ -117,7 +117,7 @@ def test_float_tensors_are_copied_bit_for_bit(dtype, tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
     spill = DataSpill(folder / "model.onnx.data")
-    spill.take([codes, small])  # made by the writer: codes spilled, the small one kept in the proto
+    codes, small = spill.take([codes, small])  # made by the writer: codes spilled, the small one kept in the proto
     assert is_external(codes) and not is_external(small)
     model.graph.initializer.append(codes)
     save_with_external_data(model, folder / "model.onnx", spill=spill)

@@ -49,7 +49,7 @@ class QDQWriter:
     def _spill(self) -> None:
         """The tensors made since the last call to the data file (with a spill)."""
         if self.spill is not None:
-            self.spill.take(self.edits.inits[self._kept:])
+            self.edits.inits[self._kept:] = self.spill.take(self.edits.inits[self._kept:])  # the written ones freed
             self._kept = len(self.edits.inits)
 
     def quantize_weight(self, item: QuantizedTarget, weight: torch.Tensor) -> None:
