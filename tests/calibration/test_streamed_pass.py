@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from graphcal.calibration import streamed
@@ -213,3 +214,25 @@ def test_rotate_on_a_model_that_cannot_be_held_is_refused_before_any_weight_is_r
     assert result.exit_code != 0
     assert result.output.strip().splitlines()[-1].startswith("error: --rotate (every weight rotated in memory")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_streamed_pass_keeps_the_blocks_on_the_gpu_and_gives_the_cpu_scales(tmp_path, fp32_decoder):
+    """On CUDA (IOBinding: the cached block outputs stay torch tensors on the GPU) the streamed pass gives
+    the whole-graph pass's scales, and both the CPU's to float tolerance."""
+    from safetensors.torch import load_file
+
+    got = {}
+    for device in ("cuda", "cpu"):
+        for mode in ("blocks", "whole-graph"):
+            out = tmp_path / f"{device}-{mode}"
+            result = run_cli("run", fp32_decoder / "model.onnx", "--data", fp32_decoder / "calib.npz", "--scheme",
+                             "W8A8_STATIC", "--pass", mode, "--device", device, "-o", out, "--json")
+            assert result.exit_code == 0, result.output
+            summary = json.loads(result.stdout)
+            assert summary["provider"] == ("CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider")
+            got[device, mode] = load_file(out / "qparams.safetensors")
+    reference = got["cpu", "whole-graph"]
+    for key, value in reference.items():
+        for run in got:
+            assert torch.allclose(got[run][key].float(), value.float(), rtol=1e-4, atol=0), (run, key)
