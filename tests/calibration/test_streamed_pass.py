@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from graphcal.calibration import streamed
 from tests.helpers import MODELS, run_cli
