@@ -28,6 +28,8 @@ from graphcal.calibration.activations import Finiteness, Padding, PassResult, ch
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import gather_statistics
+from graphcal.calibration.observe import ObserverSet
+from graphcal.config import Smoothing
 from graphcal.data import MASK_INPUT, Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, layer_prefix
@@ -61,6 +63,8 @@ def choose_pass(run: RunPlan, loaded: Loaded, calib: Calibration | None, mode: s
         raise GraphcalError(f"--pass {mode!r}: choose one of {', '.join(PASSES)}")
     if mode == "whole-graph":
         return dataclasses.replace(run, streamed_blocks=0, pass_note="whole-graph (--pass whole-graph)")
+    if not ObserverSet(run, {}).consumers and run.decision(Smoothing) is None:
+        return dataclasses.replace(run, streamed_blocks=0, pass_note="none (no activation statistics to take)")
     found = layer_blocks(loaded, run)
     why = None
     if not found:

@@ -154,6 +154,8 @@ def test_the_summary_and_inspect_say_which_pass(tmp_path):
     assert "streamed block by block (2 blocks)" in result.output
     shown = run_cli("inspect", LLAMA / "model.onnx", "--scheme", "W8A8_STATIC", "--pass", "whole-graph")
     assert "pass     whole-graph (--pass whole-graph)" in shown.output
+    weight_only = run_cli("inspect", LLAMA / "model.onnx", "--scheme", "W4A16")
+    assert "pass     none (no activation statistics to take)" in weight_only.output
 
 
 def test_a_graph_without_layer_blocks_keeps_the_whole_graph_pass(tmp_path, layers):
