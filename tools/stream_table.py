@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 if got["rc"] == 0:
                     summary = json.loads(got["stdout"].strip().splitlines()[-1])
                     row["pass"] = summary.get("pass", "")
+                    row["pass_s"] = summary.get("pass_seconds")
                     row["model_bytes"] = summary.get("model_bytes")
                     row["loads"] = None if args.no_load_check else loads(out, args.data, args.batch)
                 shutil.rmtree(out, ignore_errors=True)
@@ -90,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = next((r for r in rows if r["run"] == "plain inference" and r["rc"] == 0), None)
-    print("| run | pass | wall (s) | peak RSS (MB) | vs inference: time | vs inference: peak | output loads |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | pass | wall (s) | of it the activation pass (s) | peak RSS (MB) | vs inference: time | "
+          "vs inference: peak | output loads |")
+    print("|---|---|---|---|---|---|---|---|")
     def ratio(r: dict, key: str) -> str:
         return f"{r[key] / base[key]:.2f}x" if base and r.get(key) else "-"
 
     for r in rows:
-        print(f"| {r['run']} | {r.get('pass', '') or r.get('error', '')} | {r['wall_s']} | "
+        print(f"| {r['run']} | {r.get('pass', '') or r.get('error', '')} | {r['wall_s']} | {r.get('pass_s', '-')} | "
               f"{r['peak_rss_mb'] or 0:.0f} | {ratio(r, 'wall_s')} | {ratio(r, 'peak_rss_mb')} | {r.get('loads', '-')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -124,7 +124,9 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     transform = next((t for unit in units if (t := unit.for_plan(run, loaded)) is not None), Plain(run, loaded))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())
+    pass_start = time.perf_counter()
     activations = transform.activation_pass(observers, calib, settings)
+    pass_seconds = time.perf_counter() - pass_start
     if not settings.main:
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
@@ -139,6 +141,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
                      slot.warnings, transform.reads_blocks)
     result.scheme = label
+    result.pass_seconds = pass_seconds
     result.float_bytes = float_weight_bytes(qdq_model)
     result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
     return result

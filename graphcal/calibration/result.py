@@ -37,7 +37,8 @@ class CalibrationResult:
     float_bytes: int = 0  # bytes of the written model's float initializers (sizing.float_weight_bytes)
     model_bytes: int = 0  # bytes of the written model on disk (model.onnx and its data file)
     scheme: str = "W8A8"  # the scheme as the summary names it (scheme_label)
-    pass_note: str = ""  # the activation pass: "streamed block by block (N layer blocks)" or "whole-graph (why)"
+    pass_note: str = ""  # the activation pass: "streamed block by block (N blocks)" or "whole-graph (why)"
+    pass_seconds: float = 0.0  # the activation pass's wall time (SmoothQuant's ranges included)
 
     @property
     def qparams(self) -> dict[str, torch.Tensor]:
@@ -69,6 +70,7 @@ class CalibrationResult:
             "warnings": self.warnings, "onnxruntime_kernels": self.forms,
             "padding_share": self.padding_share, "exclude_padding": self.exclude_padding,
             "model_bytes": self.model_bytes, "float_bytes": self.float_bytes, "pass": self.pass_note,
+            "pass_seconds": round(self.pass_seconds, 3),
             **self.transform_json(),
         }
 
