@@ -39,36 +39,54 @@ def test_the_exact_limit_comes_from_the_environment(monkeypatch):
         exact_limit()
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A8_STATIC"])
-def test_two_ranks_round_what_one_process_rounds(llama_dir, tmp_path, scheme):
+SCHEMES = {"W4A16": ["--scheme", "W4A16", "--group-size", "32", "--target", "qdq"],  # INT4 codes to compare
+           "W8A8_STATIC": ["--scheme", "W8A8_STATIC"]}
+
+
+@pytest.fixture(scope="module")
+def one_process(llama_dir, tmp_path_factory):
+    """The files one process writes (at one thread, as each torchrun rank runs), by scheme: made once."""
+    made = {}
+
+    def get(scheme):
+        if scheme not in made:
+            out = tmp_path_factory.mktemp("one") / scheme
+            one = _single(*_common(llama_dir, scheme), "-o", out, env=ONE_THREAD)
+            assert one.returncode == 0, one.stderr
+            made[scheme] = out
+        return made[scheme]
+    return get
+
+
+def _common(llama_dir, scheme):
+    return [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", *SCHEMES[scheme], "--algorithm", "gptq"]
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_two_ranks_round_what_one_process_rounds(llama_dir, tmp_path, one_process, scheme):
     """Each rank's batches through each block, each unit's grams summed on its owner in one process's
     batch order, rounded there, broadcast: the same files as one process, byte for byte."""
-    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", scheme, "--algorithm", "gptq"]
-    two = _torchrun(2, *common, "-o", tmp_path / "two")
+    two = _torchrun(2, *_common(llama_dir, scheme), "-o", tmp_path / "two")
     assert two.returncode == 0, two.stderr[-2000:]
     assert "GPTQ (layer block by layer block): 14 weights rounded" in two.stdout
     assert two.stdout.count("wrote:") == 1  # rank 0 alone reports and writes
-    one = _single(*common, "-o", tmp_path / "one", env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr
+    one = one_process(scheme)
     for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
-        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+        assert (tmp_path / "two" / name).read_bytes() == (one / name).read_bytes(), name
 
 
-def test_partial_sums_past_the_exact_limit_round_nearly_what_one_process_rounds(llama_dir, tmp_path):
+def test_partial_sums_past_the_exact_limit_round_nearly_what_one_process_rounds(llama_dir, tmp_path, one_process):
     """Past GRAPHCAL_GPTQ_EXACT_MB each rank sends one partial sum per input, added in rank order: the
     Hessian up to fp32 rounding, so the grid is the same and a rare code may flip."""
-    common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32",
-              "--algorithm", "gptq", "--target", "qdq"]
-    two = _torchrun(2, *common, "-o", tmp_path / "two", env={EXACT_ENV: "0"})
+    two = _torchrun(2, *_common(llama_dir, "W4A16"), "-o", tmp_path / "two", env={EXACT_ENV: "0"})
     assert two.returncode == 0, two.stderr[-2000:]
-    one = _single(*common, "-o", tmp_path / "one", env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr
-    a, b = (load_file(str(tmp_path / d / "qparams.safetensors")) for d in ("two", "one"))
+    dirs = {"two": tmp_path / "two", "one": one_process("W4A16")}
+    a, b = (load_file(str(d / "qparams.safetensors")) for d in dirs.values())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the grid: the weights' own
     ints = {}
-    for d in ("two", "one"):
-        model = onnx.load(tmp_path / d / "model.onnx")
-        ints[d] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.INT4}
+    for key, d in dirs.items():
+        model = onnx.load(d / "model.onnx")
+        ints[key] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.INT4}
     assert ints["two"].keys() == ints["one"].keys() and ints["one"]
     same = np.mean([np.mean(ints["two"][k] == ints["one"][k]) for k in ints["one"]])
     assert same > 0.999, same
