@@ -3,6 +3,10 @@ against one process, the owners' bin-packing, and failures on one rank ending ev
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -124,3 +128,21 @@ def test_a_failure_on_one_rank_ends_every_rank_with_an_error(tmp_path, where):
     assert any(own in e and "failed" not in e for e in errors), result.stderr[-2000:]  # the failing rank's own
     assert any(e.startswith(f"error: rank {failing} failed:") for e in errors), result.stderr[-2000:]  # the other's
     assert "Traceback" not in "\n".join(errors) and not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU per rank: 2 GPUs")
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_two_gpu_ranks_round_what_one_gpu_rounds(llama_dir, tmp_path, backend):
+    """On CUDA (each rank on cuda:LOCAL_RANK, GPTQ on the owner's GPU, the rounded weights sent through
+    the host): the files one process writes on one GPU."""
+    common = [*_common(llama_dir, "W4A16"), "--device", "cuda"]
+    env = {"GRAPHCAL_DIST_BACKEND": backend}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "graphcal", "run", *map(str, common), "-o", str(tmp_path / "two")],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+    assert two.returncode == 0, two.stderr[-2000:]
+    one = run_cli_process("run", *common, "-q", "-o", tmp_path / "one", timeout=240, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-2000:]
+    for name in ("model.onnx", "qparams.safetensors", "quantization_config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
