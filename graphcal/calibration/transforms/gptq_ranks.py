@@ -17,9 +17,9 @@ with ``rank=``: batches ``rank, rank + N, ...``, and only those cached). For blo
    every rank runs the block again with them on its own batches for the next block's inputs.
 
 The Hessians: a rank sends the grams of each of its batches, and the owner adds them in the batch
-order one process uses, so the Hessian, and the output, are one process's bit for bit; where a
-rank's grams of one block would pass ``GRAPHCAL_GPTQ_EXACT_MB`` (default 1024 MB), it sends its
-partial sum instead (one Hessian per input), which the owner adds in rank order: the same Hessian up
+order one process uses, so the Hessian, and the output, are one process's bit for bit; where the
+grams of one block over all the batches would pass ``GRAPHCAL_GPTQ_EXACT_MB`` (default 1024 MB), each
+rank sends its partial sum instead (one Hessian per input), which the owner adds in rank order: the same Hessian up
 to fp32 rounding (~1e-7 relative), which can flip a rare code. docs/distributed.md says more.
 
 A failure on any rank reaches every rank at the next step they take together, so every rank ends
@@ -53,7 +53,7 @@ from graphcal.types import QuantizedTarget, Target
 log = logging.getLogger("graphcal")
 
 EXACT_ENV = "GRAPHCAL_GPTQ_EXACT_MB"
-EXACT_MB = 1024  # a rank's per-batch grams of one block sent as they are up to this; its partial sum beyond
+EXACT_MB = 1024  # one block's grams over all the batches sent per batch up to this; partial sums beyond
 
 
 def unit_cost(unit: list[Target]) -> int:
@@ -117,7 +117,7 @@ class WeightParallel:
             raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
         log.info("GPTQ's sequential order across %d ranks: each rank runs its batches, each fused unit is rounded on "
-                 "one owner rank (Hessians up to %s MB a rank and block sent per batch, in batch order; partial sums "
+                 "one owner rank (Hessians up to %s MB a block sent per batch, in batch order; partial sums "
                  "beyond), the rounded weights broadcast", self.dist.world, f"{self.limit / 2**20:g}")
         with self.walk, bar, torch.no_grad():
             for k, block in enumerate(self.walk.blocks):
@@ -204,9 +204,8 @@ class WeightParallel:
         from graphcal.algorithms.gptq.hessian import HessianObserver  # lazy: GPTQ's math loads with GPTQ only
 
         columns = {t.activation: t.in_features for t in self.walk.blocks[k].targets}
-        batches = self.calib.num_batches
-        share = math.ceil(batches / self.dist.world) if batches else None
-        if share is not None and share * sum(4 * n * n for n in columns.values()) <= self.limit:
+        batches = self.calib.num_batches  # all the batches' grams: what an owner may receive for one block
+        if batches and batches * sum(4 * n * n for n in columns.values()) <= self.limit:
             grams: dict[str, list] = {x: [] for x in columns}
             provider = block_grams(self.walk, k, columns, lambda x, i, g, s: grams[x].append(
                 (i, g.detach().to("cpu", copy=True), s)))
