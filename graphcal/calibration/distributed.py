@@ -156,3 +156,60 @@ def _device_of(obs):
     for value in obs.state_dict_stats().values():
         return value.device
     return "cpu"
+
+
+# -- exchanges of the weight-parallel rounding (calibration.transforms.gptq_ranks) --------------------
+
+
+def exchange(d: Dist, error: BaseException | None, payload=None) -> list:
+    """Every rank's ``payload`` (a small picklable object), in rank order, or raise on every rank if
+    any rank failed before this point (``error``: this rank's): the check-in of a step that every
+    rank takes together, as :func:`gather_statistics` is the activation pass's."""
+    import torch.distributed as dist  # lazy: only under torchrun
+
+    gathered: list = [None] * d.world
+    mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
+            "payload": None if error is not None else payload}
+    _collective(d, lambda: dist.all_gather_object(gathered, mine))
+    raise_first(d, error, [p["error"] for p in gathered])
+    return [p["payload"] for p in gathered]
+
+
+def gather_to(d: Dist, obj, dst: int) -> list | None:
+    """Every rank's ``obj`` on rank ``dst`` (in rank order; None on the others)."""
+    import torch.distributed as dist  # lazy: only under torchrun
+
+    out = [None] * d.world if d.rank == dst else None
+    _collective(d, lambda: dist.gather_object(obj, out, dst=dst))
+    return out
+
+
+def broadcast_from(d: Dist, obj, src: int):
+    """Rank ``src``'s ``obj`` on every rank."""
+    import torch.distributed as dist  # lazy: only under torchrun
+
+    box = [obj if d.rank == src else None]
+    _collective(d, lambda: dist.broadcast_object_list(box, src=src))
+    return box[0]
+
+
+def raise_first(d: Dist, error: BaseException | None, errors: list[str | None]) -> None:
+    """After an exchange that carried every rank's error (its text, None: none; ``error``: this
+    rank's own): raise it here, or the first failing rank's, marked as heard by every rank."""
+    if error is not None:
+        error.graphcal_exchanged = True  # every rank knows: report, then settle() before exiting
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        failure = GraphcalError(f"rank {rank} failed: {message}")
+        failure.graphcal_exchanged = True
+        raise failure
+
+
+def _collective(d: Dist, call) -> None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 -- gloo raises RuntimeError and friends on timeouts
+        raise GraphcalError(f"rank {d.rank}: the other ranks did not answer within {timeout_seconds()} s "
+                            f"({first_line(e)}); a rank died or is stuck") from e

@@ -128,13 +128,21 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     activations = transform.activation_pass(observers, calib, settings)
     pass_seconds = time.perf_counter() - pass_start
     if not settings.main:
+        if isinstance(transform, Plain):  # a weight-parallel rounding (sequential GPTQ): this rank's share
+            for unit in units:
+                unit.follow(run, loaded, observers, calib, settings)
         return _result(ready, settings, activations, start, Path(output_dir))
     scales = transform.scales()
     torch_device = observer_device(activations.provider, device, settings.device_id)
     rounding = rounding_for(units, run, loaded, observers, calib, settings, scales)
     spill = _spill(run, slot)
-    weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
-                                                options.skip_nonfinite_weights, progress, spill)
+    try:
+        weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
+                                                    options.skip_nonfinite_weights, progress, spill)
+    except Exception as e:  # noqa: BLE001 -- under torchrun the ranks sharing the rounding must hear of it
+        if (abort := getattr(rounding, "abort", None)) is not None:
+            abort(e)
+        raise
     ignored = run.ignored + weights.left_in_float
     files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items, spill))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))

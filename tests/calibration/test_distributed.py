@@ -70,7 +70,7 @@ def test_two_ranks_smooth_as_one_process(llama_dir, tmp_path):
 @pytest.mark.parametrize("order", ["one-pass", "sequential"])
 def test_two_ranks_gptq_as_one_process(llama_dir, tmp_path, order):
     """GPTQ under torchrun: one-pass sums the ranks' Hessians (the same numbers up to the order of the
-    sums); the sequential order runs on rank 0 over all the data (what one process writes)."""
+    sums); the sequential order is weight-parallel (test_distributed_gptq: byte for byte at one thread)."""
     common = [llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W4A16", "--group-size", "32",
               "--algorithm", "gptq", "--gptq-order", order, "--target", "qdq"]
     two = _torchrun(2, *common, "-o", tmp_path / "two")

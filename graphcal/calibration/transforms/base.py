@@ -125,6 +125,11 @@ class Transform:
         return None
 
     @classmethod
+    def follow(cls, run, loaded, observers, calib: Calibration, settings: PassSettings) -> None:
+        """Under torchrun, a rank other than 0's share of a rounding that every rank takes part in
+        (rank 0's :meth:`rounding` leads it; GPTQ's sequential order); nothing by default."""
+
+    @classmethod
     def metadata(cls, decision) -> dict | None:
         """What quantization_config.json records of it (compressed-tensors' transform_config), or None."""
         return None

@@ -173,8 +173,12 @@ def rounding_for(run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Ca
         return None
     if gptq.order == "one-pass":
         return OnePass(observers.hessians, gptq)
+    if settings.dist is not None and scales is None:  # every rank's share: calibration.transforms.gptq_ranks
+        from graphcal.calibration.transforms.gptq_ranks import WeightParallel
+
+        return WeightParallel(run, loaded, observers, calib, settings)
     if settings.dist is not None:
-        log.info("GPTQ's sequential order runs on rank 0 over all the data")
+        log.info("GPTQ's sequential order after SmoothQuant or AWQ runs on rank 0 over all the data")
     return Sequential(run, loaded, calib, settings, scales)
 
 
@@ -255,23 +259,32 @@ def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
     """The Hessians of block ``k``'s inputs, from what the (quantized) blocks before it made."""
     from graphcal.algorithms.gptq.hessian import HessianObserver  # lazy: GPTQ's math loads with GPTQ only
 
-    block = walk.blocks[k]
     hessians: dict[str, HessianObserver] = {}
-    for t in block.targets:
+    for t in walk.blocks[k].targets:
         hessians.setdefault(t.activation, HessianObserver(t.in_features))
-    requests = [TapRequest(x, Reduction.GRAM, h.columns) for x, h in hessians.items()]
+    block_grams(walk, k, {x: h.columns for x, h in hessians.items()},
+                lambda x, i, g, sequences: hessians[x].add_gram(g, sequences))
+    return hessians
+
+
+def block_grams(walk: Blockwise, k: int, columns: dict[str, int], sink) -> str:
+    """Block ``k``'s subgraph run on the walk's batches (every world-th under torchrun), each layer
+    input ``x`` of ``columns`` (its width) reduced to ``x^T x`` in the graph: ``sink(x, batch index,
+    gram, sequences)`` per batch and input, in batch order. Returns the provider that ran it."""
+    block = walk.blocks[k]
+    requests = [TapRequest(x, Reduction.GRAM, n) for x, n in columns.items()]
     runtime, tapped = walk.session([], list(block.inputs), requests=requests)
     try:
-        for _, feeds in walk.batches(k):
+        for i, feeds in walk.batches(k):
             values = runtime.run(feeds)
             for r in requests:
                 if not bool(torch.isfinite(values[tapped.finite[r.tensor]]).all()):  # the tap's NaN/Inf probe
                     raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
                                         "or the data produce non-finite activations")
-                hessians[r.tensor].add_gram(*gram([values[n] for n in tapped.outputs[r]], r.groups))
+                sink(r.tensor, i, *gram([values[n] for n in tapped.outputs[r]], r.groups))
     finally:
         runtime.close()
-    return hessians
+    return runtime.provider
 
 
 @dataclass(frozen=True)
@@ -312,6 +325,18 @@ class GPTQ(Transform):
     def rounding(cls, run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration, settings: PassSettings,
                  scales: ChannelScales | None):
         return rounding_for(run, loaded, observers, calib, settings, scales)
+
+    @classmethod
+    def follow(cls, run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration,
+               settings: PassSettings) -> None:
+        """Under torchrun, a rank other than 0's share of the sequential order (rank 0's rounding leads:
+        :func:`rounding_for`): its batches through every block, the units it owns rounded."""
+        gptq = run.config.gptq
+        if gptq is None or gptq.order != "sequential" or settings.dist is None:
+            return
+        from graphcal.calibration.transforms.gptq_ranks import WeightParallel
+
+        WeightParallel(run, loaded, observers, calib, settings).follow()
 
     @classmethod
     def record(cls, run: RunPlan, done) -> GPTQRecord | None:
