@@ -93,6 +93,7 @@ class PassResult:
     passes: int = 1  # passes over the data, each fetching a share of the whole taps (tap_shares)
     whole_bytes: int = 0  # the whole taps of the first batch, in bytes
     tap_limit: int = 0  # the bytes of whole taps one pass may fetch per batch
+    seconds: float = 0.0  # the pass's wall time (calibration.passes)
 
     def warnings(self) -> list[str]:
         """A line for the run's summary when the data ran more than once to bound the taps' memory."""

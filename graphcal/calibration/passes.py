@@ -9,6 +9,9 @@ pass over the scaled activations) calls :func:`run_activation_pass` here, with t
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from graphcal.calibration import activations, streamed
 from graphcal.calibration.activations import PassResult
 from graphcal.calibration.decisions import Loaded, RunPlan
@@ -19,7 +22,10 @@ def run_activation_pass(plan: RunPlan, loaded: Loaded, observers, calib: Calibra
                         cache_mb: float | None = None, cache_folder=None, **kwargs) -> PassResult:
     """The plan's pass over ``calib`` feeding ``observers`` (arguments: activations.run_activation_pass's;
     ``cache_mb`` and ``cache_folder``: the streamed pass's block cache, calibration.block_cache)."""
+    start = time.perf_counter()
     if plan.streamed_blocks and observers.consumers:
-        return streamed.run_streamed_pass(plan, loaded, observers, calib, cache_mb=cache_mb, cache_folder=cache_folder,
-                                          **kwargs)
-    return activations.run_activation_pass(plan, loaded, observers, calib, tap_limit_mb=tap_limit_mb, **kwargs)
+        result = streamed.run_streamed_pass(plan, loaded, observers, calib, cache_mb=cache_mb, cache_folder=cache_folder,
+                                            **kwargs)
+    else:
+        result = activations.run_activation_pass(plan, loaded, observers, calib, tap_limit_mb=tap_limit_mb, **kwargs)
+    return dataclasses.replace(result, seconds=time.perf_counter() - start)

@@ -106,11 +106,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
                     batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
                     device=device, join=True, reduce_in_graph=options.reduce_in_graph, pass_mode=options.pass_mode)
     run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
-    log.info("activation pass: %s", run.pass_note)
-    # before any weight is read: a run that cannot fit is refused, not killed (on the CPU: on a GPU the weights and
-    # activations sit in GPU memory, which the estimate does not model yet, so a host estimate would refuse wrongly)
-    if not options.ignore_memory_check and not wants_cuda(device):
-        log.info("%s", check_memory(ready, options.tap_limit_mb, exclude_padding, options.cache_mb).line(None))
+    _preflight(ready, options)  # before any weight is read: a run that cannot fit is refused, not killed
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
                             options.reduce_in_graph, exclude_padding, ready.inputs, options.tap_limit_mb,
                             options.skip_nonfinite_weights, options.cache_mb,
@@ -124,9 +120,7 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     transform = next((t for unit in units if (t := unit.for_plan(run, loaded)) is not None), Plain(run, loaded))
     transform.before_pass(calib, settings)
     observers = ObserverSet(run, transform.taps())
-    pass_start = time.perf_counter()
     activations = transform.activation_pass(observers, calib, settings)
-    pass_seconds = time.perf_counter() - pass_start
     if not settings.main:
         if isinstance(transform, Plain):  # a weight-parallel rounding (sequential GPTQ): this rank's share
             for unit in units:
@@ -136,23 +130,26 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     torch_device = observer_device(activations.provider, device, settings.device_id)
     rounding = rounding_for(units, run, loaded, observers, calib, settings, scales)
     spill = _spill(run, slot)
-    try:
-        weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
-                                                    options.skip_nonfinite_weights, progress, spill)
-    except Exception as e:  # noqa: BLE001 -- under torchrun the ranks sharing the rounding must hear of it
-        if (abort := getattr(rounding, "abort", None)) is not None:
-            abort(e)
-        raise
+    weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
+                                                options.skip_nonfinite_weights, progress, spill)
     ignored = run.ignored + weights.left_in_float
     files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items, spill))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
                      slot.warnings, transform.reads_blocks)
     result.scheme = label
-    result.pass_seconds = pass_seconds
     result.float_bytes = float_weight_bytes(qdq_model)
     result.model_bytes = sum(f.stat().st_size for f in files if f.name.startswith(MODEL_FILE))
     return result
+
+
+def _preflight(ready: Prepared, options: Options) -> None:
+    """Say which activation pass the run takes, and refuse in one line a run whose estimated peak memory
+    cannot fit (on the CPU: on a GPU the weights and activations sit in GPU memory, which the estimate does
+    not model yet, so a host estimate would refuse wrongly)."""
+    log.info("activation pass: %s", ready.plan.pass_note)
+    if not options.ignore_memory_check and not wants_cuda(options.device):
+        log.info("%s", check_memory(ready, options.tap_limit_mb, options.exclude_padding, options.cache_mb).line(None))
 
 
 def rounding_for(units, run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Calibration, settings: PassSettings,
@@ -182,8 +179,13 @@ def _weight_pass(run: RunPlan, loaded: Loaded, observers: ObserverSet, scales: C
     if scales is not None:
         scales.fold(model, run, {t.name for t in run.chosen}, types)
     writer = QDQWriter(model, run.opset, run.target_runtime, types, matmulnbits=run.matmulnbits, spill=spill)
-    weights = quantize_weights(run, observers, writer, device, skip_nonfinite=skip_nonfinite, progress=progress,
-                               smoothed=scales, rounding=rounding)
+    try:
+        weights = quantize_weights(run, observers, writer, device, skip_nonfinite=skip_nonfinite, progress=progress,
+                                   smoothed=scales, rounding=rounding)
+    except Exception as e:  # noqa: BLE001 -- under torchrun the ranks sharing the rounding must hear of it
+        if (abort := getattr(rounding, "abort", None)) is not None:
+            abort(e)
+        raise
     kv_items = observers.kv_qparams()
     for item in weights.items:
         writer.quantize_input(item)
@@ -204,6 +206,7 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
                         "attention_mask): " + ", ".join(f"{t} {list(s)}" for t, s in padding.unmasked.items()))
     common = dict(output_dir=out_dir, provider=activations.provider, seconds=time.perf_counter() - start,
                   pass_note=run.pass_note if activations.provider is not None else "",
+                  pass_seconds=activations.seconds,
                   world=dist.world if dist else 1,
                   padding_share=padding.share if padding is not None else None,
                   exclude_padding=settings.exclude_padding)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,80 +36,17 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import Member, PassSettings
 from graphcal.calibration.transforms.base import Transform
 from graphcal.calibration.transforms.channel_scales import ChannelScales
+from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights
 from graphcal.config import GPTQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
-from graphcal.graph.taps import Reduction, TapRequest, gram
 from graphcal.limits import check_fits
 from graphcal.progress import Progress
-from graphcal.types import QuantizedTarget, enum_value
 
 if TYPE_CHECKING:
     from graphcal.algorithms.gptq.hessian import HessianObserver
 
 log = logging.getLogger("graphcal")
-
-
-@dataclass
-class GPTQLog:
-    """What GPTQ did to each layer: its loss (1/2 sum e^2, llm-compressor's) and the layers whose
-    Hessian was not positive definite (rounded to nearest on the same grid, with a warning)."""
-
-    losses: dict[str, float] = field(default_factory=dict)
-    rtn_fallback: list[str] = field(default_factory=list)
-
-    def warnings(self) -> list[str]:
-        if not self.rtn_fallback:
-            return []
-        shown = ", ".join(self.rtn_fallback[:3]) + (f" and {len(self.rtn_fallback) - 3} more"
-                                                     if len(self.rtn_fallback) > 3 else "")
-        return [f"GPTQ: the Hessian of {len(self.rtn_fallback)} layer(s) is not positive definite even after "
-                f"dampening ({shown}); rounded to nearest on the same grid (raise --dampening-frac)"]
-
-
-def gptq_weights(members: list[Member], hessian: torch.Tensor, settings, record: GPTQLog) -> dict[str, torch.Tensor]:
-    """Layers that read one input (q/k/v, gate/up), rounded by GPTQ with its Hessian. Layers with the
-    same channel or group args and no global scale are stacked along their rows and swept once:
-    GPTQ treats rows independently (each row's updates use the same inverse Hessian), so the result
-    is each layer's own, for one factorisation and one sweep (llm-compressor's batched_quantization)."""
-    from graphcal.algorithms.gptq.math import quantize_weight  # lazy: GPTQ's math loads with GPTQ only
-
-    def stackable(item: QuantizedTarget) -> bool:
-        qp, args = item.qparams["weight"], item.scheme.weights
-        return qp.global_scale is None and enum_value(args.strategy) in ("channel", "group")
-
-    first = members[0].item.scheme.weights
-    batches = [members]
-    if len(members) > 1 and not all(stackable(m.item) and m.item.scheme.weights == first
-                                    and m.weight.dtype == members[0].weight.dtype for m in members):
-        batches = [[m] for m in members]
-    out: dict[str, torch.Tensor] = {}
-    for batch in batches:
-        names = ", ".join(m.target.name for m in batch)
-        grids = [m.item.qparams["weight"] for m in batch]
-        w = torch.cat([m.weight for m in batch]) if len(batch) > 1 else batch[0].weight
-        scale = torch.cat([g.scale for g in grids]) if len(batch) > 1 else grids[0].scale
-        zps = [g.zero_point for g in grids]
-        zp = None if zps[0] is None else (torch.cat(zps) if len(batch) > 1 else zps[0])
-        try:
-            result = quantize_weight(w, hessian.to(w.device), scale, zp, grids[0].global_scale,
-                                     batch[0].item.scheme.weights, block_size=settings.block_size,
-                                     dampening_frac=settings.dampening_frac)
-        except ValueError as e:
-            raise GraphcalError(f"{names}: GPTQ: {e}") from e
-        except torch.linalg.LinAlgError as e:  # the inverse's Cholesky on a badly conditioned Hessian
-            raise GraphcalError(f"{names}: GPTQ: the Hessian's inverse is not positive definite; raise "
-                                "--dampening-frac") from e
-        start = 0
-        for m in batch:
-            rows = m.weight.shape[0]
-            out[m.target.name] = result.weight[start:start + rows].to(m.weight.device)
-            record.losses[m.target.name] = (float(result.row_loss[start:start + rows].sum()) if len(batch) > 1
-                                            else result.loss)
-            if result.rtn_fallback:
-                record.rtn_fallback.append(m.target.name)
-            start += rows
-    return out
 
 
 class OnePass:
@@ -128,7 +65,7 @@ class OnePass:
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for reading in _by_input(members, lambda t: id(self.hessians[t.name])):
+        for reading in by_input(members, lambda t: id(self.hessians[t.name])):
             obs = self.hessians[reading[0].target.name]
             if not obs.has_statistics:
                 raise GraphcalError(f"{reading[0].target.name}: no activation reached its GPTQ Hessian")
@@ -137,14 +74,6 @@ class OnePass:
             if not self._left[id(obs)]:
                 obs.release()
         return out
-
-
-def _by_input(members: list[Member], key) -> list[list[Member]]:
-    """``members`` grouped by the Hessian they use (``key(target)``), in order."""
-    groups: dict = {}
-    for m in members:
-        groups.setdefault(key(m.target), []).append(m)
-    return list(groups.values())
 
 
 def hessian_bytes(targets) -> int:
@@ -243,7 +172,7 @@ class Sequential:
             s = smoothed.column_scale(t) if smoothed is not None else None
             return t.activation, None if s is None else tuple(s.tolist())
 
-        for reading in _by_input(members, key):
+        for reading in by_input(members, key):
             t0 = reading[0].target
             h = self._hessians[t0.activation].value().to(reading[0].weight.device)
             if smoothed is not None:
@@ -265,26 +194,6 @@ def _block_hessians(walk: Blockwise, k: int) -> dict[str, HessianObserver]:
     block_grams(walk, k, {x: h.columns for x, h in hessians.items()},
                 lambda x, i, g, sequences: hessians[x].add_gram(g, sequences))
     return hessians
-
-
-def block_grams(walk: Blockwise, k: int, columns: dict[str, int], sink) -> str:
-    """Block ``k``'s subgraph run on the walk's batches (every world-th under torchrun), each layer
-    input ``x`` of ``columns`` (its width) reduced to ``x^T x`` in the graph: ``sink(x, batch index,
-    gram, sequences)`` per batch and input, in batch order. Returns the provider that ran it."""
-    block = walk.blocks[k]
-    requests = [TapRequest(x, Reduction.GRAM, n) for x, n in columns.items()]
-    runtime, tapped = walk.session([], list(block.inputs), requests=requests)
-    try:
-        for i, feeds in walk.batches(k):
-            values = runtime.run(feeds)
-            for r in requests:
-                if not bool(torch.isfinite(values[tapped.finite[r.tensor]]).all()):  # the tap's NaN/Inf probe
-                    raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
-                                        "or the data produce non-finite activations")
-                sink(r.tensor, i, *gram([values[n] for n in tapped.outputs[r]], r.groups))
-    finally:
-        runtime.close()
-    return runtime.provider
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import broadcast_from, exchange, gather_to, raise_first
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import Member, PassSettings
-from graphcal.calibration.transforms.gptq import GPTQLog, _by_input, block_grams, gptq_weights
+from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights
 from graphcal.data import Calibration
 from graphcal.devices import observer_device
 from graphcal.errors import GraphcalError
@@ -171,7 +171,7 @@ class WeightParallel:
             for i, (unit, w) in enumerate(zip(units, owner)):
                 if w == d.rank and grids[i]:
                     members = self._members(grids[i])
-                    for reading in _by_input(members, lambda t: t.activation):
+                    for reading in by_input(members, lambda t: t.activation):
                         x = reading[0].target.activation
                         if x not in hessians:
                             raise GraphcalError(f"{reading[0].target.name}: no activation reached its GPTQ Hessian")
