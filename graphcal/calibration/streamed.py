@@ -34,7 +34,7 @@ from graphcal.data import MASK_INPUT, Calibration
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import Block, blocks, layer_prefix
 from graphcal.graph.subgraph import indexed
-from graphcal.graph.taps import TapRequest
+from graphcal.graph.taps import Reduction, TapRequest
 from graphcal.graph.targets import scoped_module
 from graphcal.progress import Progress
 
@@ -133,8 +133,10 @@ def _walk(walk: Blockwise, loaded: Loaded, observers, prelude: tuple[list, list]
             finite = Finiteness(defer=not (tolerant & set(routes))
                                 and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
             if k == 0:
-                log.info("%s pass block by block on onnxruntime %s (taps to torch on %s): %d blocks",
-                         label, provider, runtime.device, len(walk.blocks))
+                whole = sum(r.reduction is Reduction.WHOLE for share in placed for r in share)
+                log.info("%s pass block by block on onnxruntime %s (taps to torch on %s), %d blocks: %d whole "
+                         "tensors and %d reductions fetched per batch", label, provider, runtime.device,
+                         len(walk.blocks), whole, sum(map(len, placed)) - whole)
             kept = walk.spools(k)
             try:
                 done = 0
