@@ -48,8 +48,13 @@ def test_run_and_eval_log_their_progress_with_v(llama_dir, tmp_path):
     result = run_cli("-v", "run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
                      "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
-    assert "calibrating: 64/64 samples" in result.output and "samples/s in" in result.output
+    # the streamed pass counts layer blocks (docs/streaming.md); the whole-graph pass samples (below)
+    assert "calibrating (blocks): 2/2 blocks" in result.output and "blocks/s in" in result.output
     assert "weights: 14/14 weights" in result.output
+    whole = run_cli("-v", "run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--scheme", "W8A8_STATIC",
+                    "--pass", "whole-graph", "-o", tmp_path / "whole", "-q")
+    assert whole.exit_code == 0, whole.output
+    assert "calibrating: 64/64 samples" in whole.output and "samples/s in" in whole.output
     result = run_cli("-v", "eval", llama_dir / "model.onnx", tmp_path / "out" / "model.onnx", "--data",
                      llama_dir / "heldout.npz")
     assert result.exit_code == 0, result.output

@@ -120,6 +120,10 @@ def _walk(walk: Blockwise, loaded: Loaded, observers, prelude: tuple[list, list]
     with torch.no_grad(), bar:
         for k, block in enumerate(walk.blocks):
             mine = placed[k]
+            if not mine and not walk.needed(k):  # nothing to observe, nothing a later block reads
+                walk.keep(k, {})
+                bar.update(1)
+                continue
             tapped_here = {r.tensor for r in mine}
             nodes = [n for n in prelude[0] if n.output[0] in tapped_here]
             constants = {i for n in nodes for i in n.input}

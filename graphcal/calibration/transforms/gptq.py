@@ -103,7 +103,7 @@ def rounding_for(run: RunPlan, loaded: Loaded, observers: ObserverSet, calib: Ca
     if gptq.order == "one-pass":
         return OnePass(observers.hessians, gptq)
     if settings.dist is not None and scales is None:  # every rank's share: calibration.transforms.gptq_ranks
-        from graphcal.calibration.transforms.gptq_ranks import WeightParallel
+        from graphcal.calibration.transforms.gptq_ranks import WeightParallel  # lazy: torchrun's ranks only
 
         return WeightParallel(run, loaded, observers, calib, settings)
     if settings.dist is not None:
@@ -243,7 +243,7 @@ class GPTQ(Transform):
         gptq = run.config.gptq
         if gptq is None or gptq.order != "sequential" or settings.dist is None:
             return
-        from graphcal.calibration.transforms.gptq_ranks import WeightParallel
+        from graphcal.calibration.transforms.gptq_ranks import WeightParallel  # lazy: torchrun's ranks only
 
         WeightParallel(run, loaded, observers, calib, settings).follow()
 
