@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import weakref
 
+import numpy as np
+import onnx
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
@@ -16,6 +18,9 @@ import graphcal.calibration.transforms.gptq as gptq_stage
 from graphcal import calibrate
 from graphcal.algorithms.gptq import hessian as hessian_module
 from graphcal.algorithms.gptq.math import Hessian, _permuted, quantize_weight
+from graphcal.calibration import footprint
+from graphcal.calibration.prepare import prepare
+from graphcal.config import Options, resolve
 from tests.helpers import MODELS
 
 LLAMA = MODELS / "tiny-llama"
@@ -124,3 +129,38 @@ def test_quantize_weight_leaves_its_inputs_alone(actorder, transposed):
     assert torch.equal(w, w0) and torch.equal(H, H0)
     b = quantize_weight(w0, H0, scale, None, None, args, block_size=16, actorder=actorder)
     assert torch.equal(a.weight, b.weight) and a.loss == b.loss
+
+
+def _block_of_initializer(model: onnx.ModelProto) -> dict[str, int]:
+    """Each MatMul weight's layer, from the node that reads it (the test's own walk of the graph)."""
+    inits = {t.name for t in model.graph.initializer}
+    out = {}
+    for n in model.graph.node:
+        m = re.search(r"layers\.(\d+)[./]", n.name)
+        if m and n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits:
+            out[n.input[1]] = int(m.group(1))
+    return out
+
+
+def test_sequential_gptq_estimate_counts_one_blocks_weights():
+    """The pre-flight estimate of a sequential GPTQ run holds the heaviest block's weights (the first
+    block's with the embedding its subgraph reads), not every initializer."""
+    model = onnx.load(LLAMA / "model.onnx", load_external_data=False)
+    size = {t.name: int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+            for t in model.graph.initializer}
+    layer_of = _block_of_initializer(model)
+    per_layer: dict[int, int] = {}
+    for name, layer in layer_of.items():
+        per_layer[layer] = per_layer.get(layer, 0) + size[name]
+    embedding = max(v for k, v in size.items() if k not in layer_of)
+    one_block = max(max(per_layer.values()), per_layer[0] + embedding)
+    every = sum(size.values())
+    assert one_block < every
+    ready = prepare(LLAMA / "model.onnx", resolve(Options(scheme="W4A16", algorithm="gptq")), data=LLAMA / "calib.npz")
+    fp = footprint.for_run(ready)
+    assert fp.pass_kind == "blockwise"
+    session, rounding = footprint.blockwise_phases(ready.loaded.model, ready.plan, fp.batch, fp.seq,
+                                                   ready.calib.num_samples, 0)
+    assert session["weights in onnxruntime"] == one_block
+    assert "weights in onnxruntime" not in rounding  # no session is open while a block is rounded
+    assert fp.parts.get("weights in onnxruntime", one_block) == one_block
