@@ -194,19 +194,21 @@ class Blockwise:
         return {n: self.cache.spool() for n in self.needed(k)}
 
     def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
-                  what: str = "") -> dict[str, Sequence[Value]]:
+                  what: str = "", fed: dict[str, tuple[str, Value]] | None = None) -> dict[str, Sequence[Value]]:
         """Block ``k``'s subgraph computing ``names`` from the block's inputs, run on every batch:
         each name's value per batch, a torch tensor where the session ran (on the GPU under CUDA;
         on the host where it would not fit there, :meth:`placement`), or a numpy array for an
         element type torch has not. ``weights`` (target name -> torch [out, in] weight) are fed in
-        place of the model's. The names a later block reads (:meth:`needed`) are spooled into the
+        place of the model's; ``fed`` (target name -> :meth:`feed_weight`'s feed) are such weights in the
+        form fed already (sequential GPTQ keeps its rounded weights so: no second copy). The names a later block reads (:meth:`needed`) are spooled into the
         cache's budget as they come (in memory, or on disk past it: a Spool, which :meth:`keep` takes
         as it is); the others are lists. After the first batch, what all the batches will hold is
         checked (:meth:`check_cache`; ``what`` names it in the error)."""
-        weights = weights or {}
+        weights, ready = weights or {}, fed or {}
         by_name = {t.name: t for t in self.run.found}
-        runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in weights])
+        runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in [*weights, *ready]])
         fed = dict(self.feed_weight(by_name[n], w) for n, w in weights.items())
+        fed.update(ready.values())
         kept = set(self.needed(k))
         out: dict[str, Sequence[Value]] = {n: self.cache.spool() if n in kept else [] for n in names}
         reads = {i.name for i in runtime.session.get_inputs()}  # a block's inputs the asked outputs need

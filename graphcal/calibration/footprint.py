@@ -13,9 +13,11 @@ Each term is a rule times a constant fitted to peaks measured with tools/peak_rs
 - ``activations``: :data:`ARENA` x the largest intermediate one batch makes (onnx shape inference on the
   skeleton with the batch's shapes; the logits of a pruned lm_head not counted), per session;
 - ``taps``: whole taps a batch holds (mse/imatrix observers, --exclude-padding), at most --tap-limit-mb;
-- ``hessians``: GPTQ's fp32 input Hessians (one-pass: all; sequential: one block's);
+- ``hessians``: GPTQ's fp32 input Hessians (one-pass: all; sequential: one block's, and a Gram or the
+  working copies of the largest: :func:`blockwise_parts`);
+- ``rounded weights``: sequential GPTQ's rounding of a block: its rounded weights and the sweep's copies;
 - ``block cache``: the streamed and blockwise passes' cached block inputs (every sample's, one block at a
-  time, at most --cache-mb of them in memory) and the largest block's weights;
+  time, at most --cache-mb of them in memory);
 - ``weight phase``: :func:`weight_phase_bytes` (one weight in hand, and the output where the writer holds it).
 """
 
@@ -44,6 +46,9 @@ IMPORTS = 400_000_000  # torch + onnxruntime + onnx + compressed-tensors, measur
 ARENA = 6.0  # onnxruntime's CPU arena over the largest intermediate (several alive, rounded up to powers of two)
 OUTPUT_HELD = 0.9  # the writer holds every written tensor (an input under graph.spill.STREAM_MIN_BYTES of external data)
 WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch copy
+GRAM_COPIES = 1.5  # sequential GPTQ's block session: a batch's Gram of the widest input (onnxruntime's blocks, assembled)
+HESSIAN_COPIES = 2.0  # its rounding: the working copies of the largest Hessian beside it (H, its factor, H^-1: two at a time)
+SWEEP_COPIES = 4.0  # its rounding: the largest weight in the sweep (transposed copy, grid, result, unpermuted result)
 MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
 
 PASSES = ("whole-graph", "streamed", "blockwise", "none")
@@ -125,7 +130,7 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
         parts = pass_parts
     weight_parts = {"weight phase": weight}
     if gptq == "sequential" or pass_kind == "blockwise":
-        weight_parts.update(blockwise_parts(model, plan, batch, seq, num_samples, act))
+        weight_parts.update(blockwise_parts(model, plan, batch, seq, num_samples, act, rounding=gptq == "sequential"))
         weight_parts["block cache"] = _within(weight_parts["block cache"], cache_budget)
     phases["weights"] = sum(weight_parts.values())
     if phases["weights"] >= phases.get("pass", 0):
@@ -146,19 +151,48 @@ def weight_phase_bytes(plan, model: onnx.ModelProto) -> int:
     return int(held + WEIGHT_COPIES * largest)
 
 
-def blockwise_parts(model: onnx.ModelProto, plan, batch: int, seq: int, num_samples: int, act: int) -> dict[str, int]:
-    """Sequential GPTQ's and AWQ's block passes: every weight (each block's session reads its weights from
-    the model's files, and they stay resident over the walk: measured 1.0-1.2x the weights on the bench
-    decoder and the 1.5B), one block's Hessians, every sample's cached block inputs and outputs at the
-    hidden width, and one batch's activations."""
+def blockwise_parts(model: onnx.ModelProto, plan, batch: int, seq: int, num_samples: int, act: int,
+                    rounding: bool = True) -> dict[str, int]:
+    """Sequential GPTQ's and AWQ's block passes: the parts of the phase of a block that peaks
+    (:func:`blockwise_phases`; the two do not overlap: the session is closed before the rounding)."""
+    phases = blockwise_phases(model, plan, batch, seq, num_samples, act, rounding)
+    return max(phases, key=lambda parts: sum(parts.values()))
+
+
+def blockwise_phases(model: onnx.ModelProto, plan, batch: int, seq: int, num_samples: int, act: int,
+                     rounding: bool = True) -> list[dict[str, int]]:
+    """The parts of each phase of a block (a list: the session's, then with ``rounding`` GPTQ's rounding's):
+
+    - a block's session: one block's weights (each block's session reads its own from the model's
+      files and lets them go when it closes: :func:`block_weight_bytes`), one block's Hessians, and for
+      GPTQ (``rounding``) a batch's Gram of the widest input as onnxruntime hands it and assembled
+      (:data:`GRAM_COPIES` x the largest Hessian), every sample's cached block inputs and outputs at the
+      hidden width, and one batch's activations;
+    - GPTQ's rounding of the block (no session open): the block's Hessians (each let go once its last
+      layer is rounded) plus :data:`HESSIAN_COPIES` working copies of the largest, the block's rounded
+      weights kept for its propagation run, :data:`SWEEP_COPIES` x the largest weight (the sweep's), and
+      the cache."""
     blocks: dict[str, list] = {}
     for t in plan.chosen:
         blocks.setdefault(_block_of(t.name), []).append(t)
     inits = {t.name: t for t in model.graph.initializer}
-    heaviest = max(blocks.values(), key=lambda ts: sum(_init_bytes(inits[t.weight]) for t in ts if t.weight in inits))
+
+    def weights_of(ts) -> int:
+        return sum(_init_bytes(inits[t.weight]) for t in ts if t.weight in inits)
+
+    heaviest = max(blocks.values(), key=weights_of)
     hidden = min((t.in_features for t in heaviest), default=1)  # q/k/v's input: the residual stream's width
-    return {"weights in onnxruntime": float_initializer_bytes(model), "hessians": hessian_bytes(heaviest),
-            "block cache": 2 * 4 * num_samples * seq * hidden, "activations": act}
+    hessians = hessian_bytes(heaviest)
+    widest = max((4 * t.in_features ** 2 for t in heaviest), default=0)
+    cache = 2 * 4 * num_samples * seq * hidden
+    session = {"weights in onnxruntime": block_weight_bytes(model, plan),
+               "hessians": hessians + (int(GRAM_COPIES * widest) if rounding else 0),
+               "block cache": cache, "activations": act}
+    if not rounding:
+        return [session]
+    largest = max((4 * t.in_features * t.out_features for t in heaviest), default=0)
+    return [session, {"hessians": hessians + int(HESSIAN_COPIES * widest),
+                      "rounded weights": weights_of(heaviest) + int(SWEEP_COPIES * largest), "block cache": cache}]
 
 
 def block_weight_bytes(model: onnx.ModelProto, plan) -> int:

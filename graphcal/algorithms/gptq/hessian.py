@@ -37,6 +37,14 @@ class HessianObserver:
             self._value = self.hessian.value()
         return self._value
 
+    def take(self) -> torch.Tensor:
+        """:meth:`value` divided in the sum's own memory (the same numbers, one matrix instead of two),
+        for a reader that never reads the sum again (sequential GPTQ's block Hessians: no exchange
+        follows); ``has_statistics`` is False after."""
+        if self._value is None:
+            self._value = self.hessian.take()
+        return self._value
+
     def release(self) -> None:
         """Let the Hessian go once every layer reading it is quantized."""
         self.hessian.sum, self._value = None, None

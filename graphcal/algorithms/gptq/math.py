@@ -141,7 +141,13 @@ class Hessian:
             raise ValueError(f"gram must be a square [in, in] matrix, got shape {tuple(gram.shape)}")
         if isinstance(sequences, bool) or not isinstance(sequences, numbers.Integral) or sequences < 0:
             raise ValueError(f"sequences must be an integer >= 0, got {sequences!r}")
-        self._accumulate(2 * gram.float())
+        gram = gram.float()
+        if self.sum is None:
+            self.sum = torch.zeros(gram.shape, dtype=torch.float32, device=gram.device)
+        elif gram.shape != self.sum.shape:
+            raise ValueError(f"Hessian is {tuple(self.sum.shape)}, got a {tuple(gram.shape)} contribution")
+        # sum + 2 * gram without the doubled matrix: 2 * g is exact in fp32, so one rounding either way
+        self.sum.add_(gram.to(self.sum.device), alpha=2)
         self.count += int(sequences)
 
     def merge(self, *others: Hessian) -> Hessian:
@@ -158,8 +164,29 @@ class Hessian:
             raise ValueError("Hessian has no samples: nothing was added (or only zero sequences)")
         return self.sum / self.count
 
+    def take(self) -> torch.Tensor:
+        """:meth:`value` computed in the sum's own memory (the same division): the accumulator is spent
+        after (``sum`` None), for a caller that holds it for nothing else."""
+        if self.sum is None or self.count == 0:
+            raise ValueError("Hessian has no samples: nothing was added (or only zero sequences)")
+        value, self.sum = self.sum.div_(self.count), None
+        return value
+
     def __repr__(self) -> str:
         return f"Hessian(columns={self.columns}, count={self.count})"
+
+
+PERMUTE_ROWS = 1024  # rows of H whose columns :func:`_permuted` permutes at once (one such slab is the scratch)
+
+
+def _permuted(H: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``H[perm][:, perm]`` as one new matrix: the rows gathered, then each slab of rows' columns
+    permuted in place (a slab's copy the only scratch, not a second whole matrix)."""
+    out = H.index_select(0, perm)
+    for a in range(0, out.shape[0], PERMUTE_ROWS):
+        slab = out[a:a + PERMUTE_ROWS]
+        slab.copy_(slab.index_select(1, perm))
+    return out
 
 
 @dataclass(frozen=True)
@@ -222,22 +249,31 @@ def quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Te
     if args.symmetric:
         col_zp = None  # symmetric grids are quantized without a zero point
 
-    W = weight.to(torch.float32).clone()
-    H = hessian.to(device=device, dtype=torch.float32).clone()
+    # The working copies (the caller's weight and Hessian are never written): the weight transposed,
+    # each column a contiguous row (the sweep's layout), and the Hessian, each made once, permuted as
+    # they are made; every copy let go as soon as the next step no longer reads it. Only data moves
+    # here: the values are those of permuting W's columns and H's rows then columns.
+    H = hessian.to(device=device, dtype=torch.float32)
+    Wt = torch.empty((cols, rows), dtype=torch.float32, device=device)
+    W = weight.to(torch.float32).t()
 
     # 1. activation ordering, on the undamped diagonal; columns keep their original qparams
     perm = None
     if order is not None:
         perm = torch.argsort(torch.diag(H), descending=True)
-        W = W[:, perm]
-        H = H[perm][:, perm]
+        torch.index_select(W, 0, perm, out=Wt)
+        H = _permuted(H, perm)
         col_scale = col_scale[:, perm]
         col_zp = None if col_zp is None else col_zp[:, perm]
+    else:
+        Wt.copy_(W)
+        H = H.clone()
+    del W
 
     # 2. dead columns, after permuting
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
-    W[:, dead] = 0
+    Wt[dead] = 0
 
     # 3. damping with the mean diagonal after the dead-column fix
     damp = dampening_frac * torch.mean(torch.diag(H))
@@ -245,18 +281,26 @@ def quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Te
     H[diag, diag] += damp
 
     # 4. upper Cholesky factor of H^-1 (identity when H is not positive definite)
+    #    (H, then its factor, then H^-1 let go as soon as the next step has what it needs)
     L, info = torch.linalg.cholesky_ex(H)
+    del H
     rtn_fallback = bool(info.item() != 0)
     if rtn_fallback:
+        del L
         Hinv = torch.eye(cols, dtype=torch.float32, device=device)
     else:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+        Hinv = torch.cholesky_inverse(L)
+        del L
+        Hinv = torch.linalg.cholesky(Hinv, upper=True)
 
     # 5. blocked sweep, on the transposed weight (each column a contiguous row of Wt: the per-column
     #    steps read and write contiguous memory); on CUDA each full block's column loop is one CUDA graph
     if capture is None:  # worth a capture from two full blocks on (the first runs eagerly as its warm-up)
         capture = device.type == "cuda" and cols >= 2 * block_size
-    Qt, losses = sweep(W.t().contiguous(), Hinv, Grid.of(col_scale, col_zp, args), block_size, bool(capture))
+    grid = Grid.of(col_scale, col_zp, args)
+    del col_scale, col_zp  # the grid holds its own transposed copy
+    Qt, losses = sweep(Wt, Hinv, grid, block_size, bool(capture))
+    del Wt, Hinv, grid
     Q = Qt.t()
 
     # 6. original column order

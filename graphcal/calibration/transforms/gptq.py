@@ -132,6 +132,7 @@ class Sequential:
                               replaced=frozenset(replaced),  # the frame and its weights made before the weight pass
                               cache_mb=settings.cache_mb, cache_folder=settings.cache_folder)
         self._hessians: dict[str, HessianObserver] = {}
+        self._readers: dict[str, int] = {}  # the block's layers left to round with each Hessian
         self._effective: dict[str, torch.Tensor] = {}
         self._by_name = {t.name: t for t in run.chosen}
 
@@ -153,10 +154,13 @@ class Sequential:
                         raise GraphcalError(f"GPTQ: the fused unit {', '.join(t.name for t in unit)} straddles layer "
                                             f"block {block.name}; this is a graphcal bug: please report it")
                     yield unit
-                self._hessians = {}
+                self._hessians, self._readers = {}, {}
                 needed = self.walk.needed(k)
                 if needed:
-                    self.walk.keep(k, self.walk.run_block(k, needed, self._effective))
+                    # each rounded weight handed over in the form fed, its own copy let go as it is made
+                    fed = {n: self.walk.feed_weight(self._by_name[n], self._effective.pop(n)) for n in list(self._effective)}
+                    self.walk.keep(k, self.walk.run_block(k, needed, fed=fed))
+                    del fed
                 self._effective = {}
                 bar.update(1)
 
@@ -164,6 +168,9 @@ class Sequential:
         """ONE block's statistics: the Hessians of block ``k``'s layer inputs, from its subgraph on
         ``frame`` run on the block's cached inputs (what the quantized blocks before it made)."""
         self._hessians = _block_hessians(frame, k)
+        self._readers = {}
+        for t in frame.blocks[k].targets:
+            self._readers[t.activation] = self._readers.get(t.activation, 0) + 1
 
     def __call__(self, members: list[Member]) -> dict[str, torch.Tensor]:
         smoothed, out = self.scales, {}
@@ -174,10 +181,15 @@ class Sequential:
 
         for reading in by_input(members, key):
             t0 = reading[0].target
-            h = self._hessians[t0.activation].value().to(reading[0].weight.device)
+            h = self._hessians[t0.activation].take().to(reading[0].weight.device)
             if smoothed is not None:
                 h = smoothed.smooth_hessian(t0, h)
-            for name, q in gptq_weights(reading, h, self.settings, self.log).items():
+            rounded = gptq_weights(reading, h, self.settings, self.log)
+            del h
+            self._readers[t0.activation] -= len(reading)
+            if not self._readers[t0.activation]:  # its last layer rounded: the Hessian goes now, not at the block's end
+                self._hessians.pop(t0.activation).release()
+            for name, q in rounded.items():
                 out[name] = q
                 q = q.cpu()
                 self._effective[name] = smoothed.unsmooth(self._by_name[name], q) if smoothed is not None else q

@@ -100,6 +100,7 @@ def block_grams(walk: Blockwise, k: int, columns: dict[str, int], sink) -> str:
                     raise GraphcalError(f"tap {r.tensor!r} holds NaN or Inf in block {block.name}; the model "
                                         "or the data produce non-finite activations")
                 sink(r.tensor, i, *gram([values[n] for n in tapped.outputs[r]], r.groups))
+            del values  # this batch's Grams let go before the next batch's are made
     finally:
         runtime.close()
     return runtime.provider
