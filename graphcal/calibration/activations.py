@@ -243,12 +243,19 @@ def run_activation_pass(plan: RunPlan, loaded: Loaded, observers: Consumers, cal
         if dist is None:
             raise
         error = e
-    if dist is not None:
-        counts = (padding.padded, padding.positions) if padding is not None else None
-        counts = gather_statistics(dist, observers.activation_observers(), error, counts)
-        if padding is not None:
-            padding.padded, padding.positions = counts
+    exchange(dist, observers, error, padding)
     return PassResult(provider, batches, padding, len(shares), whole_bytes, limit)
+
+
+def exchange(dist, observers: Consumers, error: BaseException | None, padding: Padding | None) -> None:
+    """Under torchrun (``dist``), every rank's statistics and padding counts gathered once after its pass, and
+    ``error`` (this rank's, or None) told to every rank; nothing without torchrun."""
+    if dist is None:
+        return
+    counts = (padding.padded, padding.positions) if padding is not None else None
+    counts = gather_statistics(dist, observers.activation_observers(), error, counts)
+    if padding is not None:
+        padding.padded, padding.positions = counts
 
 
 def _unpadded(x: torch.Tensor, keep: Kept, consumers, padding: Padding, tensor: str) -> torch.Tensor | None:

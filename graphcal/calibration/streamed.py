@@ -24,10 +24,17 @@ import logging
 
 import torch
 
-from graphcal.calibration.activations import Finiteness, Padding, PassResult, check_state, feed_taps, takes_nonfinite
+from graphcal.calibration.activations import (
+    Finiteness,
+    Padding,
+    PassResult,
+    check_state,
+    exchange,
+    feed_taps,
+    takes_nonfinite,
+)
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
-from graphcal.calibration.distributed import gather_statistics
 from graphcal.calibration.observe import ObserverSet
 from graphcal.config import Smoothing
 from graphcal.data import MASK_INPUT, Calibration
@@ -100,11 +107,7 @@ def run_streamed_pass(plan: RunPlan, loaded: Loaded, observers, calib: Calibrati
         if dist is None:
             raise
         error = e
-    if dist is not None:
-        counts = (padding.padded, padding.positions) if padding is not None else None
-        counts = gather_statistics(dist, observers.activation_observers(), error, counts)
-        if padding is not None:
-            padding.padded, padding.positions = counts
+    exchange(dist, observers, error, padding)
     return PassResult(provider, done, padding)
 
 
