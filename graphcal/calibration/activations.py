@@ -272,12 +272,8 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
     """Run every batch (under torchrun: every world-th, from this rank) and feed the consumers of
     ``tapped``'s taps; ``count``: count the padding (the first of several passes does)."""
 
-    # this pass's consumers: those whose taps its graph makes (a tensor's others are fed in another pass)
-    routes = {t: mine for t, cs in observers.by_tensor().items()
-              if (mine := [c for c in cs if c.request(in_graph) in tapped.outputs])}
+    routes, finite = routes_of(observers, tapped, in_graph)
     takes = runtime.inputs
-    tolerant = set(getattr(observers, "tolerant", ())) & set(routes)
-    finite = Finiteness(defer=not tolerant and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
     done = 0
     known = calib.num_batches if calib.num_batches else None  # a reader's count is known only afterwards
     if dist is None:  # samples/s and the time left over the whole data
@@ -299,11 +295,22 @@ def _feed_batches(runtime, calib: Calibration, observers: Consumers, tapped, in_
     return done
 
 
+def routes_of(observers: Consumers, tapped, in_graph: bool) -> tuple[dict, Finiteness]:
+    """The consumers of one tapped graph's taps by tensor (those whose taps it makes: a tensor's others are
+    fed by another pass, or another block's), and the finiteness check its batches take (:class:`Finiteness`:
+    deferred where every consumer takes a non-finite batch harmlessly and none tolerates one)."""
+    fetched = tapped.outputs if tapped is not None else {}
+    routes = {t: mine for t, cs in observers.by_tensor().items()
+              if (mine := [c for c in cs if c.request(in_graph) in fetched])}
+    tolerant = set(getattr(observers, "tolerant", ())) & set(routes)
+    return routes, Finiteness(defer=not tolerant and all(_takes_nonfinite(c) for cs in routes.values() for c in cs))
+
+
 #: batches whose taps' finiteness is kept on the device between two reads of it (deferred checks)
 CHECK_EVERY = 64
 
 
-def takes_nonfinite(consumer) -> bool:
+def _takes_nonfinite(consumer) -> bool:
     """Whether ``consumer`` may be fed a batch before its finiteness is known: min/max observers of
     activations (statistics that are the batch extrema) only carry a NaN or Inf along, and the pass
     refuses it before they are read."""
@@ -317,7 +324,7 @@ class Finiteness:
     A batch's probes (a reduced tap's finiteness probe from the graph, a whole tap's min and max:
     NaN and Inf carry through both) are stacked into one tensor. Checked now, the batch's flags come
     to the host in one read before any tap is fed. Deferred (every consumer of the pass takes a
-    non-finite batch harmlessly, :func:`takes_nonfinite`), the first batch each probe was non-finite
+    non-finite batch harmlessly, :func:`_takes_nonfinite`), the first batch each probe was non-finite
     in is kept on the device and read later; the error is the same: the first batch that held one,
     and in it the first tap in the pass's order."""
 

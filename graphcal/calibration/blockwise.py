@@ -84,6 +84,7 @@ class Blockwise:
         self.dependent = weight_dependent(model, self.targets)
         self.types = dict(loaded.types)
         self.cache = BlockCache.for_run(cache_mb, cache_folder)  # name -> its values per batch
+        self._place: torch.device | None = None  # where the running block keeps its values (run_cached)
         # where each target's node reads its weight (the initializer, or the end of its Transpose/Cast
         # path), and the dtype a fed weight takes there: looked up once, fed many times (AWQ's grid)
         nodes = {t.node for t in run.found}
@@ -170,28 +171,36 @@ class Blockwise:
             j += 1
             yield i, batch, feeds
 
-    def run_cached(self, runtime, feeds: dict, kept: dict[str, Sequence[Value]], k: int, what: str = "") -> dict:
-        """One batch of block ``k``'s ``runtime`` (from :meth:`session`): its values as
-        ``runtime.run`` gives them (torch tensors), and each name of ``kept`` (a spool of the cache's,
-        :meth:`spools`) appended a copy of its value to keep past the run (on the device the first
-        batch's :meth:`placement` chose; in memory or on disk as the cache's budget says). After the
-        first batch, what all the batches will hold is checked (:meth:`check_cache`)."""
-        reads = runtime.inputs
-        values = runtime.run({n: v for n, v in feeds.items() if n in reads})
-        if kept:
-            first = len(next(iter(kept.values()))) == 0
+    def run_cached(self, runtime, feeds: dict, out: dict[str, Sequence[Value]], k: int, what: str = "") -> dict:
+        """One batch of block ``k``'s ``runtime`` (from :meth:`session`; ``feeds``: what the block may read,
+        those the session takes are fed): its values as the runtime gives them (torch tensors, numpy for
+        an element type torch has not), and each name of ``out`` (:meth:`holders`) appended a copy of
+        its value to keep past the run, out of onnxruntime's memory, which the session's end would
+        otherwise pin (on the device the first batch's :meth:`placement` chose; in memory or on disk
+        as the cache's budget says). After a holder's first batch, what all the batches will hold is
+        checked (:meth:`check_cache`; ``what`` names it in the error)."""
+        feeds = {n: v for n, v in feeds.items() if n in runtime.inputs}
+        first = bool(out) and len(next(iter(out.values()))) == 0
+        if not runtime.torch_outputs:
+            values = runtime.run_numpy(feeds)
+            copies = {n: values[n] for n in out}
+        else:
+            values = runtime.run(feeds)
             if first:
-                self._place = self.placement(k, {n: values[n] for n in kept})
-            copies = {n: values[n].to(self._place, copy=True) for n in kept}
-            if first:
-                self.check_cache(k, copies, what)
-            for n, out in kept.items():
-                out.append(copies[n])
+                self._place = self.placement(k, {n: values[n] for n in out})
+            copies = {n: values[n].to(self._place, copy=True) for n in out}
+        if first:
+            self.check_cache(k, copies, what)
+        for n, value in copies.items():
+            out[n].append(value)
         return values
 
-    def spools(self, k: int) -> dict[str, Sequence[Value]]:
-        """An empty spool of the cache's for each output of block ``k`` a later block reads."""
-        return {n: self.cache.spool() for n in self.needed(k)}
+    def holders(self, k: int, names: Sequence[str]) -> dict[str, Sequence[Value]]:
+        """Where block ``k``'s values of ``names`` go batch by batch: a spool of the cache's for those a
+        later block reads (:meth:`needed`: into the cache's budget as they come, in memory or on disk
+        past it; :meth:`keep` takes it as it is), a list for the others (a caller's taps)."""
+        kept = set(self.needed(k))
+        return {n: self.cache.spool() if n in kept else [] for n in names}
 
     def run_block(self, k: int, names: Sequence[str], weights: dict[str, torch.Tensor] | None = None,
                   what: str = "", fed: dict[str, tuple[str, Value]] | None = None) -> dict[str, Sequence[Value]]:
@@ -209,25 +218,10 @@ class Blockwise:
         runtime, _ = self.session(list(names), list(self.blocks[k].inputs), [by_name[n] for n in [*weights, *ready]])
         fed = dict(self.feed_weight(by_name[n], w) for n, w in weights.items())
         fed.update(ready.values())
-        kept = set(self.needed(k))
-        out: dict[str, Sequence[Value]] = {n: self.cache.spool() if n in kept else [] for n in names}
-        reads = {i.name for i in runtime.session.get_inputs()}  # a block's inputs the asked outputs need
-        in_torch, place = runtime.torch_outputs, None
+        out = self.holders(k, names)
         try:
-            for i, feeds in self.batches(k):
-                feeds = {n: v for n, v in {**feeds, **fed}.items() if n in reads}
-                if not in_torch:
-                    values: dict[str, Value] = runtime.run_numpy(feeds)
-                else:  # copied out of onnxruntime's memory, which the session's end would otherwise pin
-                    got = runtime.run(feeds)
-                    if place is None:
-                        place = self.placement(k, {n: got[n] for n in names})
-                    values = {n: got[n].to(place, copy=True) for n in names}
-                    del got
-                if i == 0:
-                    self.check_cache(k, {n: values[n] for n in names}, what)
-                for n in names:
-                    out[n].append(values[n])
+            for _, feeds in self.batches(k):
+                self.run_cached(runtime, {**feeds, **fed}, out, k, what)
         finally:
             runtime.close()
         return out

@@ -25,13 +25,12 @@ import logging
 import torch
 
 from graphcal.calibration.activations import (
-    Finiteness,
     Padding,
     PassResult,
     check_state,
     exchange,
     feed_taps,
-    takes_nonfinite,
+    routes_of,
 )
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
@@ -116,8 +115,6 @@ def _walk(walk: Blockwise, loaded: Loaded, observers, prelude: tuple[list, list]
     """Every block of ``walk`` run on every batch, its taps fed to ``observers`` and its outputs cached
     for the blocks after it: (the provider that ran, the batches this process ran)."""
     placed = place_requests(walk, loaded, observers.requests(reduce_in_graph), prelude)
-    by_tensor = observers.by_tensor()
-    tolerant = set(getattr(observers, "tolerant", ()))
     provider, done = None, 0
     bar = Progress(f"{label} (blocks)", len(walk.blocks), "block", bar=progress)
     with torch.no_grad(), bar:
@@ -134,17 +131,13 @@ def _walk(walk: Blockwise, loaded: Loaded, observers, prelude: tuple[list, list]
                                            prelude=(nodes, [t for t in prelude[1] if t.name in constants]),
                                            priority_order=True)
             provider = runtime.provider
-            fetched = tapped.outputs if tapped is not None else {}
-            routes = {t: own for t, cs in by_tensor.items()
-                      if (own := [c for c in cs if c.request(reduce_in_graph) in fetched])}
-            finite = Finiteness(defer=not (tolerant & set(routes))
-                                and all(takes_nonfinite(c) for cs in routes.values() for c in cs))
+            routes, finite = routes_of(observers, tapped, reduce_in_graph)
             if k == 0:
                 whole = sum(r.reduction is Reduction.WHOLE for share in placed for r in share)
                 log.info("%s pass block by block on onnxruntime %s (taps to torch on %s), %d blocks: %d whole "
                          "tensors and %d reductions fetched per batch", label, provider, runtime.device,
                          len(walk.blocks), whole, sum(map(len, placed)) - whole)
-            kept = walk.spools(k)
+            kept = walk.holders(k, walk.needed(k))
             try:
                 done = 0
                 for i, batch, feeds in walk.batch_feeds(k):
