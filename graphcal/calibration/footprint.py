@@ -37,6 +37,7 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.transforms.awq import AWQSettings
 from graphcal.calibration.transforms.smoothquant import Smoothing
 from graphcal.errors import GraphcalError
+from graphcal.graph.blocks import layer_prefix
 from graphcal.graph.io import skeleton
 from graphcal.graph.spill import streams
 from graphcal.graph.taps import Reduction
@@ -172,19 +173,12 @@ def blockwise_phases(model: onnx.ModelProto, plan, batch: int, seq: int, num_sam
       layer is rounded) plus :data:`HESSIAN_COPIES` working copies of the largest, the block's rounded
       weights kept for its propagation run, :data:`SWEEP_COPIES` x the largest weight (the sweep's), and
       the cache."""
-    blocks: dict[str, list] = {}
-    for t in plan.chosen:
-        blocks.setdefault(_block_of(t.name), []).append(t)
     inits = {t.name: t for t in model.graph.initializer}
-
-    def weights_of(ts) -> int:
-        return sum(_init_bytes(inits[t.weight]) for t in ts if t.weight in inits)
-
-    heaviest = max(blocks.values(), key=weights_of)
+    heaviest = max(_blocks(plan).values(), key=lambda ts: _weights_of(ts, inits))
     hidden = min((t.in_features for t in heaviest), default=1)  # q/k/v's input: the residual stream's width
     hessians = hessian_bytes(heaviest)
     widest = max((4 * t.in_features ** 2 for t in heaviest), default=0)
-    cache = 2 * 4 * num_samples * seq * hidden
+    cache = _cache_bytes(num_samples, seq, hidden)
     session = {"weights in onnxruntime": block_weight_bytes(model, plan),
                "hessians": hessians + (int(GRAM_COPIES * widest) if rounding else 0),
                "block cache": cache, "activations": act}
@@ -192,7 +186,7 @@ def blockwise_phases(model: onnx.ModelProto, plan, batch: int, seq: int, num_sam
         return [session]
     largest = max((4 * t.in_features * t.out_features for t in heaviest), default=0)
     return [session, {"hessians": hessians + int(HESSIAN_COPIES * widest),
-                      "rounded weights": weights_of(heaviest) + int(SWEEP_COPIES * largest), "block cache": cache}]
+                      "rounded weights": _weights_of(heaviest, inits) + int(SWEEP_COPIES * largest), "block cache": cache}]
 
 
 def block_weight_bytes(model: onnx.ModelProto, plan) -> int:
@@ -200,13 +194,24 @@ def block_weight_bytes(model: onnx.ModelProto, plan) -> int:
     targets, or the first block's with the largest initializer no target reads (the embedding table,
     which the first block's subgraph reads to compute its input)."""
     inits = {t.name: t for t in model.graph.initializer}
-    by_block: dict[str, int] = {}
-    for t in plan.chosen:
-        by_block[_block_of(t.name)] = by_block.get(_block_of(t.name), 0) + (_init_bytes(inits[t.weight]) if t.weight in inits else 0)
+    per_block = [_weights_of(ts, inits) for ts in _blocks(plan).values()]  # in graph order: the first block first
     targets = {t.weight for t in plan.found}
     other = max((_init_bytes(t) for t in model.graph.initializer if t.name not in targets), default=0)
-    first = next(iter(by_block.values()), 0)
-    return max(max(by_block.values(), default=0), first + other)
+    return max(max(per_block, default=0), (per_block[0] if per_block else 0) + other)
+
+
+def _blocks(plan) -> dict[str, list]:
+    """The chosen targets by layer block (their module names' layer prefix, graph.blocks.layer_prefix;
+    a target outside the layers a block of its own), in graph order."""
+    out: dict[str, list] = {}
+    for t in plan.chosen:
+        out.setdefault(layer_prefix(t.name) or t.name, []).append(t)
+    return out
+
+
+def _weights_of(targets, inits: Mapping[str, onnx.TensorProto]) -> int:
+    """Bytes of ``targets``' weights (dims x element size: nothing is read)."""
+    return sum(_init_bytes(inits[t.weight]) for t in targets if t.weight in inits)
 
 
 def _within(nbytes: int, budget: int | None) -> int:
@@ -217,7 +222,11 @@ def _within(nbytes: int, budget: int | None) -> int:
 def cache_bytes(plan, seq: int, num_samples: int) -> int:
     """The streamed pass's cache: every sample's boundary tensors (the residual stream) at the hidden
     width in fp32, a block's inputs and its outputs at once."""
-    hidden = min((t.in_features for t in plan.chosen), default=1)
+    return _cache_bytes(num_samples, seq, min((t.in_features for t in plan.chosen), default=1))
+
+
+def _cache_bytes(num_samples: int, seq: int, hidden: int) -> int:
+    """Every sample's boundary tensors at ``hidden`` wide in fp32: a block's inputs and its outputs at once."""
     return 2 * 4 * num_samples * seq * hidden
 
 
@@ -281,15 +290,6 @@ def _init_bytes(t: onnx.TensorProto) -> int:
     except (KeyError, TypeError, ValueError):
         size = 1
     return math.prod(t.dims) * size
-
-
-def _block_of(name: str) -> str:
-    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3`` (the first dotted number's prefix)."""
-    parts = name.split(".")
-    for k, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:k + 1])
-    return name
 
 
 def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False,
