@@ -36,7 +36,7 @@ from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import Member, PassSettings
 from graphcal.calibration.transforms.base import Transform
 from graphcal.calibration.transforms.channel_scales import ChannelScales
-from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights
+from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights, walk_units
 from graphcal.config import GPTQSettings
 from graphcal.data import Calibration
 from graphcal.errors import GraphcalError
@@ -140,20 +140,11 @@ class Sequential:
         """``all_units`` (the weight pass's) block by block, each block's Hessians taken before its
         units and the block run again with their rounded weights after them. The walk's cache is
         deleted when the blocks are done, or when the weight pass stops early."""
-        in_blocks = {t.name for b in self.walk.blocks for t in b.targets}
-        missing = [t.name for t in self.run.chosen if t.name not in in_blocks]
-        if missing:
-            raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
         with self.walk, bar, torch.no_grad():
-            for k, block in enumerate(self.walk.blocks):
+            for k, units in walk_units(self.walk, self.run.chosen, all_units):
                 self.observe_block(self.walk, k)
-                names = {t.name for t in block.targets}
-                for unit in (u for u in all_units if any(t.name in names for t in u)):
-                    if not all(t.name in names for t in unit):  # graph.blocks keeps units whole
-                        raise GraphcalError(f"GPTQ: the fused unit {', '.join(t.name for t in unit)} straddles layer "
-                                            f"block {block.name}; this is a graphcal bug: please report it")
-                    yield unit
+                yield from units
                 self._hessians, self._readers = {}, {}
                 needed = self.walk.needed(k)
                 if needed:

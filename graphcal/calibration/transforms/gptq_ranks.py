@@ -41,7 +41,7 @@ from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.distributed import broadcast_from, exchange, gather_to, raise_first
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.seams import Member, PassSettings
-from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights
+from graphcal.calibration.transforms.gptq_rounding import GPTQLog, block_grams, by_input, gptq_weights, walk_units
 from graphcal.data import Calibration
 from graphcal.devices import observer_device
 from graphcal.errors import GraphcalError
@@ -111,18 +111,12 @@ class WeightParallel:
     def units(self, all_units: list[list]) -> Iterator[list]:
         """``all_units`` block by block, each block's units rounded (by their owners) before they are
         yielded, and the block run again with them after them; one last check-in at the end."""
-        in_blocks = {t.name for b in self.walk.blocks for t in b.targets}
-        missing = [t.name for t in self.run.chosen if t.name not in in_blocks]
-        if missing:  # the same plan on every rank: every rank stops here alike
-            raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
         bar = Progress("GPTQ blocks", len(self.walk.blocks), "block", bar=False)  # the log's progress lines
         log.info("GPTQ's sequential order across %d ranks: each rank runs its batches, each fused unit is rounded on "
                  "one owner rank (Hessians up to %s MB a block sent per batch, in batch order; partial sums "
                  "beyond), the rounded weights broadcast", self.dist.world, f"{self.limit / 2**20:g}")
         with self.walk, bar, torch.no_grad():
-            for k, block in enumerate(self.walk.blocks):
-                names = {t.name for t in block.targets}
-                mine = [u for u in all_units if any(t.name in names for t in u)]
+            for k, mine in walk_units(self.walk, self.run.chosen, all_units):  # the same plan: every rank stops alike
                 self._round_block(k, mine)
                 yield from mine
                 try:
@@ -147,11 +141,6 @@ class WeightParallel:
         contrib, grids = {}, None
         if self._error is None:
             try:
-                inside = {t.name for t in block.targets}
-                straddling = [u for u in units if not all(t.name in inside for t in u)]
-                if straddling:  # graph.blocks keeps units whole
-                    raise GraphcalError(f"GPTQ: the fused unit {', '.join(t.name for t in straddling[0])} straddles "
-                                        f"layer block {block.name}; this is a graphcal bug: please report it")
                 contrib = self._contributions(k)
                 if d.is_main:
                     grids = self._block_grids(units)

@@ -4,6 +4,7 @@ grouped by the Hessian they read, a block's layer inputs reduced to x^T x, and t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -104,3 +105,23 @@ def block_grams(walk: Blockwise, k: int, columns: dict[str, int], sink) -> str:
     finally:
         runtime.close()
     return runtime.provider
+
+
+def walk_units(walk: Blockwise, chosen, all_units: list[list]) -> Iterator[tuple[int, list[list]]]:
+    """(k, block ``k``'s fused units) for each block of ``walk``, the units of ``all_units`` whose members
+    lie in it. GraphcalError before the first block for a chosen target in no block, and before a
+    block's units for a unit that straddles it (graph.blocks keeps units whole: a graphcal bug). The
+    plan is every rank's: under torchrun every rank stops alike."""
+    in_blocks = {t.name for b in walk.blocks for t in b.targets}
+    missing = [t.name for t in chosen if t.name not in in_blocks]
+    if missing:
+        raise GraphcalError(f"GPTQ: {len(missing)} target(s) are in no layer block: {', '.join(missing[:3])}")
+    for k, block in enumerate(walk.blocks):
+        names = {t.name for t in block.targets}
+        units = [u for u in all_units if any(t.name in names for t in u)]
+        straddling = [u for u in units if not all(t.name in names for t in u)]
+        if straddling:
+            raise GraphcalError(f"GPTQ: the fused unit {', '.join(t.name for t in straddling[0])} straddles layer "
+                                f"block {block.name}; this is a graphcal bug: please report it")
+        yield k, units
+
