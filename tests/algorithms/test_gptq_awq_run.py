@@ -359,8 +359,11 @@ def test_algorithm_flags(llama_dir, args, message):
 
 def test_one_pass_hessians_that_cannot_fit_are_refused(llama_dir, tmp_path, monkeypatch):
     import graphcal.calibration.transforms.gptq
+    import graphcal.limits
 
     monkeypatch.setattr(graphcal.calibration.transforms.gptq, "hessian_bytes", lambda targets: 1 << 60)
+    # one memory figure for both refusals (each prints the memory available when it is read)
+    monkeypatch.setattr(graphcal.limits, "available_memory", lambda: 16 * 10**9)
     flags = ["--scheme", "W4A16", "--group-size", "32", "--algorithm", "gptq", "--gptq-order", "one-pass"]
     result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "o", *flags)
     assert result.exit_code == 1, result.output
