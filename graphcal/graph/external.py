@@ -239,6 +239,15 @@ def read_tensor_buffer(t: onnx.TensorProto, base_dir: str | os.PathLike) -> byte
     return buffer
 
 
+def external_stub(t: onnx.TensorProto, location: str, offset: int, length: int) -> onnx.TensorProto:
+    """A new proto with ``t``'s name, dims and type, its bytes at ``offset`` in the data file ``location``."""
+    stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = stub.external_data.add()
+        entry.key, entry.value = key, value
+    return stub
+
+
 COPY_CHUNK = 64 << 20  # bytes in hand while a tensor is copied from the input's data file to the output's
 
 

@@ -23,6 +23,7 @@ from graphcal.graph.external import (
     copy_tensor,
     element_bits,
     expected_bytes,
+    external_stub,
     inline,
     is_external,
     read_tensor_buffer,
@@ -195,28 +196,19 @@ def save_with_external_data(model: onnx.ModelProto, path: Path, threshold: int =
                     g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type,
                                                           raw_data=bytes(read_tensor_buffer(t, base_dir))))
                     continue
-                g.initializer.append(_stub(t, data_path.name, offset, expected_bytes(t)))
+                g.initializer.append(external_stub(t, data_path.name, offset, expected_bytes(t)))
                 offset += copy_tensor(t, base_dir, data)  # a chunk at a time: never the whole tensor in memory
                 continue
             raw = t.raw_data if t.HasField("raw_data") else None
             if raw is None or len(raw) < threshold:
                 g.initializer.append(t)
                 continue
-            g.initializer.append(_stub(t, data_path.name, offset, len(raw)))
+            g.initializer.append(external_stub(t, data_path.name, offset, len(raw)))
             data.write(raw)
             offset += len(raw)
     with open(path, "wb") as f:
         f.write(hollow.SerializeToString())
     return [path, data_path]
-
-
-def _stub(t: onnx.TensorProto, location: str, offset: int, length: int) -> onnx.TensorProto:
-    """``t``'s name, dims and type, its bytes at ``offset`` in the data file ``location``."""
-    stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, data_location=onnx.TensorProto.EXTERNAL)
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = stub.external_data.add()
-        entry.key, entry.value = key, value
-    return stub
 
 
 def hollow_copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from graphcal.graph.external import is_external
+from graphcal.graph.external import external_stub, is_external
 
 STREAM_MIN_BYTES = 256 << 20  # input data files at least this large: the output's data is written as it is made
 SPILL_MIN_BYTES = 1024  # tensors this large go to the data file (graph.io.save_with_external_data's threshold)
@@ -53,10 +53,7 @@ class DataSpill:
                 kept.append(t)
                 continue
             self.file.write(raw)
-            stub = onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type, data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(raw)))):
-                entry = stub.external_data.add()
-                entry.key, entry.value = key, value
+            stub = external_stub(t, self.path.name, self.offset, len(raw))
             self.offset += len(raw)
             self.names.add(t.name)
             kept.append(stub)
