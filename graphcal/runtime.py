@@ -157,7 +157,6 @@ def open_runtime(
     weights: Sequence[onnx.TensorProto] = (),
     renamed_weights: Sequence[tuple[str, onnx.TensorProto]] = (),
     priority_order: bool = False,
-    arena: bool = True,
 ) -> Runtime:
     """Create the session on ``device`` ("auto" | "cpu" | "cuda"; GPU ``device_id``) and check which provider runs.
 
@@ -168,9 +167,7 @@ def open_runtime(
     tapped calibration pass), else in its default order (depth first back from the outputs; graph.compare
     builds for that). Neither suits every graph: on a model with activation Q/DQ, onnxruntime adds
     DequantizeLinear copies at the highest node indices and priority order then dequantizes every
-    weight up front. ``arena`` False: no CPU memory arena, each output its own allocation: for the
-    short-lived sessions of a walk block by block, where a small output kept past the session (an
-    observer's first minimum, a view of it) would otherwise keep the session's whole arena alive."""
+    weight up front."""
     check_device_choice(device)
     want_cuda = wants_cuda(device)
     providers = [(CUDA, {"device_id": device_id}), CPU] if want_cuda else [CPU]
@@ -184,7 +181,6 @@ def open_runtime(
     # The memory pattern planner keeps a tapped graph's activations apart (extra consumers):
     # measured on the bench decoder, off is both faster and 0.9 GB smaller (docs/benchmarks.md).
     opts.enable_mem_pattern = False
-    opts.enable_cpu_mem_arena = arena
     if _fp16_group_query_attention(model):
         # onnxruntime's CPU planner may hand an fp16 GroupQueryAttention's present output the past
         # input's buffer (in place), which fails for an empty past ({B, H, 0, D} != {B, H, S, D}) in a

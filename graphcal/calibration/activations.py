@@ -415,7 +415,9 @@ def feed_taps(values: dict, routes: dict, tapped, in_graph: bool, keep: Kept | N
                 elif request.reduction is not Reduction.WHOLE:
                     lo, hi = (values[name] for name in tapped.outputs[request])
                     shape = _QPARAM_SHAPE[request.reduction](lo)
-                    c.observer.observe_extrema(lo.reshape(shape), hi.reshape(shape))
+                    # copies: an observer keeps its first batch's extrema, and a view of onnxruntime's output
+                    # would keep the session's whole memory arena alive after the session closes
+                    c.observer.observe_extrema(lo.reshape(shape).clone(), hi.reshape(shape).clone())
                 elif c.feed is Feed.IMPORTANCE:
                     c.observer.accumulate_importance(seen)
                 elif c.feed is Feed.HESSIAN:

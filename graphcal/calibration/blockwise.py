@@ -131,8 +131,7 @@ class Blockwise:
             tapped = build_tapped(sub, list(requests), value_types_of(sub, self.types), prelude)
             sub, fetch = tapped.model, [*outputs, *tapped.fetch]
         runtime = open_runtime(sub, fetch, self.device, device_id=self.device_id, external_folder=self.run.base_dir,
-                               weights=self._initializers(sub), priority_order=priority_order,
-                               arena=False)  # one session per block: nothing kept may pin its arena
+                               weights=self._initializers(sub), priority_order=priority_order)
         return runtime, tapped
 
     def _initializers(self, sub: onnx.ModelProto) -> list[onnx.TensorProto]:

@@ -262,8 +262,9 @@ print(json.dumps(after))
 
 def test_the_pass_holds_no_memory_from_the_blocks_it_has_run(tmp_path):
     """What a block's session allocated is given back when it closes: the process's anonymous memory after
-    the last block is that after the second (with onnxruntime's CPU arena, a small output an observer kept
-    pinned each block's whole arena: +10 MB a block here, +120 MB a block on the Llama-3-8B's widths)."""
+    the last block is that after the second (an observer kept its first batch's extrema as a view of
+    onnxruntime's output, which pinned each block session's whole memory arena: +10 MB a block here,
+    +120 MB a block on the Llama-3-8B's widths)."""
     import os
     import subprocess
     import sys
