@@ -99,12 +99,13 @@ class Hessian:
     def columns(self) -> int | None:
         return None if self.sum is None else self.sum.shape[0]
 
-    def _accumulate(self, product: torch.Tensor) -> None:
+    def _accumulate(self, product: torch.Tensor, alpha: int = 1) -> None:
+        """``sum += alpha * product`` in the sum's memory (no ``alpha * product`` matrix beside it)."""
         if self.sum is None:
             self.sum = torch.zeros(product.shape, dtype=torch.float32, device=product.device)
         elif product.shape != self.sum.shape:
             raise ValueError(f"Hessian is {tuple(self.sum.shape)}, got a {tuple(product.shape)} contribution")
-        self.sum += product.to(self.sum.device)
+        self.sum.add_(product.to(self.sum.device), alpha=alpha)
 
     @torch.no_grad()
     def add_activations(self, x: torch.Tensor) -> None:
@@ -141,13 +142,8 @@ class Hessian:
             raise ValueError(f"gram must be a square [in, in] matrix, got shape {tuple(gram.shape)}")
         if isinstance(sequences, bool) or not isinstance(sequences, numbers.Integral) or sequences < 0:
             raise ValueError(f"sequences must be an integer >= 0, got {sequences!r}")
-        gram = gram.float()
-        if self.sum is None:
-            self.sum = torch.zeros(gram.shape, dtype=torch.float32, device=gram.device)
-        elif gram.shape != self.sum.shape:
-            raise ValueError(f"Hessian is {tuple(self.sum.shape)}, got a {tuple(gram.shape)} contribution")
         # sum + 2 * gram without the doubled matrix: 2 * g is exact in fp32, so one rounding either way
-        self.sum.add_(gram.to(self.sum.device), alpha=2)
+        self._accumulate(gram.float(), alpha=2)
         self.count += int(sequences)
 
     def merge(self, *others: Hessian) -> Hessian:
