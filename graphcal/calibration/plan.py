@@ -24,9 +24,10 @@ from graphcal.devices import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
 from graphcal.graph.fusion import find_fused_groups
+from graphcal.graph.index import GraphIndex
 from graphcal.graph.io import default_opset, load_model_info, unchecked_ops
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
-from graphcal.graph.qdq.policy import WeightForm, choose_form
+from graphcal.graph.qdq.policy import WeightForm, choose_form, float_type_opset
 from graphcal.graph.targets import find_lookups, find_targets, select
 from graphcal.graph.ties import find_ties
 from graphcal.observers import make_observer
@@ -81,6 +82,8 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     items = [QuantizedTarget(t, schemes[t.name]) for t in chosen]
     lookup_items = [QuantizedTarget(t, schemes[t.name]) for t in lookups]
     opset = items_opset(items + lookup_items, target_runtime=target_runtime)  # raises where there is no ONNX form
+    weights = GraphIndex(model.graph).initializers
+    opset = max(opset, float_type_opset({weights[t.weight].data_type for t in chosen + lookups}))  # fp16/bf16 scales
     _check_lookup_observers(lookup_items)
     warnings += runtime_notes(items, target_runtime)
     forms = form_notes(items + lookup_items, target_runtime, matmulnbits)  # raises for a target with no form

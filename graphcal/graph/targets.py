@@ -147,12 +147,12 @@ def weight_tensor(model: onnx.ModelProto, target: Target, base_dir: str | None =
     order."""
     import warnings  # lazy: stdlib, needed on this rare path only
 
-    import torch  # lazy: keeps graphcal --help fast
+    from graphcal.arrays import to_torch  # lazy: torch keeps graphcal --help slow
 
     b = np.ascontiguousarray(_consumed(model, target, base_dir))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        w = torch.from_numpy(b)
+        w = to_torch(b)
     return w.t() if target.layout == "in_out" else w
 
 

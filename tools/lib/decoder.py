@@ -7,8 +7,9 @@ attention (models/tiny-llama): the same ops at opset 17, node names by module sc
 transposed Linear weights), inputs ``input_ids``/``attention_mask``, output ``logits``; graphcal finds its
 blocks and residual stream as it does in an export. The shape-computing subgraphs are shorter than the
 exporter's (constant Reshape targets with 0 and -1, positions from ``Shape(input_ids)``), and in float16
-the attention scores are cast to float32 before the mask is added (a float16 mask of its minimum
-would overflow to -inf).
+and bfloat16 the attention scores are cast to float32 before the mask is added (a float16 mask of its
+minimum would overflow to -inf). bfloat16 weights are ml_dtypes' bfloat16 (onnx's own dependency), rounded
+to nearest even from the float32 draw.
 
 Weights: every tensor is generated in chunks of rows (:data:`CHUNK` elements at most), each from its own
 seed derived from the run's seed, the tensor's name and the chunk's index, and written at its offset in
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -36,7 +38,9 @@ IR_VERSION = 8
 CHUNK = 1 << 22  # elements generated and written at once (16 MB in float32)
 ALIGN = 4096  # every tensor starts at a multiple of this in the data file
 DATA_NAME = "model.onnx.data"
-DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
+# bfloat16: ml_dtypes' numpy type (onnx's own dependency, which numpy_helper reads and writes bf16 tensors with)
+DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16),
+          "bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16)}
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def build(shape: DecoderShape, dtype: str = "float32") -> tuple[onnx.ModelProto,
     """The decoder's ModelProto without its initializers, and the initializers to write, in file order."""
     shape.check()
     np_dtype, onnx_dtype = DTYPES[dtype]
-    half = onnx_dtype == TensorProto.FLOAT16
+    half = onnx_dtype != TensorProto.FLOAT  # float16 and bfloat16: the same graph, the mask and softmax in float32
     g = _Graph()
     i64 = np.int64
     embed = "model.embed_tokens.weight"
@@ -264,8 +268,8 @@ def layout(weights: list[Weight], itemsize: int) -> tuple[dict[str, int], int]:
     return offsets, end
 
 
-def _pwrite(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(data).view(np.uint8))  # bytes: a buffer of bfloat16 is refused
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

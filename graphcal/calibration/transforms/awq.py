@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import onnx
 import torch
 
+from graphcal.arrays import to_numpy, to_torch
 from graphcal.calibration.activations import PassResult
 from graphcal.calibration.blockwise import Blockwise
 from graphcal.calibration.decisions import Loaded, RunPlan
@@ -171,7 +172,7 @@ class BlockSearch:
                 grams[x] = gram
             device = inputs[x][0].device if inputs[x] else torch.device("cpu")  # where the search computes
             done = self.done
-            weights = {t.name: done.weight(t, torch.from_numpy(torch_weight(self.model, t, run.base_dir))).to(device)
+            weights = {t.name: done.weight(t, to_torch(torch_weight(self.model, t, run.base_dir))).to(device)
                        for t in balance}
             args = {t.name: run.schemes[t.name].weights for t in balance
                     if t.name in run.schemes and run.schemes[t.name].weights is not None}
@@ -233,7 +234,7 @@ def _clip(run: RunPlan, model: onnx.ModelProto, done: ChannelScales, t: Target, 
     if gram.sum is None or not torch.isfinite(gram.sum).all():
         return None
     g = done.smooth_hessian(t, gram.sum)
-    w = done.weight(t, torch.from_numpy(torch_weight(model, t, run.base_dir))).to(g.device)  # searched where G lies
+    w = done.weight(t, to_torch(torch_weight(model, t, run.base_dir))).to(g.device)  # searched where G lies
     found = clip_search(w, run.schemes[t.name].weights, g)
     if found is None:
         return None
@@ -256,7 +257,7 @@ def search_batches(calib: Calibration, samples: int | None) -> list[int]:
 
 def _tensor(value) -> torch.Tensor:
     """A cached value as torch: a torch tensor as it is (on the GPU under CUDA), a numpy array viewed."""
-    return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+    return value if isinstance(value, torch.Tensor) else to_torch(value)
 
 
 class _Parent:
@@ -300,7 +301,7 @@ class _Parent:
 
 def _numpy(value):
     """A feed as numpy, for ``session.run`` (a torch tensor copied to the host)."""
-    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+    return to_numpy(value.detach().cpu()) if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from graphcal.arrays import to_numpy, to_torch
 from graphcal.calibration.decisions import RunPlan
 from graphcal.errors import GraphcalError
 from graphcal.graph.index import GraphIndex
@@ -227,8 +228,8 @@ class ChannelScales:
 
     def write_float(self, model, t: Target, base_dir: str | None) -> None:
         """Store a target's smoothed weight in float in ``model`` (a layer left unquantized)."""
-        w = torch.from_numpy(torch_weight(model, t, base_dir))
-        replace_weight(model, t, self.weight(t, w).numpy(), base_dir)
+        w = to_torch(torch_weight(model, t, base_dir))
+        replace_weight(model, t, to_numpy(self.weight(t, w)), base_dir)
 
 
 def check_scales(m: Mapping, s: torch.Tensor, method: ScaleMethod = ScaleMethod.SMOOTHQUANT, why: str = "") -> None:

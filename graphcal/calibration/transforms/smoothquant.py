@@ -32,6 +32,7 @@ import onnx
 import torch
 
 from graphcal.algorithms.smoothquant.math import per_group, search_strength, smoothing_scales
+from graphcal.arrays import to_torch
 from graphcal.calibration.activations import PassResult
 from graphcal.calibration.decisions import Loaded, RunPlan
 from graphcal.calibration.observe import Consumer, Consumers, Feed, ObserverSet
@@ -98,7 +99,7 @@ def smooth_and_calibrate(run: RunPlan, loaded: Loaded, observers, calib: Calibra
         types = loaded.types
         for c in deferred:
             m = smoothed_of[c.tensor]
-            inverse = torch.from_numpy(smoothed._inverse(m, types))
+            inverse = to_torch(smoothed._inverse(m, types))
             lo, hi = extrema[m.candidate.activation]
             _replay(c, lo.to(inverse.dtype) * inverse, hi.to(inverse.dtype) * inverse)
         return smoothed, result
@@ -219,7 +220,7 @@ def scales_from(run: RunPlan, model: onnx.ModelProto, mappings: list[Mapping], r
     for m in mappings:
         lo, hi = ranges[m.candidate.tensor]
         weights = [] if settings.algorithm == "log_equalization" else [  # log_equalization reads no weight
-            torch.from_numpy(torch_weight(model, by_name[b], run.base_dir)) for b in m.balance]
+            to_torch(torch_weight(model, by_name[b], run.base_dir)) for b in m.balance]
         x = m.candidate.activation
         if settings.search and weights and x in (samples or {}):  # log_equalization has no strength to search
             schemes = [run.schemes.get(b) for b in m.balance]

@@ -20,10 +20,12 @@ The run-time subgraphs redo compressed-tensors' dynamic-scale math op for op::
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import torch
 from onnx import helper, numpy_helper
 
+from graphcal.arrays import to_numpy
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.policy import FP8, InputForm, QType, TargetRuntime, qtype_of
@@ -37,10 +39,10 @@ FP8_SCALE_EPS = 0.125  # compressed-tensors' eps for fp8 scales (_get_dtype_eps)
 def input_key(t: Target, args, qp: QParams | None) -> tuple:
     """Inputs with the same key share one Q/DQ: the same activation, args and qparams."""
     if args.dynamic is False:
-        return (t.activation, "static", args.model_dump_json(), qp.scale.numpy().tobytes(),
+        return (t.activation, "static", args.model_dump_json(), to_numpy(qp.scale).tobytes(),
                 qp.zero_point.to(torch.float32).numpy().tobytes())
     gs = _global_scale(args, qp)
-    return (t.activation, "dynamic", args.model_dump_json(), None if gs is None else gs.numpy().tobytes())
+    return (t.activation, "dynamic", args.model_dump_json(), None if gs is None else to_numpy(gs).tobytes())
 
 
 def input_dq(edits: Edits, t: Target, args, qp: QParams | None, target_runtime: TargetRuntime, form: InputForm = InputForm.QDQ
@@ -187,7 +189,7 @@ def _symmetric_scale(edits: Edits, t: Target, amax: str, qtype: QType, dtype: np
         stored = edits.op(t.node, "Where", [is_zero, eps, raw], f"{base}/Where")
         scale = edits.op(t.node, "Div", [stored, gs], f"{base}/DivGlobal")
     else:
-        eps = edits.const(f"{t.name}.input_eps", np.array(np.finfo(dtype).eps, dtype=dtype))
+        eps = edits.const(f"{t.name}.input_eps", np.array(ml_dtypes.finfo(dtype).eps, dtype=dtype))
         is_zero = edits.op(t.node, "Equal", [raw, zero], f"{base}/Equal")
         scale = edits.op(t.node, "Where", [is_zero, eps, raw], f"{base}/Where")
     return scale

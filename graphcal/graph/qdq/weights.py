@@ -30,6 +30,7 @@ import onnx
 import torch
 from onnx import helper
 
+from graphcal.arrays import numpy_dtype, to_numpy
 from graphcal.errors import GraphcalError
 from graphcal.graph.qdq.edits import Edits
 from graphcal.graph.qdq.policy import FP4, FP8, TargetRuntime, fp8_scales, is_mx, qtype_of
@@ -60,7 +61,7 @@ def weight_dq(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor, targe
         inputs.append(edits.const(f"{t.name}.weight_zero_point", layout.param(qtype.array(zp))))
     attrs = layout.attrs()
     if is_mx(args):
-        attrs["output_dtype"] = helper.np_dtype_to_tensor_dtype(_np_dtype(w.dtype))
+        attrs["output_dtype"] = helper.np_dtype_to_tensor_dtype(numpy_dtype(w.dtype))
     dq_out = edits.unique(f"{t.name}.weight_dequantized")
     edits.add(t.node, helper.make_node(
         "DequantizeLinear", inputs, [dq_out], name=edits.unique(f"{t.name}/weight/DequantizeLinear"), **attrs
@@ -81,8 +82,8 @@ def weight_cast_mul(edits: Edits, t: Target, args, qp: QParams, w: torch.Tensor)
     strategy = _name(args.strategy)
     layout = _WeightLayout(t, strategy, args, t.layout)
     q = layout.weight(quantized_array(args, qp, w, qtype))
-    dtype = _np_dtype(w.dtype)
-    scale = layout.param(_effective_scale(qp).to(w.dtype).numpy())
+    dtype = numpy_dtype(w.dtype)
+    scale = layout.param(to_numpy(_effective_scale(qp).to(w.dtype)))
     zp = None if args.symmetric else layout.param(qp.zero_point.detach().to(torch.float32).numpy()).astype(dtype)
     base = f"{t.name}/weight"
     x = edits.op(t.node, "Cast", [edits.const(f"{t.name}.weight_quantized", q)], f"{base}/Cast",
@@ -177,7 +178,7 @@ def nbits_arrays(t: Target, args, qp: QParams, w: torch.Tensor) -> Packed:
     blocks = -(-k // block)
     q = quantized_array(args, qp, w, qtype).astype(np.int16) + (1 << (bits - 1))  # unsigned [n, k]
     layout = _WeightLayout(t, strategy, args, "out_in")  # groups and blocks as [out, in / block]
-    scale = _per_block(layout, _effective_scale(qp).numpy(), blocks).astype(_np_dtype(w.dtype))
+    scale = _per_block(layout, _effective_scale(qp).numpy(), blocks).astype(numpy_dtype(w.dtype))
     padded = np.zeros((n, blocks * block), np.uint8)
     padded[:, :k] = q
     zero_point = None
@@ -222,12 +223,12 @@ def _weight_scale(edits: Edits, t: Target, args, qp: QParams, dtype: torch.dtype
     if qp.global_scale is not None and fp8_scales(args):
         fp8 = edits.const(f"{t.name}.weight_scale", layout.param(scale.numpy().astype(FP8.np_dtype)))
         inv = (1.0 / qp.global_scale.detach().to(torch.float64)).to(dtype).reshape(())
-        inv_name = edits.const(f"{t.name}.weight_global_scale_inverse", inv.numpy())
+        inv_name = edits.const(f"{t.name}.weight_global_scale_inverse", to_numpy(inv))
         out = edits.unique(f"{t.name}.weight_scale_dequantized")
         edits.add(t.node, helper.make_node("DequantizeLinear", [fp8, inv_name], [out],
                                            name=edits.unique(f"{t.name}/weight_scale/DequantizeLinear")))
         return out
-    return edits.const(f"{t.name}.weight_scale", layout.param(_effective_scale(qp).to(dtype).numpy()))
+    return edits.const(f"{t.name}.weight_scale", layout.param(to_numpy(_effective_scale(qp).to(dtype))))
 
 
 class _WeightLayout:
@@ -269,6 +270,3 @@ class _WeightLayout:
             return {"axis": 1 if self.stored == "in_out" else 0}
         return {"axis": 0 if self.stored == "in_out" else 1, "block_size": self.block}
 
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty(0, dtype=dtype).numpy().dtype
