@@ -131,3 +131,11 @@ def test_a_recipe_for_linear_and_embedding_keeps_the_tied_table_one_table(tied_b
                 and np.prod(i.dims) == 256 * 64]  # no float table left
     tokens, _ = generate(out)
     assert len(tokens) == STEPS
+
+
+@pytest.mark.parametrize("value", ["7", "on", "4.0"])
+def test_a_bad_level_is_refused_in_one_line(value):
+    plain = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+    result = run_cli("inspect", str(plain / "model.onnx"), "--scheme", "W4A16", "--matmulnbits", value)
+    assert result.exit_code == 2 and "not an accuracy level 0..4 or off" in result.output, result.output
+    assert result.output.strip().count("\n") == 0
