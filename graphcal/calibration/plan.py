@@ -20,6 +20,7 @@ from graphcal.calibration.sizing import size_parts
 from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.calibration.transforms.base import PlanScope
 from graphcal.config import DEFAULT_IGNORE, RunConfig, observer_name
+from graphcal.data.fill import genai_section, parse_genai_config
 from graphcal.devices import INT8_SATURATION_NOTE, int8_gemm_saturates
 from graphcal.errors import GraphcalError
 from graphcal.graph.attention import find_kv_states
@@ -27,12 +28,12 @@ from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.io import default_opset, load_model_info, unchecked_ops
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
-from graphcal.graph.qdq.policy import WeightForm, choose_form, float_type_opset
+from graphcal.graph.qdq.policy import PreferredLevel, WeightForm, choose_form, float_type_opset
 from graphcal.graph.targets import find_lookups, find_targets, select
 from graphcal.graph.ties import find_ties
 from graphcal.observers import make_observer
 from graphcal.output import MODEL_FILE
-from graphcal.output.companions import find_companions
+from graphcal.output.companions import Companions, find_companions
 from graphcal.types import KVState, QuantizedTarget, Target, enum_value
 
 log = logging.getLogger("graphcal")
@@ -84,6 +85,8 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     opset = items_opset(items + lookup_items, target_runtime=target_runtime)  # raises where there is no ONNX form
     weights = GraphIndex(model.graph).initializers
     opset = max(opset, float_type_opset({weights[t.weight].data_type for t in chosen + lookups}))  # fp16/bf16 scales
+    companions = find_companions(model_path, MODEL_FILE)
+    matmulnbits = weight_format(matmulnbits, companions, target_runtime)
     _check_lookup_observers(lookup_items)
     warnings += runtime_notes(items, target_runtime)
     forms = form_notes(items + lookup_items, target_runtime, matmulnbits)  # raises for a target with no form
@@ -121,7 +124,6 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
     for unit, settings in configured(config):  # what the transforms that ran before the plan did, noted
         if unit.rewrites_weights:
             warnings += unit.notes(decisions[unit.settings_type], settings)
-    companions = find_companions(model_path, MODEL_FILE)
     warnings += companions.notes  # what -o's genai_config.json leaves out (code to load, files to touch)
     return RunPlan(
         model_path=model_path, data_files=data_files, config=config, target_runtime=target_runtime,
@@ -134,6 +136,28 @@ def plan(model_path: str | Path, config: RunConfig, target_runtime: str | Target
         lookups=tuple(lookups), found_lookups=tuple(found_lookups), ties=MappingProxyType(ties), decisions=MappingProxyType(decisions),
         pass_hessians=any(unit.hessians_in_pass(settings) for unit, settings in configured(config)),
     )
+
+
+MATMULNBITS_OFF = "off"  # --matmulnbits off: DequantizeLinear weights, an onnxruntime-genai model's included
+
+
+def weight_format(asked: int | str | None, companions: Companions, target_runtime: TargetRuntime) -> int | None:
+    """The MatMulNBits accuracy level integer weights are written with (None: DequantizeLinear), from
+    ``--matmulnbits`` (``asked``: a level, ``"off"`` or None). Not given, an onnxruntime-genai model
+    (a genai_config.json beside it) is written in its builder's format: MatMulNBits wherever a
+    weight-only layer can take it, at the level the builder writes for the folder's provider (4 on the
+    CPU, 0 on CUDA and the others: onnxruntime-genai's builder), as a :class:`PreferredLevel`."""
+    if asked == MATMULNBITS_OFF:
+        return None
+    if asked is not None or companions.genai_config is None or target_runtime is not TargetRuntime.ONNXRUNTIME:
+        return asked
+    config = parse_genai_config(companions.genai_config, Path(MODEL_FILE))
+    providers = genai_section(config, "model", "decoder", "session_options").get("provider_options")
+    named = {key for entry in providers if isinstance(entry, dict) for key in entry} if isinstance(providers, list) else set()
+    level = 4 if named <= {"cpu", "webgpu"} else 0
+    log.info("an onnxruntime-genai model: weight-only integer layers are written as MatMulNBits (accuracy level %d), "
+             "the builder's format (--matmulnbits off: DequantizeLinear)", level)
+    return PreferredLevel(level)
 
 
 def _ties(model, found: list[Target], chosen: list[Target], lookups: list[Target], tied: dict[str, str], schemes,

@@ -77,6 +77,19 @@ class Index(OneLine, click.IntRange):
         super().__init__(min=0)
 
 
+class AccuracyLevel(OneLine, click.ParamType):
+    """--matmulnbits' value: an accuracy level 0..4, or ``off``."""
+
+    name = "0..4|off"
+
+    def convert(self, value, param, ctx):
+        if value == "off" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 4):
+            return value
+        if isinstance(value, str) and value in ("0", "1", "2", "3", "4"):
+            return int(value)
+        self.fail(f"{value!r} is not an accuracy level 0..4 or off", param, ctx)
+
+
 class Number(click.ParamType):
     """A number flag's value, refused at parse time in one ``error:`` line (:class:`Refused`) when it is not a
     finite number from ``low`` to ``high`` (an ``open`` end excluded; None: unbounded): NaN, inf,
@@ -237,11 +250,13 @@ CONFIG_OPTIONS = (
                       "Gram matrix; each end of an asymmetric grid on its own; q and k included; integer channel or "
                       "group weights). Off by default, as in "
                       "llm-compressor."),
-    click.option("--matmulnbits", type=click.IntRange(0, 4), is_flag=False, flag_value=4, default=None,
-                 metavar="[LEVEL]",
+    click.option("--matmulnbits", type=AccuracyLevel(), is_flag=False, flag_value=4, default=None,
+                 metavar="[LEVEL|off]",
                  help="--target onnxruntime: write integer weights as com.microsoft.MatMulNBits (as onnxruntime-genai "
                       "models have them) with this accuracy_level (default 4: the kernel quantizes the input to int8 "
-                      "per block of K; 0: float input, the DequantizeLinear form's numbers)."),
+                      "per block of K; 0: float input, the DequantizeLinear form's numbers). Not given, an "
+                      "onnxruntime-genai model (genai_config.json beside it) has its weight-only integer layers "
+                      "written so, at the level its builder writes (4 on the CPU, 0 on CUDA); off: DequantizeLinear."),
 )
 PASS_OPTIONS = (
     click.option("--batch-size", type=click.IntRange(min=1), default=None,

@@ -69,7 +69,8 @@ class Options:
     # how the run goes (`graphcal run`'s pass flags)
     device: str = "auto"  # --device: "auto", "cpu" or "cuda"
     target: str = "onnxruntime"  # --target: the runtime the model is written for: "onnxruntime", "tensorrt", "qdq"
-    matmulnbits: int | None = None  # --matmulnbits: MatMulNBits' accuracy_level (None: DequantizeLinear weights)
+    matmulnbits: int | str | None = None  # --matmulnbits: MatMulNBits' accuracy_level, or "off" (None: DequantizeLinear
+    # weights, but an onnxruntime-genai model's weight-only layers as its builder writes them: calibration.plan.weight_format)
     batch_size: int | None = None  # --batch-size (None: the model's fixed batch, else 8)
     num_samples: int | None = None  # --num-samples (None: every sample)
     progress: bool = False  # progress bars (run: unless --quiet or --json)

@@ -215,9 +215,16 @@ MATMULNBITS_BITS = (4, 8)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
+class PreferredLevel(int):
+    """A MatMulNBits accuracy level written only where a weight-only integer layer can take it, the other
+    layers keeping their form: an onnxruntime-genai model's default (the builder's own format). A plain int
+    (``--matmulnbits LEVEL``) asks MatMulNBits of every integer layer and refuses one it cannot take."""
+
+
 def choose_form(item: QuantizedTarget, target_runtime: TargetRuntime | str, matmulnbits: int | None = None) -> Form:
     """The form written for ``item``; raises for a combination with no form. ``matmulnbits`` is
-    the MatMulNBits accuracy level asked for (None: write DequantizeLinear)."""
+    the MatMulNBits accuracy level asked for (None: write DequantizeLinear; a :class:`PreferredLevel`:
+    MatMulNBits where the layer is weight-only and MatMulNBits takes it)."""
     target_runtime = TargetRuntime(target_runtime)
     w, a = item.scheme.weights, item.scheme.input_activations
     where = item.target.name
@@ -236,7 +243,13 @@ def choose_form(item: QuantizedTarget, target_runtime: TargetRuntime | str, matm
                             "not load there; use --target qdq (standard ONNX, opset 23+, for runtimes with fp4) or "
                             "--target tensorrt")
     if matmulnbits is not None and wkind[0] == "int":
-        return _matmulnbits_form(item, matmulnbits)
+        if not isinstance(matmulnbits, PreferredLevel):
+            return _matmulnbits_form(item, matmulnbits)
+        if a is None:  # the builder format by default: weight-only layers MatMulNBits takes, the rest as they are
+            try:
+                return _matmulnbits_form(item, matmulnbits)
+            except GraphcalError:
+                pass
     if wkind[0] == "float":  # fp8: onnxruntime has no fp8 kernel on CPU and mis-fuses fp8 Q/DQ around MatMul
         weight = WeightForm.CAST_MUL
         if a is None:
