@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from graphcal.data.load import LABELS
 from graphcal.errors import GraphcalError
 from graphcal.evaluation.agreement import CHUNK, _is_torch
 
 LOGITS = "logits"  # the name transformers' and Optimum's exports and onnxruntime-genai's builder give it
-LABELS = "labels"  # the data array holding each position's token, as transformers' causal LM takes it
 MASK = "attention_mask"
 IGNORE_INDEX = -100  # a label that is not scored (torch's cross_entropy ignore_index default)
 
@@ -194,3 +194,10 @@ def logits_output(model: onnx.ModelProto, targets) -> str | None:
         if len(dims) >= 2 and dims[-1].HasField("dim_value") and dims[-1].dim_value == head.out_features:
             return o.name
     return None
+
+
+def split_labels(batch: dict) -> tuple[dict, np.ndarray | None]:
+    """(what the model is fed, the data's labels or None): eval's batches carry ``labels`` beside the inputs."""
+    if LABELS not in batch:
+        return batch, None
+    return {k: v for k, v in batch.items() if k != LABELS}, batch[LABELS]
