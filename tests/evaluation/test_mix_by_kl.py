@@ -229,3 +229,31 @@ def test_the_switched_reference_is_the_models_themselves(llama_dir, forms):
         model = onnx.load(path)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         np.testing.assert_allclose(session.run(["logits"], ref.feeds)[0], logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_kl_mix_on_cuda_gives_the_cpus_numbers_reduced_on_the_gpu(llama_dir, forms, masked_data, monkeypatch):
+    """On CUDA the logits stay on the GPU as torch tensors and the KL is taken there: the same numbers as the
+    CPU's (to GPU float error), the same choice."""
+    from graphcal.evaluation.next_token import NextTokenLoss
+
+    seen = []
+    add = NextTokenLoss._add_torch
+
+    def spy(self, ref, cand, mask, labels):
+        seen.append((ref.device.type, cand.device.type))
+        return add(self, ref, cand, mask, labels)
+
+    monkeypatch.setattr(NextTokenLoss, "_add_torch", spy)
+    low, high = forms
+    args = [llama_dir / "model.onnx", low, "--data", masked_data[0], "--fallback", high, "--size-budget", 100]
+    cpu, cuda = _eval(*args, "--device", "cpu"), _eval(*args, "--device", "cuda")
+    assert cuda["provider"] == "CUDAExecutionProvider" and seen and all(d == ("cuda", "cuda") for d in seen)
+    assert cuda["next_token"]["kl"] == pytest.approx(cpu["next_token"]["kl"], rel=0.02)
+    assert cuda["next_token"]["positions"] == cpu["next_token"]["positions"]
+    base = cpu["mix"]["low_kl"]
+    assert cuda["mix"]["low_kl"] == pytest.approx(base, rel=0.02)
+    for got, want in zip(cuda["mix"]["units"], cpu["mix"]["units"], strict=True):
+        assert got["name"] == want["name"] and got["kl_removed"] == pytest.approx(want["kl_removed"], abs=0.02 * base)
+    assert sorted(cuda["mix"]["chosen"]) == sorted(cpu["mix"]["chosen"])
+    assert cuda["mix"]["kl"] == pytest.approx(cpu["mix"]["kl"], rel=0.02)
