@@ -23,7 +23,7 @@ import onnx
 
 from graphcal.data.load import LABELS
 from graphcal.errors import GraphcalError
-from graphcal.evaluation.agreement import CHUNK, _is_torch
+from graphcal.evaluation.agreement import CHUNK, is_torch
 
 LOGITS = "logits"  # the name transformers' and Optimum's exports and onnxruntime-genai's builder give it
 MASK = "attention_mask"
@@ -44,7 +44,7 @@ class NextTokenLoss:
     def add(self, ref, cand, mask=None, labels=None) -> None:
         """Fold in one batch: ``ref``/``cand`` logits ``[..., vocab]``; ``mask`` the batch's attention
         mask (used where its shape is the logits' leading axes); ``labels`` as ``input_ids``."""
-        if _is_torch(ref) or _is_torch(cand):
+        if is_torch(ref) or is_torch(cand):
             self._add_torch(ref, cand, mask, labels)
             return
         ref, cand = np.asarray(ref), np.asarray(cand)
@@ -75,8 +75,8 @@ class NextTokenLoss:
         float64 where the tensors lie, a slice of positions at a time; four numbers come back."""
         import torch  # lazy: only where a runner hands over torch tensors (it imported torch)
 
-        ref = ref if _is_torch(ref) else torch.as_tensor(np.asarray(ref))
-        cand = (cand if _is_torch(cand) else torch.as_tensor(np.asarray(cand))).to(ref.device)
+        ref = ref if is_torch(ref) else torch.as_tensor(np.asarray(ref))
+        cand = (cand if is_torch(cand) else torch.as_tensor(np.asarray(cand))).to(ref.device)
         rows, keep, targets = self._layout(tuple(ref.shape), tuple(cand.shape), mask, labels)
         if rows == 0:
             return
@@ -116,12 +116,12 @@ class NextTokenLoss:
         rows = math.prod(lead)
         keep = None
         if mask is not None:
-            mask = np.asarray(mask.cpu() if _is_torch(mask) else mask)
+            mask = np.asarray(mask.cpu() if is_torch(mask) else mask)
             if tuple(mask.shape) == lead:
                 keep = mask.reshape(-1) != 0
         targets = None
         if labels is not None:
-            labels = np.asarray(labels.cpu() if _is_torch(labels) else labels)
+            labels = np.asarray(labels.cpu() if is_torch(labels) else labels)
             if len(lead) != 2 or tuple(labels.shape) != lead:
                 raise GraphcalError(f"{self.name}: labels {tuple(labels.shape)} do not match the logits' positions "
                                     f"{lead} ([batch, sequence], as input_ids)")
