@@ -257,3 +257,19 @@ def test_a_kl_mix_on_cuda_gives_the_cpus_numbers_reduced_on_the_gpu(llama_dir, f
         assert got["name"] == want["name"] and got["kl_removed"] == pytest.approx(want["kl_removed"], abs=0.02 * base)
     assert sorted(cuda["mix"]["chosen"]) == sorted(cpu["mix"]["chosen"])
     assert cuda["mix"]["kl"] == pytest.approx(cpu["mix"]["kl"], rel=0.02)
+
+
+def test_labels_ride_beside_a_kv_cache_models_filled_inputs(tmp_path):
+    """Token data and labels for an Optimum model with a past: the filled inputs are fed, the labels are not."""
+    from tests.helpers import MODELS
+
+    folder = MODELS / "tiny-llama-optimum"
+    data = dict(np.load(folder / "heldout.npz"))
+    labels = data["input_ids"].copy()
+    labels[:, :4] = -100
+    np.savez(tmp_path / "labelled.npz", **data, labels=labels)
+    report = _eval(folder / "model.onnx", folder / "model.onnx", "--data", tmp_path / "labelled.npz")
+    rows, seq = labels.shape
+    assert report["next_token"]["kl"] == 0.0 and report["next_token"]["positions"] == rows * seq
+    assert report["next_token"]["tokens"] == rows * (seq - 4)  # the first label scored is at position 4
+    assert report["next_token"]["loss"] == report["next_token"]["reference_loss"] > 0
