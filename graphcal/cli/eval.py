@@ -13,6 +13,7 @@ from graphcal.cli.options import DEBUG_OPTION, MAX_MB, Index, Number, OneLineCom
 from graphcal.errors import UsageError
 
 MAX_DB = 1000.0  # an output SQNR target in dB, either way (fp32 itself is under 200 dB)
+MAX_NATS = 1000.0  # a mean next-token KL target (a uniform guess over a 10^400-token vocabulary)
 MAX_MINUTES = 1e6  # --time-limit: about two years
 
 
@@ -35,19 +36,24 @@ MAX_MINUTES = 1e6  # --time-limit: about two years
                    "measure the advice (the worst kinds back in float) the same way: one run of the model over the "
                    "data per kind and per option, and two in fp32, all in one session.")
 @click.option("--per-layer", is_flag=True, help="With --sensitivity: each layer alone too (one run per layer). With "
-              "--size-budget/--target-db: mix layer by layer instead of kind by kind (one run per layer).")
+              "--size-budget/--target-kl/--target-db: mix layer by layer instead of kind by kind (one run per layer).")
 @click.option("--size-budget", type=Number(0, MAX_MB, low_open=True), default=None, metavar="MB",
               help="Mixed precision by measurement: the largest written model (MB, as run's summary counts it). "
                    "Each kind of layer QUANTIZED quantized is put in --fallback's form (or float) in turn, the "
-                   "output error it removes measured in place, and kinds are taken by error removed per byte "
-                   "while the size stays within the budget; the mix is measured and printed with the flags "
-                   "that write it.")
+                   "loss it removes measured in place, and kinds are taken by loss removed per byte while the "
+                   "size stays within the budget; the mix is measured and printed with the flags that write it. "
+                   "The loss: the mean next-token KL divergence from fp32 of the 'logits' output (the token loss's "
+                   "increase where --data holds 'labels'), else the first output's SQNR (an encoder).")
+@click.option("--target-kl", type=Number(0, MAX_NATS), default=None, metavar="NATS",
+              help="Mixed precision by measurement: the smallest mix whose mean next-token KL divergence from "
+                   "fp32 is at most this (as --size-budget, measured; up to three mixes are run). Models with "
+                   "logits only.")
 @click.option("--target-db", type=Number(-MAX_DB, MAX_DB), default=None, metavar="DB",
               help="Mixed precision by measurement: the smallest mix whose first output reaches this SQNR "
-                   "against fp32 (as --size-budget, measured; up to three mixes are run).")
+                   "against fp32 (ranked by SQNR; up to three mixes are run).")
 @click.option("--fallback", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --size-budget/--target-db: the same fp32 model quantized at a higher precision by "
-                   "graphcal (int8, say), whose form promoted layers take (default: float).")
+              help="With --size-budget/--target-kl/--target-db: the same fp32 model quantized at a higher precision "
+                   "by graphcal (int8, say), whose form promoted layers take (default: float).")
 @click.option("--time-limit", type=Number(0, MAX_MINUTES), default=60, show_default=True, metavar="MINUTES",
               help="Refuse --sensitivity or mixing when their runs, estimated from the comparison's first batches, would take "
                    "longer than this (0: no limit). The number of runs is printed before any pass.")
@@ -61,11 +67,12 @@ MAX_MINUTES = 1e6  # --time-limit: about two years
               help="Also write an HTML page with the tables and a per-layer SQNR chart.")
 @DEBUG_OPTION
 def eval_command(reference, quantized, data, batch_size, num_samples, level, isolated, sensitivity, per_layer,
-                 size_budget, target_db, fallback, time_limit, device, device_id, as_json, html_path, debug):
+                 size_budget, target_kl, target_db, fallback, time_limit, device, device_id, as_json, html_path, debug):
     """Compare QUANTIZED with its fp32 REFERENCE on --data: SQNR, cosine and max error of every
-    output, SQNR of every weight MatMul/Gemm output, the layers that hurt most, and the --ignore
-    that would keep them in float. With --size-budget or --target-db, it also chooses which kinds of
-    layer take --fallback's higher precision, by measurement, and prints the flags that write that mix.
+    output (and, for a 'logits' output, the mean next-token KL divergence from fp32), SQNR of every weight
+    MatMul/Gemm output, the layers that hurt most, and the --ignore that would keep them in float. With
+    --size-budget, --target-kl or --target-db, it also chooses which kinds of layer take --fallback's higher
+    precision, by measurement, and prints the flags that write that mix.
 
     \b
     Example:
@@ -78,13 +85,13 @@ def eval_command(reference, quantized, data, batch_size, num_samples, level, iso
     limited = click.get_current_context().get_parameter_source("time_limit") is not ParameterSource.DEFAULT
 
     def call():
-        if limited and not (sensitivity or size_budget is not None or target_db is not None):
-            raise UsageError("--time-limit bounds the runs of --sensitivity, --size-budget or --target-db; give one "
-                             "of them")  # evaluate refuses the other flags that need one (--per-layer, --fallback)
+        if limited and not (sensitivity or any(g is not None for g in (size_budget, target_db, target_kl))):
+            raise UsageError("--time-limit bounds the runs of --sensitivity, --size-budget, --target-kl or --target-db; "
+                             "give one of them")  # evaluate refuses the other flags that need one (--per-layer, --fallback)
         options = EvalOptions(batch_size=batch_size, num_samples=num_samples, level=level, isolated=isolated,
                               sensitivity=sensitivity, per_layer=per_layer, fallback=fallback,
                               size_budget_bytes=round(size_budget * 1e6) if size_budget is not None else None,
-                              target_db=target_db, time_limit_s=time_limit * 60 if time_limit else None,
+                              target_db=target_db, target_kl=target_kl, time_limit_s=time_limit * 60 if time_limit else None,
                               device=device, device_id=device_id,
                               writes=(("--html", html_path),) if html_path is not None else ())  # refused before any pass
         report = evaluate(reference, quantized, data, options)

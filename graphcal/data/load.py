@@ -25,6 +25,9 @@ from graphcal.data.source import Source
 from graphcal.errors import GraphcalError, UsageError
 
 DEFAULT_BATCH_SIZE = 8
+#: an array eval takes beside the inputs (``labels=True``): each position's token, shaped as ``input_ids``
+LABELS = "labels"
+TOKENS = "input_ids"
 
 
 class CalibrationData:
@@ -33,8 +36,9 @@ class CalibrationData:
     rereadable = True  # arrays stream as often as a run needs (graphcal.data.calibration.Calibration)
 
     def __init__(self, sources: list[Source], inputs: list[InputSpec], batch_size: int, num_samples: int | None,
-                 fills: list[Fill | None] | None = None):
+                 fills: list[Fill | None] | None = None, labels: bool = False):
         self._sources = sources
+        self._labels = labels  # each batch carries the data's ``labels`` array too (eval), where a source has one
         self._inputs = inputs
         self._fills = fills or [None] * len(sources)  # per source: the inputs filled for it (graphcal.data.fill)
         self.notes = describe(self._fills)  # what was filled, one line (empty: nothing)
@@ -69,14 +73,17 @@ class CalibrationData:
             if n == 0:
                 continue
             names = [spec.name for spec in self._inputs if spec.name in source.headers]
-            with rows(source, names) as take:
+            extra = [LABELS] if self._labels and LABELS in source.headers and LABELS not in names else []
+            with rows(source, names + extra) as take:
                 for start in range(0, n, self.batch_size):
                     stop = min(start + self.batch_size, n)
                     if self._drop_last and stop - start < self.batch_size:
                         break
                     batch = take(start, stop)
                     check_finite(batch, source.label, start)
-                    yield batch if fill is None else fill.complete(batch)
+                    if fill is not None:
+                        batch = {**fill.complete(batch), **{k: batch[k] for k in extra}}
+                    yield batch
 
     def first_batch(self) -> dict[str, np.ndarray]:
         """The first batch :meth:`batches` gives (its file closed after it)."""
@@ -105,6 +112,7 @@ def load_data(
     batch_size: int | None = None,
     num_samples: int | None = None,
     model_dir: str | Path | None = None,
+    labels: bool = False,
 ) -> Calibration:
     """Open and validate calibration data for a model with ``inputs``.
 
@@ -113,6 +121,8 @@ def load_data(
     model's fixed batch dimension, else 8. For a model with a KV cache, the inputs the data lacks
     are filled for a prefill from an empty cache (graphcal.data.fill; ``model_dir``, the model's
     folder, may hold a genai_config.json giving symbolic past dims); ``.notes`` says what was.
+    With ``labels`` (eval), an array ``labels`` beside the inputs (shaped as ``input_ids``, integer; not a
+    model input) is taken too and each batch carries it under that name: the caller feeds the rest.
     """
     if batch_size is not None and batch_size <= 0:
         raise UsageError(f"--batch-size must be positive, got {batch_size}")
@@ -133,12 +143,31 @@ def load_data(
         sources = [Source("<arrays>", check_arrays(data), arrays=data)]
     else:
         sources = [npz_source(p) for p in npz_files(Path(data))]
-    fills = [filler.check(s, fixed) for s in sources]  # validated; the inputs a KV-cache model lacks filled
+    labelled = labels and not any(spec.name == LABELS for spec in inputs)
+    # validated (without the labels, checked on their own); the inputs a KV-cache model lacks filled
+    fills = [filler.check(_checked_labels(s) if labelled else s, fixed) for s in sources]
     if sum(s.num_samples for s in sources) == 0:
         raise GraphcalError(f"calibration data {data if not isinstance(data, Mapping) else '<arrays>'} holds zero samples")
-    calib = CalibrationData(sources, inputs, batch_size, num_samples, fills)
+    calib = CalibrationData(sources, inputs, batch_size, num_samples, fills, labels=labelled)
     check_memory(sources, batch_size, calib.num_samples)
     return calib
+
+
+def _checked_labels(source: Source) -> Source:
+    """``source`` without its ``labels`` array, which is checked here: integer, shaped as ``input_ids``."""
+    if LABELS not in source.headers:
+        return source
+    shape, dtype = source.headers[LABELS]
+    tokens = source.headers.get(TOKENS)
+    if tokens is None:
+        raise GraphcalError(f"{source.label}: {LABELS!r} needs the {TOKENS!r} it labels")
+    if dtype.kind not in "iu" or tuple(shape) != tuple(tokens[0]):
+        raise GraphcalError(f"{source.label}: {LABELS!r} must be integer token ids shaped as {TOKENS!r} "
+                            f"{tuple(tokens[0])}, got {dtype} {tuple(shape)}")
+    headers = {k: v for k, v in source.headers.items() if k != LABELS}
+    members = {k: v for k, v in source.members.items() if k != LABELS} if source.members is not None else None
+    arrays = {k: v for k, v in source.arrays.items() if k != LABELS} if source.arrays is not None else None
+    return Source(source.label, headers, arrays, members)
 
 
 def data_label(data) -> str:

@@ -28,7 +28,7 @@ class Agreement:
     def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
         """Fold in one batch's tensors, in float64 a slice at a time (a large vocabulary's logits
         in float64 whole would be several times the batch's own memory)."""
-        if _is_torch(ref) or _is_torch(cand):
+        if is_torch(ref) or is_torch(cand):
             self._add_torch(ref, cand)
             return
         ref, cand = np.asarray(ref), np.asarray(cand)
@@ -50,8 +50,8 @@ class Agreement:
         in float64 where the tensors lie, a slice at a time, accumulated there; six numbers come back."""
         import torch  # lazy: only where a runner hands over torch tensors (it imported torch)
 
-        ref = ref if _is_torch(ref) else torch.as_tensor(np.asarray(ref))
-        cand = (cand if _is_torch(cand) else torch.as_tensor(np.asarray(cand))).to(ref.device)
+        ref = ref if is_torch(ref) else torch.as_tensor(np.asarray(ref))
+        cand = (cand if is_torch(cand) else torch.as_tensor(np.asarray(cand))).to(ref.device)
         if tuple(ref.shape) != tuple(cand.shape):
             raise GraphcalError(f"{self.name}: shapes differ between the models ({tuple(ref.shape)} vs {tuple(cand.shape)})")
         ref, cand = ref.reshape(-1), cand.reshape(-1)
@@ -99,7 +99,7 @@ class Agreement:
                 "max_abs_error": self.max_abs_err, "max_abs_reference": self.max_abs_ref}
 
 
-def _is_torch(value) -> bool:
+def is_torch(value) -> bool:
     """A torch tensor (torch is loaded wherever one exists: this module never imports it)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)

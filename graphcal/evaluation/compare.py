@@ -20,6 +20,7 @@ from graphcal.data import Calibration, batch_samples, graph_inputs, load_data
 from graphcal.errors import GraphcalError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.models import EvalModels
+from graphcal.evaluation.next_token import MASK, NextTokenLoss, logits_output, split_labels
 from graphcal.evaluation.options import EvalOptions
 from graphcal.graph.compare import OUTPUT, SUMS, paired_model
 from graphcal.graph.compare import PREFIX as PAIRED_PREFIX
@@ -39,6 +40,7 @@ class Layout:
     layers: list[tuple[str, str]]  # (layer, its output tensor) compared in both models, in graph order
     skipped: list[str]  # layers the quantized model does not compute under their fp32 output name
     targets: list  # the reference's weight MatMul/Gemm targets
+    logits: str | None = None  # the output holding next-token logits (None: none, an encoder)
 
     @property
     def fetch(self) -> list[str]:
@@ -69,7 +71,7 @@ def layout_of(models: EvalModels) -> Layout:
             skipped.append(t.name)
             continue
         layers.append((t.name, tensor))
-    return Layout(inputs, outputs, layers, skipped, targets)
+    return Layout(inputs, outputs, layers, skipped, targets, logits_output(ref_model, targets))
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Comparison:
     runner: str  # "onnxruntime" or "onnx.reference"
     calib: Calibration  # the data, as the later measures read it again
     provider: str | None = None  # the onnxruntime provider that ran the models (None: onnx.reference)
+    next_token: NextTokenLoss | None = None  # the logits output's next-token KL (and token loss), where there is one
 
 
 def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, optimization,
@@ -123,17 +126,21 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
     out_agree = [Agreement(o) for o in outputs]
     layer_agree = [Agreement(name) for name, _ in layers]
     alone = [Agreement(name) for name, _ in layers] if isolated else None
+    loss = NextTokenLoss(layout.logits) if layout.logits is not None else None
     calib = load_data(data, layout.inputs, batch_size=options.batch_size, num_samples=options.num_samples,
-                      model_dir=models.reference.path.parent)
+                      model_dir=models.reference.path.parent, labels=loss is not None)
     batches, clock = 0, time.monotonic()
     log.info("evaluating on %s samples in batches of %s", calib.num_samples, calib.batch_size)
     bar = Progress("evaluating", getattr(calib, "num_samples", None) or None, "sample")
     compared = [*zip(out_agree, outputs), *zip(layer_agree, (tensor for _, tensor in layers))]
     for batch in calib.batches():
+        batch, labels = split_labels(batch)
         if paired is not None:
             values = paired.run(batch)  # numpy, or torch tensors on the GPU: compared where they lie
             for agreement, tensor in zip(out_agree, outputs):
                 agreement.add(values[tensor], values[PAIRED_PREFIX + tensor])
+            if loss is not None:  # on the logits fetched whole for the output's agreement
+                loss.add(values[loss.name], values[PAIRED_PREFIX + loss.name], batch.get(MASK), labels)
             reduced = values[OUTPUT].tolist()  # the layers' sums: the one small vector that comes to the host
             for agreement, (_, tensor) in zip(layer_agree, layers):
                 if tensor in sums:  # else an output: it takes that output's sums below
@@ -143,6 +150,8 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
             ref_values, cand_values = ref_run.run(batch), cand_run.run(batch)
             for agreement, tensor in compared:
                 agreement.add(ref_values[tensor], cand_values[tensor])
+            if loss is not None:
+                loss.add(ref_values[loss.name], cand_values[loss.name], batch.get(MASK), labels)
             if forced_run is not None:
                 feeds = {**batch, **{name: ref_values[act] for act, name in forced.items()}}
                 forced_values = forced_run.run(feeds)
@@ -158,7 +167,7 @@ def compare(models: EvalModels, layout: Layout, data, options: EvalOptions, opti
         for agreement, (_, tensor) in zip(layer_agree, layers):
             if tensor in by_output:
                 agreement.add_sums(*(getattr(by_output[tensor], key) for key in SUMS))
-    return Comparison(out_agree, layer_agree, alone, batches, runner_kind, calib, provider)
+    return Comparison(out_agree, layer_agree, alone, batches, runner_kind, calib, provider, loss)
 
 
 FORCED = "graphcal-float-input/"  # graph inputs of the isolated copy: the reference's activations

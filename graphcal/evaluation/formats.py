@@ -20,6 +20,8 @@ def format_text(report: EvalReport) -> str:
              "output                SQNR (dB)  cosine     max abs error  max abs fp32"]
     for a in report.outputs:
         lines.append(f"{a.name:<21} {_fmt_db(a.sqnr_db):>9}  {a.cosine:.6f}   {a.max_abs_err:.3e}      {a.max_abs_ref:.3g}")
+    if report.next_token is not None:
+        lines.append(_next_token_line(report.next_token))
     alone = report.isolated
     width = max([len(a.name) for a in report.layers] + [50])
     lines += ["", f"{'layer (MatMul/Gemm output)':<{width}}  SQNR (dB)  max abs error"
@@ -53,6 +55,14 @@ def format_text(report: EvalReport) -> str:
     return "\n".join(lines)
 
 
+def _next_token_line(loss) -> str:
+    """The logits' next-token KL against fp32 (and the token loss, with labels), one line."""
+    line = f"{loss.name}: next-token KL from fp32 {loss.kl:.4g} nats (mean over {loss.positions} positions)"
+    if loss.labelled:
+        line += f"; token loss {loss.loss:.4f} (fp32 {loss.ref_loss:.4f}) over {loss.tokens} labels"
+    return line
+
+
 def _sensitivity_text(report: EvalReport) -> list[str]:
     sens = report.sensitivity
     first = report.outputs[0]
@@ -77,26 +87,44 @@ def _sensitivity_text(report: EvalReport) -> list[str]:
     return lines
 
 
+_MEASURES = {"kl": "next-token KL from fp32 (nats)", "token loss": "token loss over fp32's (nats)",
+             "sqnr": "output noise (SQNR)"}
+
+
 def _mix_text(report: EvalReport) -> list[str]:
     mix = report.mix
     plan = mix.plan
     goal = (f"within {plan.budget_bytes / 1e6:.3g} MB" if plan.budget_bytes is not None
-            else f"to {plan.target_db:.1f} dB")
+            else f"to a KL of {plan.target_kl:.4g} nats" if plan.target_kl is not None else f"to {plan.target_db:.1f} dB")
     high = "float" if plan.high == "float" else f"{plan.high}'s form"
     width = max([len(u.name) for u in plan.units] + [24])
+    low_kl = f", KL {mix.low_loss.kl:.4g}" if mix.low_loss is not None else ""
     lines = ["", f"mixed precision {goal}: units of layers promoted to {high}, one at a time, every other layer "
-             f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB at {plan.base_bytes / 1e6:.3g} MB)",
-             f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)  chosen"]
+             f"as quantized ({_fmt_db(mix.low[0].sqnr_db)} dB{low_kl} at {plan.base_bytes / 1e6:.3g} MB)",
+             f"ranked by {_MEASURES[mix.measure]} removed per byte"
+             + ("" if mix.measure != "sqnr" or plan.logits is not None
+                else f" ({report.outputs[0].name}: the model has no logits output)"),
+             f"{'layers':<{width}}  count  MB added  {report.outputs[0].name} SQNR (dB)"
+             + ("  KL removed" if mix.low_loss is not None else "")
+             + ("  loss removed" if mix.measure == "token loss" else "") + "  chosen"]
     low = mix.low[0].noise
     for u in sorted(plan.units, key=lambda u: -mix.value(u)):
-        gain = mix.gains[u.name]
-        promoted = 10 * math.log10(1 / (low - gain)) if 0 < low - gain else math.inf
-        lines.append(f"{u.name:<{width}}  {len(u.layers):>5}  {u.cost / 1e6:>8.2f}  {_fmt_db(promoted):>20}  "
+        removed = mix.noise_removed.get(u.name, mix.gains[u.name])
+        promoted = 10 * math.log10(1 / (low - removed)) if 0 < low - removed else math.inf
+        unit = mix.unit_dict(u)
+        kl = f"  {unit['kl_removed']:>10.4g}" if "kl_removed" in unit else ""
+        loss = f"  {unit['loss_removed']:>12.4g}" if mix.measure == "token loss" else ""
+        lines.append(f"{u.name:<{width}}  {len(u.layers):>5}  {u.cost / 1e6:>8.2f}  {_fmt_db(promoted):>20}{kl}{loss}  "
                      f"{'yes' if u.name in mix.chosen else ''}")
     a = mix.outputs[0] if mix.outputs else mix.low[0]
-    state = "" if mix.reached else f" (short of {plan.target_db:.1f} dB: every unit promoted)"
+    short = (f"a KL of {plan.target_kl:.4g}" if plan.target_kl is not None
+             else f"{plan.target_db:.1f} dB" if plan.target_db is not None else "")
+    state = "" if mix.reached else f" (short of {short}: every unit worth its bytes promoted)"
+    kl = f", KL {mix.kl:.4g} nats" if mix.kl is not None else ""
+    mixed = mix.loss or mix.low_loss
+    loss = f", token loss {mixed.loss:.4f} (fp32 {mixed.ref_loss:.4f})" if mixed is not None and mixed.labelled else ""
     lines.append(f"chosen: {len(mix.chosen)} of {len(plan.units)} units, {mix.bytes / 1e6:.3g} MB, measured "
-                 f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}{state}")
+                 f"{_fmt_db(a.sqnr_db)} dB, cosine {a.cosine:.6f}{kl}{loss}{state}")
     flags = mix.flags()
     if flags:
         lines.append("to write it, add to the command that wrote the quantized model: "

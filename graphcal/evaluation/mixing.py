@@ -1,6 +1,6 @@
 """Mixed precision chosen by measurement: which layers of a low-precision model take a higher form.
 
-``graphcal eval FP32 LOW --size-budget MB`` (or ``--target-db DB``), optionally ``--fallback HIGH``:
+``graphcal eval FP32 LOW --size-budget MB`` (or ``--target-kl NATS``, ``--target-db DB``), optionally ``--fallback HIGH``:
 LOW is the model quantized at the low precision (int4, say), HIGH the same fp32 model quantized
 at a higher one (int8; without it, float). The layers LOW quantized are grouped into units: each
 kind of layer across the blocks (``mlp.down_proj``), or with ``per_layer`` each layer; a lookup
@@ -9,13 +9,17 @@ and the lm_head it is tied to are one unit, since they are stored once.
 Measured, not guessed (graph.switch: one session over the fp32 model with each layer behind a
 switch per quantized form):
 
-1. every unit in LOW's form: the output error LOW has (its noise power relative to the output's);
-2. for each unit, that model with only this unit in HIGH's form: the noise it removes in place,
+1. every unit in LOW's form: the loss LOW has against fp32. The measure: for a model with a logits
+   output (graphcal.evaluation.next_token), the mean next-token KL divergence from fp32's
+   distributions, or, where the data holds ``labels`` (under a budget), the token loss's increase
+   over fp32's; for any other model (an encoder), and for ``--target-db``, the first output's noise
+   power relative to its own (10^(-SQNR/10));
+2. for each unit, that model with only this unit in HIGH's form: the loss it removes in place,
    with every other layer still low (so interactions with the rest count);
-3. units are taken by noise removed per byte added, the most first (none that removes under
-   :data:`MIN_GAIN` of the low model's noise): under a budget, while the written size stays
-   within it; for a target, until the predicted output SQNR reaches it;
-4. the chosen mix is run and its output SQNR reported (with a target, more units are added and
+3. units are taken by loss removed per byte added, the most first (none that removes under
+   :data:`MIN_GAIN` of the low model's loss): under a budget, while the written size stays
+   within it; for a target, until the predicted KL (or SQNR) reaches it;
+4. the chosen mix is run and its KL and output SQNR reported (with a target, more units are added and
    measured again, up to :data:`MAX_TRIES` mixes, while it falls short).
 
 The size of a mix is LOW's size on disk, less the initializers only a promoted unit's layers read
@@ -45,6 +49,7 @@ from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.candidate import written_config
 from graphcal.evaluation.kinds import layer_kind
 from graphcal.evaluation.models import EvalModels
+from graphcal.evaluation.next_token import NextTokenLoss
 from graphcal.evaluation.sensitivity import measure_variants, quantized_layers
 from graphcal.evaluation.switched import SwitchSession
 from graphcal.graph.external import expected_bytes
@@ -55,9 +60,10 @@ from graphcal.progress import Progress
 from graphcal.types import enum_value
 
 LAYER_OVERHEAD = 256  # bytes per promoted layer for its changed nodes and initializer headers in the protobuf
-MIN_GAIN = 0.005  # a unit removing less than this share of the low model's output noise is not worth its bytes
+MIN_GAIN = 0.005  # a unit removing less than this share of the low model's loss (KL, or noise) is not worth its bytes
 MAX_TRIES = 3  # mixes measured for a target: the predicted one, then more units while it falls short
 FLOAT = "float"
+KL, TOKEN_LOSS, SQNR = "kl", "token loss", "sqnr"  # what a mix ranks units by (Mix.measure)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Unit:
         return self.added - self.saved
 
     def value(self, gain: float) -> float:
-        """Noise removed per byte added, for the ``gain`` measured (free promotions first)."""
+        """Loss removed per byte added, for the ``gain`` measured (free promotions first)."""
         if self.cost <= 0:
             return math.inf
         return max(gain, 0.0) / self.cost
@@ -82,7 +88,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class MixPlan:
-    """What --size-budget / --target-db will run, known from the models before any pass."""
+    """What --size-budget / --target-kl / --target-db will run, known from the models before any pass."""
 
     units: list[Unit]
     base_bytes: int  # the low model on disk
@@ -92,6 +98,20 @@ class MixPlan:
     high_schemes: dict[str, str]  # layer -> the --scheme-for value of its higher form (none for float)
     ignored: list[str]  # the low model's ignore list
     fp32_layers: dict[str, str]  # layer -> the fp32 node computing it
+    target_kl: float | None = None
+    logits: str | None = None  # the logits output the mix is measured by (None: none, ranked by SQNR)
+
+    @property
+    def flag(self) -> str:
+        """The goal's flag."""
+        return ("--size-budget" if self.budget_bytes is not None else
+                "--target-kl" if self.target_kl is not None else "--target-db")
+
+    @property
+    def by_kl(self) -> bool:
+        """Measured by the logits' next-token KL (or token loss), not the first output's SQNR: a model with
+        logits, under a budget or a KL target (--target-db keeps SQNR)."""
+        return self.logits is not None and self.target_db is None
 
     @cached_property
     def by_name(self) -> dict[str, Unit]:
@@ -118,14 +138,24 @@ class Mix:
 
     plan: MixPlan
     low: list[Agreement]  # every unit low: the low model's outputs against fp32
-    gains: dict[str, float]  # unit -> output noise power (relative) removed by promoting it in place, measured
+    gains: dict[str, float]  # unit -> the measure (KL, token loss or noise) removed by promoting it in place
     chosen: list[str]  # unit names, in the order taken
     outputs: list[Agreement] = field(default_factory=list)  # the chosen mix's outputs against fp32
     reached: bool = True  # the target met (always, under a budget)
+    measure: str = SQNR  # what gains are in: KL, TOKEN_LOSS or SQNR (the first output's relative noise power)
+    noise_removed: dict[str, float] = field(default_factory=dict)  # unit -> the first output's noise removed
+    low_loss: NextTokenLoss | None = None  # the low model's next-token KL (and token loss), with logits
+    promoted: dict[str, NextTokenLoss] = field(default_factory=dict)  # unit -> the same with it promoted
+    loss: NextTokenLoss | None = None  # the chosen mix's
 
     def value(self, unit: Unit) -> float:
-        """``unit``'s noise removed per byte added, as measured."""
+        """``unit``'s loss removed per byte added, as measured."""
         return unit.value(self.gains[unit.name])
+
+    @property
+    def kl(self) -> float | None:
+        """The chosen mix's mean next-token KL against fp32 (None without logits)."""
+        return (self.loss or self.low_loss).kl if self.low_loss is not None else None
 
     @property
     def bytes(self) -> int:
@@ -154,12 +184,28 @@ class Mix:
         return flags
 
     def as_dict(self) -> dict:
-        return {"high": self.plan.high, "budget_bytes": self.plan.budget_bytes, "target_db": self.plan.target_db,
-                "low_bytes": self.plan.base_bytes, "low_sqnr_db": finite(self.low[0].sqnr_db),
-                "units": [{"name": u.name, "layers": u.layers, "bytes_added": u.cost,
-                           "noise_removed": self.gains[u.name], "chosen": u.name in self.chosen} for u in self.plan.units],
-                "chosen": self.chosen, "bytes": self.bytes, "reached": self.reached,
-                "expected_outputs": [a.as_dict() for a in self.outputs], "flags": self.flags()}
+        out = {"high": self.plan.high, "budget_bytes": self.plan.budget_bytes, "target_db": self.plan.target_db,
+               "target_kl": self.plan.target_kl, "measure": self.measure, "logits": self.plan.logits,
+               "low_bytes": self.plan.base_bytes, "low_sqnr_db": finite(self.low[0].sqnr_db),
+               "units": [self.unit_dict(u) for u in self.plan.units],
+               "chosen": self.chosen, "bytes": self.bytes, "reached": self.reached,
+               "sqnr_db": finite(self.sqnr_db), "expected_outputs": [a.as_dict() for a in self.outputs],
+               "flags": self.flags()}
+        if self.low_loss is not None:
+            mixed = self.loss or self.low_loss
+            out.update(low_kl=self.low_loss.kl, kl=mixed.kl)
+            if self.low_loss.labelled:
+                out.update(low_loss=self.low_loss.loss, loss=mixed.loss, reference_loss=self.low_loss.ref_loss)
+        return out
+
+    def unit_dict(self, u: Unit) -> dict:
+        out = {"name": u.name, "layers": u.layers, "bytes_added": u.cost, "gain": self.gains[u.name],
+               "noise_removed": self.noise_removed.get(u.name, self.gains[u.name]), "chosen": u.name in self.chosen}
+        if u.name in self.promoted:
+            out["kl_removed"] = self.low_loss.kl - self.promoted[u.name].kl
+            if self.low_loss.labelled:
+                out["loss_removed"] = self.low_loss.loss - self.promoted[u.name].loss
+        return out
 
 
 def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
@@ -186,12 +232,18 @@ def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
 
 
 def plan_mix(models: EvalModels, *, per_layer: bool, budget_bytes: int | None, target_db: float | None,
-             ignored: list[str]) -> MixPlan:
-    """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk)."""
-    if (budget_bytes is None) == (target_db is None):
-        raise UsageError("give one of --size-budget and --target-db")
+             ignored: list[str], target_kl: float | None = None, logits: str | None = None) -> MixPlan:
+    """Units, their sizes and the fallback's schemes, from the models' structure (weights stay on disk);
+    ``logits``: the reference's logits output (graphcal.evaluation.next_token.logits_output), if any."""
+    if sum(goal is not None for goal in (budget_bytes, target_db, target_kl)) != 1:
+        raise UsageError("give one of --size-budget, --target-db and --target-kl")
+    if target_kl is not None and logits is None:
+        raise UsageError(f"--target-kl measures the next-token distributions of a logits output, and "
+                         f"{models.reference.path} has none (outputs: "
+                         f"{', '.join(o.name for o in models.reference.model.graph.output)}); use --target-db")
     if not models.in_onnxruntime:
-        raise GraphcalError("--size-budget and --target-db run in onnxruntime; these models need onnx.reference")
+        raise GraphcalError("--size-budget, --target-db and --target-kl run in onnxruntime; these models need "
+                            "onnx.reference")
     reference, low, high = models.reference.path, models.candidate.path, None
     ref, low_model, high_model = models.reference.model, models.candidate.model, None
     if models.fallback is not None:
@@ -242,7 +294,7 @@ def plan_mix(models: EvalModels, *, per_layer: bool, budget_bytes: int | None, t
         raise UsageError(f"{low} is already {base_bytes / 1e6:.1f} MB, over the --size-budget of "
                          f"{budget_bytes / 1e6:.1f} MB; quantize it further first")
     return MixPlan(units, base_bytes, budget_bytes, target_db, str(high) if high is not None else FLOAT,
-                   high_schemes, ignored, {t.name: t.node for t in layers})
+                   high_schemes, ignored, {t.name: t.node for t in layers}, target_kl, logits)
 
 
 def _units(layers, lookups, targets, ref: onnx.ModelProto, base_dir: Path, per_layer: bool) -> dict[str, list[str]]:
@@ -318,33 +370,64 @@ def measure_mix(plan: MixPlan, session: SwitchSession, outputs, calib) -> Mix:
                 on[low_switch] = True
         return {s: np.array(on.get(s, False)) for s in every}
 
+    def losses(names) -> dict[str, NextTokenLoss] | None:
+        """A next-token accumulator of the logits per variant, where the model has logits."""
+        return {n: NextTokenLoss(plan.logits) for n in names} if plan.logits is not None else None
+
+    def mix_of(chosen: list[str]) -> tuple[list[Agreement], NextTokenLoss | None]:
+        taken = losses(["mix"])
+        mixed = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar, taken)["mix"]
+        return mixed, taken["mix"] if taken is not None else None
+
     total = plan.runs * calib.num_samples if calib.num_samples else None
     with Progress("mixing", total, "sample") as bar:
         variants = {"": feeds(set()), **{u.name: feeds({u.name}) for u in plan.units}}
-        measured = measure_variants(run, off, variants, outputs, calib, bar)
+        promoted = losses(variants)
+        measured = measure_variants(run, off, variants, outputs, calib, bar, promoted)
         low_agree = measured.pop("")
-        base = low_agree[0].noise
-        gain = {u.name: base - measured[u.name][0].noise for u in plan.units}
+        low_loss = promoted.pop("") if promoted is not None else None
+        noise = {u.name: low_agree[0].noise - measured[u.name][0].noise for u in plan.units}
+        if plan.by_kl:  # the token loss's increase over fp32 where the data has labels (under a budget), else KL
+            measure = TOKEN_LOSS if low_loss.labelled and plan.target_kl is None else KL
+
+            def score(loss: NextTokenLoss) -> float:
+                return loss.loss_increase if measure == TOKEN_LOSS else loss.kl
+
+            base = score(low_loss)
+            gain = {u.name: base - score(promoted[u.name]) for u in plan.units}
+        else:
+            measure, base, gain = SQNR, low_agree[0].noise, noise
+        known = dict(measure=measure, noise_removed=noise, low_loss=low_loss, promoted=promoted or {})
         order = sorted(plan.units, key=lambda u: (-u.value(gain[u.name]), u.name))
+        worth = [u for u in order if gain[u.name] > MIN_GAIN * max(base, 0.0) or u.cost <= 0]
         if plan.budget_bytes is not None:
             chosen, room = [], plan.budget_bytes - plan.base_bytes
-            for u in order:
-                if u.cost <= room and (gain[u.name] > MIN_GAIN * base or u.cost <= 0):
+            for u in worth:
+                if u.cost <= room:
                     chosen.append(u.name)
                     room -= u.cost
-            mixed = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
-            return Mix(plan, low_agree, gain, chosen, mixed)
-        want = 10 ** (-plan.target_db / 10)
-        order = [u for u in order if gain[u.name] > MIN_GAIN * base or u.cost <= 0]
-        gains = [max(gain[u.name], 0.0) for u in order]
+            mixed, loss = mix_of(chosen)
+            return Mix(plan, low_agree, gain, chosen, mixed, loss=loss, **known)
+        if plan.target_kl is not None:
+            want = plan.target_kl
+
+            def short(agreements, loss) -> float:
+                return loss.kl - want
+        else:
+            want = 10 ** (-plan.target_db / 10)
+
+            def short(agreements, loss) -> float:
+                return agreements[0].noise - want
+        gains = [max(gain[u.name], 0.0) for u in worth]
         count = 0 if base <= want else _enough(gains, 0, base - want)
         for _ in range(MAX_TRIES):
-            chosen = [u.name for u in order[:count]]
-            mixed = measure_variants(run, off, {"mix": feeds(set(chosen))}, outputs, calib, bar)["mix"]
-            mix = Mix(plan, low_agree, gain, chosen, mixed, reached=mixed[0].sqnr_db >= plan.target_db)
-            if mix.reached or count >= len(order):
+            chosen = [u.name for u in worth[:count]]
+            mixed, loss = mix_of(chosen)
+            reached = (loss.kl <= want if plan.target_kl is not None else mixed[0].sqnr_db >= plan.target_db)
+            mix = Mix(plan, low_agree, gain, chosen, mixed, reached=reached, loss=loss, **known)
+            if mix.reached or count >= len(worth):
                 break
-            count += max(_enough(gains, count, mixed[0].noise - want), 1)  # the shortfall, at measured rates
+            count += max(_enough(gains, count, short(mixed, loss)), 1)  # the shortfall, at measured rates
         return mix
 
 

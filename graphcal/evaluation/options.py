@@ -29,6 +29,7 @@ class EvalOptions:
     fallback: str | Path | None = None  # the higher form of the mix (None: float)
     size_budget_bytes: int | None = None
     target_db: float | None = None
+    target_kl: float | None = None  # the mix's mean next-token KL against fp32, in nats (models with logits)
     device: str = "auto"  # where every session runs, as run's --device: "auto" (CUDA when usable), "cpu", "cuda"
     device_id: int = 0  # the GPU, with CUDA
 
@@ -37,7 +38,7 @@ class EvalOptions:
 
     @property
     def mixing(self) -> bool:
-        return self.size_budget_bytes is not None or self.target_db is not None
+        return any(goal is not None for goal in (self.size_budget_bytes, self.target_db, self.target_kl))
 
     def check(self) -> None:
         """Refuse, in one line, settings that need another or take no value given."""
@@ -47,10 +48,12 @@ class EvalOptions:
             raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if isinstance(self.device_id, bool) or not isinstance(self.device_id, int) or self.device_id < 0:
             raise UsageError(f"--device-id must be a GPU index (0 or more), got {self.device_id!r}")
-        if self.size_budget_bytes is not None and self.target_db is not None:
-            raise UsageError("give one of --size-budget and --target-db")
+        if sum(goal is not None for goal in (self.size_budget_bytes, self.target_db, self.target_kl)) > 1:
+            raise UsageError("give one of --size-budget, --target-db and --target-kl")
+        if self.target_kl is not None and not self.target_kl >= 0:
+            raise UsageError(f"--target-kl is a mean KL divergence in nats (0 or more), got {self.target_kl!r}")
         if self.fallback is not None and not self.mixing:
-            raise UsageError("--fallback is the higher form for --size-budget or --target-db; give one of them")
+            raise UsageError("--fallback is the higher form for --size-budget, --target-db or --target-kl; give one of them")
         if self.per_layer and not (self.sensitivity or self.mixing):
             raise UsageError("--per-layer measures each layer with --sensitivity, or mixes layer by layer with "
-                             "--size-budget or --target-db; give one of them")
+                             "--size-budget, --target-db or --target-kl; give one of them")

@@ -41,8 +41,9 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     With ``sensitivity``, the model's outputs are also compared with only one kind of layer
     quantized (``mlp.down_proj`` across all blocks; with ``per_layer`` also one layer), the rest
     in float, and the advice is measured the same way (graphcal.evaluation.sensitivity). With
-    ``size_budget_bytes`` or ``target_db``, the layers ``candidate`` quantized are mixed with their
-    form in ``fallback`` (None: float) by measurement (graphcal.evaluation.mixing). Both run on one
+    ``size_budget_bytes``, ``target_kl`` or ``target_db``, the layers ``candidate`` quantized are mixed with
+    their form in ``fallback`` (None: float) by measurement (graphcal.evaluation.mixing): by the next-token
+    KL (or token loss) of a logits output where the model has one (graphcal.evaluation.next_token). Both run on one
     switchable session (graphcal.evaluation.switched); their runs are counted and logged before any
     pass, their time estimated from the comparison's first batches, and refused then past
     ``time_limit_s`` (None: no limit).
@@ -105,7 +106,7 @@ def evaluate(reference: str | Path, candidate: str | Path, data, options: EvalOp
     return EvalReport(comparison.outputs, comparison.layers, comparison.calib.num_samples, comparison.batches,
                       comparison.runner, layout.skipped, level=options.level, ignored=ignored, provider=comparison.provider,
                       isolated=comparison.isolated, smoothable=smoothable, sensitivity=sens, mix=mix,
-                      warnings=list(comparison.calib.notes))
+                      warnings=list(comparison.calib.notes), next_token=comparison.next_token)
 
 
 def _check_device_id(options: EvalOptions) -> None:
@@ -130,8 +131,8 @@ def _plans(models: EvalModels, layout, options: EvalOptions, keep: list[str]) ->
                     sens_plan.describe())
     if options.mixing:
         mix_plan = plan_mix(models, per_layer=options.per_layer, budget_bytes=options.size_budget_bytes,
-                            target_db=options.target_db, ignored=keep)
-        log.warning("eval %s: %s after the comparison", _MIX_FLAG[options.size_budget_bytes is None], mix_plan.describe())
+                            target_db=options.target_db, target_kl=options.target_kl, ignored=keep, logits=layout.logits)
+        log.warning("eval %s: %s after the comparison", mix_plan.flag, mix_plan.describe())
     return sens_plan, mix_plan
 
 
@@ -155,9 +156,6 @@ def _refuse_folded_smoothing(models: EvalModels, options: EvalOptions) -> None:
                          "without --smoothquant")
 
 
-_MIX_FLAG = {False: "--size-budget", True: "--target-db"}
-
-
 def _check_time(plans: list, seconds: float, batches: int, num_batches: int | None,
                 limit_s: float | None, per_layer: bool) -> None:
     """Log what the sensitivity and mixing runs (``plans``) will take at the pace of this
@@ -168,8 +166,7 @@ def _check_time(plans: list, seconds: float, batches: int, num_batches: int | No
     per_run = seconds / batches * num_batches / 2
     runs = sum(p.runs for p in plans)
     estimate = per_run * runs
-    what = " and ".join("--sensitivity" if isinstance(p, SensitivityPlan) else _MIX_FLAG[p.budget_bytes is None]
-                        for p in plans)
+    what = " and ".join("--sensitivity" if isinstance(p, SensitivityPlan) else p.flag for p in plans)
     if limit_s is None or estimate <= limit_s:
         log.warning("eval %s: about %s after this comparison (%d runs of about %s)", what, duration(estimate),
                     runs, duration(per_run))

@@ -11,6 +11,7 @@ from graphcal.config import DEFAULT_IGNORE
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
 from graphcal.evaluation.mixing import Mix
+from graphcal.evaluation.next_token import NextTokenLoss
 from graphcal.evaluation.sensitivity import Sensitivity
 from graphcal.graph.scaling import SCOPES
 
@@ -31,6 +32,7 @@ class EvalReport:
     mix: Mix | None = None  # eval --size-budget / --target-db
     warnings: list[str] = field(default_factory=list)  # what the CLI shows on stderr (inputs filled for the data)
     provider: str | None = None  # the onnxruntime provider every session ran on (None: onnx.reference)
+    next_token: NextTokenLoss | None = None  # the logits output's next-token KL (and token loss), where there is one
 
     @property
     def ranked(self) -> list[Agreement]:
@@ -90,6 +92,7 @@ class EvalReport:
                 # pasted as --ignore values, would drop the default lm_head ignore
                 "worst_layers": [a.name for a in self.worst()], "suggested_flags": self.suggested_flags(), "suggested_smoothquant": self.suggested_smoothquant(),
                 "skipped_layers": self.skipped_layers, "warnings": self.warnings,
+                **({"next_token": self.next_token.as_dict()} if self.next_token is not None else {}),
                 **({"sensitivity": self._sensitivity_dict()} if self.sensitivity is not None else {}),
                 **({"mix": self.mix.as_dict()} if self.mix is not None else {})}
 

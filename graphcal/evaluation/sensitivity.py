@@ -33,6 +33,7 @@ from graphcal.data import batch_samples
 from graphcal.errors import UsageError
 from graphcal.evaluation.agreement import Agreement
 from graphcal.evaluation.kinds import kind_pattern, layer_kind
+from graphcal.evaluation.next_token import MASK, NextTokenLoss, split_labels
 from graphcal.evaluation.rotated import rotation_key
 from graphcal.evaluation.switched import SwitchSession
 from graphcal.progress import Progress
@@ -190,13 +191,16 @@ def _measure(session: SwitchSession, switches: dict[str, str], variants: dict[st
 
 
 def measure_variants(run, off: dict[str, np.ndarray], variants: dict[str, dict[str, np.ndarray]], outputs, calib,
-                     bar) -> dict[str, list[Agreement]]:
+                     bar, losses: dict[str, NextTokenLoss] | None = None) -> dict[str, list[Agreement]]:
     """Each variant (the switch inputs it feeds) against fp32 (``off``: every switch off), batch by
-    batch: one fp32 run per batch serves every variant."""
+    batch: one fp32 run per batch serves every variant. ``losses`` (variant -> accumulator, where the
+    model has logits) take each variant's next-token KL (and token loss) of their output too."""
     agree = {v: [Agreement(o) for o in outputs] for v in variants}
     if not variants:
         return agree
+    losses = losses or {}
     for batch in calib.batches():
+        batch, labels = split_labels(batch)
         n = batch_samples(batch)
         ref = run({**batch, **off})
         bar.update(n)
@@ -204,5 +208,8 @@ def measure_variants(run, off: dict[str, np.ndarray], variants: dict[str, dict[s
             values = run({**batch, **feeds})
             for a, name in zip(agree[v], outputs):
                 a.add(ref[name], values[name])
+            if v in losses:
+                loss = losses[v]
+                loss.add(ref[loss.name], values[loss.name], batch.get(MASK), labels)
             bar.update(n)
     return agree

@@ -66,8 +66,8 @@ def test_smoothing_strength_still_takes_auto_and_a_number(llama_dir):
 
 @pytest.mark.parametrize("extra, needs", [
     (["--per-layer"], "--per-layer measures each layer with --sensitivity, or mixes layer by layer with --size-budget"),
-    (["--time-limit", "5"], "--time-limit bounds the runs of --sensitivity, --size-budget or --target-db"),
-    (["--fallback", "{model}"], "--fallback is the higher form for --size-budget or --target-db"),
+    (["--time-limit", "5"], "--time-limit bounds the runs of --sensitivity, --size-budget, --target-kl or --target-db"),
+    (["--fallback", "{model}"], "--fallback is the higher form for --size-budget, --target-db or --target-kl"),
 ])
 def test_eval_flags_that_need_another_are_refused_naming_it(llama_dir, extra, needs):
     result = _eval(llama_dir, *[x.format(model=llama_dir / "model.onnx") for x in extra])

@@ -81,10 +81,10 @@ def test_a_budget_mix_pasted_into_run_fits_and_gives_the_measured_result(llama_d
     assert 0 < len(chosen) < len(mix["units"])  # the budget binds
     assert sum(u["bytes_added"] for u in chosen) <= 60_000
     room = 60_000 - sum(u["bytes_added"] for u in chosen)
-    best = max(u["noise_removed"] / u["bytes_added"] for u in mix["units"])
+    best = max(u["gain"] / u["bytes_added"] for u in mix["units"])
     for u in mix["units"]:  # a unit left out does not fit, or removes no more per byte than the first taken
         if not u["chosen"]:
-            assert u["bytes_added"] > room or u["noise_removed"] / u["bytes_added"] <= best
+            assert u["bytes_added"] > room or u["gain"] / u["bytes_added"] <= best
     out = tmp_path / "mixed"
     written = _run(llama_dir / "model.onnx", llama_dir / "calib.npz", out, "--scheme", "W4A16", "--lm-head",
                    *mix["flags"])
@@ -157,8 +157,8 @@ def test_a_tied_table_moves_with_its_lm_head_and_stays_one_table(tied_builder_mo
 
 @pytest.mark.parametrize("extra, fragment", [
     (["--size-budget", "0.001"], "over the --size-budget"),
-    (["--size-budget", "1", "--target-db", "20"], "give one of --size-budget and --target-db"),
-    (["--fallback", "{low}"], "--fallback is the higher form for --size-budget or --target-db"),
+    (["--size-budget", "1", "--target-db", "20"], "give one of --size-budget, --target-db and --target-kl"),
+    (["--fallback", "{low}"], "--fallback is the higher form for --size-budget, --target-db or --target-kl"),
     (["--fallback", "{bare}", "--size-budget", "1"], "has no quantization_config.json beside it"),
 ])
 def test_bad_mixing_requests_are_refused_before_any_pass(llama_dir, llama_forms, tmp_path, extra, fragment):
