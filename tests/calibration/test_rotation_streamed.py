@@ -17,9 +17,14 @@ import numpy as np
 import onnx
 import pytest
 
+import graphcal.limits
 from graphcal.algorithms.rotation.fold import InMemory
+from graphcal.calibration import footprint
 from graphcal.calibration import plan as plan_module
 from graphcal.calibration.own_data import OwnData
+from graphcal.calibration.prepare import prepare
+from graphcal.config import Options
+from graphcal.config import resolve as resolve_options
 from graphcal.errors import GraphcalError
 from graphcal.graph.external import resolve
 from tests.helpers import MODELS, REPO, run_cli
@@ -153,3 +158,30 @@ def test_the_folds_memory_does_not_grow_with_depth(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[layers] = json.loads(done.stdout.strip().splitlines()[-1])
     assert peaks[8] - peaks[2] < 24 * 2**20, {k: v // 2**20 for k, v in peaks.items()}
+
+
+def test_the_estimate_counts_the_fold_and_the_check(tmp_path):
+    """--rotate's phase in the pre-flight: the fold's one weight in hand, or the check's whole-graph sessions."""
+    ready = prepare(LLAMA / "model.onnx", resolve_options(Options(scheme="W8A8_STATIC", rotate="R1")),
+                    data=LLAMA / "calib.npz", batch_size=4)
+    try:
+        fp = footprint.for_run(ready)
+        model = ready.loaded.model
+        largest = max(4 * int(np.prod(t.dims)) for t in model.graph.initializer)
+        act = int(footprint.ARENA * footprint.largest_intermediate(model, {k: np.shape(v) for k, v in ready.calib.first_batch()
+                                                                           .items()}, {t.node for t in ready.plan.chosen}))
+        check = footprint.float_initializer_bytes(model) + act // fp.batch
+        assert fp.phases["rotation"] == footprint.IMPORTS + max(int(footprint.FOLD_COPIES * largest), check)
+    finally:
+        ready.loaded.close()
+
+
+def test_a_rotated_run_past_the_memory_available_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The fold no longer needs the model in memory; the pre-flight refuses the run in one line, nothing left."""
+    monkeypatch.setattr(graphcal.limits, "available_memory", lambda *a, **k: 2_000_000)  # the model file fits (1.5 MB)
+    monkeypatch.setattr(graphcal.limits, "resident_memory", lambda: 0)  # as a fresh process would hold nearly
+    result = run_cli("run", LLAMA / "model.onnx", "--data", LLAMA / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "--rotate", "R1", "-o", tmp_path / "out")
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines()[-1].startswith("error: this run needs about")
+    assert not any(tmp_path.iterdir())  # no output, no temporary folder with the rotated weights
