@@ -34,7 +34,7 @@ import torch
 from graphcal.devices import CPU, CUDA, TORCH_TYPES, bind_torch_input, check_device_choice, observer_device, wants_cuda
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph import io as graph_io
-from graphcal.graph.external import is_external, rebase
+from graphcal.graph.external import is_external, own_ref, read_tensor_buffer, rebase
 from graphcal.limits import confinement
 
 #: the environment variable naming the startup probe's file (see the module's docstring)
@@ -323,16 +323,19 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
     over their bytes (for ``SessionOptions.add_external_initializers``, which onnxruntime takes
     in place of the stubs). Serializing a model with its weights costs as much as copying them
     twice (1.2 s of session start on the 369 MB bench decoder); the stubbed graph is a few MB.
-    Weights that already live in external files, sub-byte and string tensors stay as they are."""
+    Weights that already live in a model's external files, sub-byte and string tensors stay as they are;
+    those in graphcal's own data file (the rotated weights: graph.external.own_ref, a file outside the
+    model's folder, which onnxruntime would refuse) are read into a buffer each and handed over too."""
     graph = graph_io.hollow_copy(model)
     names, values = [], []
     pairs = itertools.chain(((i.name, i) for i in itertools.chain(model.graph.initializer, weights)), renamed)
     for name, init in pairs:
         bits = graph_io.element_bits(init.data_type)
-        injectable = (init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data")
+        own = own_ref(init) is not None
+        injectable = ((own or init.data_location != onnx.TensorProto.EXTERNAL and init.HasField("raw_data"))
                       and bits is not None and bits % 8 == 0)
         itemsize = bits // 8 if injectable else 0
-        if not injectable or int(np.prod(init.dims)) * itemsize < INJECT_MIN_BYTES:
+        if not injectable or not own and int(np.prod(init.dims)) * itemsize < INJECT_MIN_BYTES:
             if name != init.name:
                 copy = onnx.TensorProto()
                 copy.CopyFrom(init)  # a small one (or one onnxruntime reads from its file): copied under its name
@@ -340,7 +343,8 @@ def _inline_weights_apart(model: onnx.ModelProto, weights: Sequence[onnx.TensorP
                 init = copy
             graph.graph.initializer.append(init)
             continue
-        raw = np.frombuffer(init.raw_data, dtype=f"<u{itemsize}").reshape(tuple(init.dims))  # one copy, read-only
+        data = read_tensor_buffer(init, "") if own else init.raw_data  # its own file read now, whatever its size
+        raw = np.frombuffer(data, dtype=f"<u{itemsize}").reshape(tuple(init.dims))  # one copy, read-only
         values.append(ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, init.data_type))
         names.append(name)
         stub = graph.graph.initializer.add(name=name, data_type=init.data_type, dims=init.dims)

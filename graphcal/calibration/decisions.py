@@ -35,6 +35,14 @@ class Loaded:
     model: onnx.ModelProto
     data_files: tuple[str, ...]
     records: Mapping[type, object]
+    # the run's own data file the rewrites wrote the weights they changed into (calibration.own_data.OwnData:
+    # the model refers to it), None without a rewrite; removed by :meth:`close`
+    own: object | None = None
+
+    def close(self) -> None:
+        """Remove the run's own data file (the model's rewritten weights cannot be read after this)."""
+        if self.own is not None:
+            self.own.close()
 
     @cached_property
     def types(self) -> Mapping[str, onnx.TypeProto.Tensor]:

@@ -18,7 +18,10 @@ Each term is a rule times a constant fitted to peaks measured with tools/peak_rs
 - ``rounded weights``: sequential GPTQ's rounding of a block: its rounded weights and the sweep's copies;
 - ``block cache``: the streamed and blockwise passes' cached block inputs (every sample's, one block at a
   time, at most --cache-mb of them in memory);
-- ``weight phase``: :func:`weight_phase_bytes` (one weight in hand, and the output where the writer holds it).
+- ``weight phase``: :func:`weight_phase_bytes` (one weight in hand, and the output where the writer holds it);
+- with --rotate, its phase before the passes (:func:`rotation_parts`): the fold's one weight in hand
+  (``rotation fold``: :data:`FOLD_COPIES` x the largest rotated weight) and the check's whole-graph sessions
+  (one at a time: every weight in onnxruntime, one sample's activations).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from graphcal.calibration.block_cache import budget_bytes
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.transforms.awq import AWQSettings
 from graphcal.calibration.transforms.smoothquant import Smoothing
+from graphcal.config import RotationSettings
 from graphcal.errors import GraphcalError
 from graphcal.graph.blocks import layer_prefix
 from graphcal.graph.io import skeleton
@@ -50,6 +54,7 @@ WEIGHT_COPIES = 2.0  # one weight in hand: its float read and the fp32 torch cop
 GRAM_COPIES = 1.5  # sequential GPTQ's block session: a batch's Gram of the widest input (onnxruntime's blocks, assembled)
 HESSIAN_COPIES = 2.0  # its rounding: the working copies of the largest Hessian beside it (H, its factor, H^-1: two at a time)
 SWEEP_COPIES = 4.0  # its rounding: the largest weight in the sweep (transposed copy, grid, result, unpermuted result)
+FOLD_COPIES = 6.0  # the fold's one weight: read, in float64 and rotated in float64 (two each), cast and its bytes
 MARGIN = 1.15  # run refuses past available / MARGIN: the estimate is fitted within +-25%, the rest is page cache
 
 PASSES = ("whole-graph", "streamed", "blockwise", "none")
@@ -104,13 +109,14 @@ class Footprint:
 
 def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int, ...]], *, pass_kind: str,
              num_samples: int = 1, gptq: str | None = None, whole_tap_bytes: int = 0,
-             cache_budget: int | None = None) -> Footprint:
+             cache_budget: int | None = None, rotation: bool = False) -> Footprint:
     """The peak memory of ``plan``'s run on ``model`` (dims and types only) with batches shaped
     ``input_shapes``. ``pass_kind``: "whole-graph" (one onnxruntime session over the tapped graph),
     "blockwise" (block subgraphs over cached inputs: sequential GPTQ, AWQ) or "none" (weight-only round
     to nearest: no data pass); ``gptq``: None, "one-pass" or "sequential" (its blockwise passes run in
     the weight phase); ``whole_tap_bytes``: whole taps a batch holds (at most --tap-limit-mb);
-    ``cache_budget``: the bytes of cached block tensors held in memory (--cache-mb; the rest goes to disk)."""
+    ``cache_budget``: the bytes of cached block tensors held in memory (--cache-mb; the rest goes to disk);
+    ``rotation``: --rotate's fold and check ran first (:func:`rotation_parts`)."""
     if pass_kind not in PASSES:
         raise ValueError(pass_kind)
     shapes = dict(input_shapes)
@@ -136,8 +142,24 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
     phases["weights"] = sum(weight_parts.values())
     if phases["weights"] >= phases.get("pass", 0):
         parts = weight_parts
+    if rotation:
+        rotation_phase = rotation_parts(model, act // max(batch, 1))
+        phases["rotation"] = sum(rotation_phase.values())
+        if phases["rotation"] > max(phases["weights"], phases.get("pass", 0)):
+            parts = rotation_phase
     return Footprint({"imports": IMPORTS, **parts}, pass_kind, batch, seq,
                      {k: IMPORTS + v for k, v in phases.items()})
+
+
+def rotation_parts(model: onnx.ModelProto, act: int) -> dict[str, int]:
+    """--rotate's phase (the rotated ``model``): the fold holds one weight at a time, each written to the run's
+    own data file before the next is read (:data:`FOLD_COPIES` x the largest, in float32), and its check runs
+    the model as given, then the rotated one, whole-graph on one sample (``act``: one sample's activations),
+    every weight in onnxruntime. The fold and the check do not overlap: the larger counts."""
+    largest = max((4 * math.prod(t.dims) for t in model.graph.initializer), default=0)
+    check = {"weights in onnxruntime": float_initializer_bytes(model), "activations": act}
+    fold = {"rotation fold": int(FOLD_COPIES * largest)}
+    return fold if fold["rotation fold"] >= sum(check.values()) else check
 
 
 def weight_phase_bytes(plan, model: onnx.ModelProto) -> int:
@@ -318,7 +340,7 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
         whole = min(limit, n_whole * batch * seq * width * 4)
     return estimate(ready.loaded.model, run, shapes, pass_kind=kind,
                     num_samples=calib.num_samples if calib is not None else 1, gptq=gptq, whole_tap_bytes=whole,
-                    cache_budget=budget_bytes(cache_mb))
+                    cache_budget=budget_bytes(cache_mb), rotation=run.decision(RotationSettings) is not None)
 
 
 def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False,

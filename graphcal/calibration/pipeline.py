@@ -101,10 +101,18 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     label = scheme_label(options.scheme, options.recipe, config.scheme_name if config is not None else None)
     config = config or resolve(options)  # before -o: a flag refused before anything is checked or read
     slot = reserve_output(Path(output_dir), [Path(model), *data_paths(data)])  # checks -o, locks it (rank 0)
-    device, progress, exclude_padding = options.device, options.progress, options.exclude_padding
     ready = prepare(model, config, target=options.target, matmulnbits=options.matmulnbits, data=data,
-                    batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=exclude_padding,
-                    device=device, join=True, reduce_in_graph=options.reduce_in_graph, pass_mode=options.pass_mode)
+                    batch_size=options.batch_size, num_samples=options.num_samples, exclude_padding=options.exclude_padding,
+                    device=options.device, join=True, reduce_in_graph=options.reduce_in_graph, pass_mode=options.pass_mode,
+                    own_folder=slot.early_folder if slot.main else None)  # --rotate's weights beside the output's
+    try:
+        return _calibrate(ready, options, slot, label, start, model, output_dir)
+    finally:
+        ready.loaded.close()  # the rotated weights' file (removed before the write's swap already)
+
+
+def _calibrate(ready: Prepared, options: Options, slot, label: str, start: float, model, output_dir) -> CalibrationResult:
+    device, progress, exclude_padding = options.device, options.progress, options.exclude_padding
     run, loaded, calib = ready.plan, ready.loaded, ready.calib  # the plan decides; the pipeline owns the model
     _preflight(ready, options)  # before any weight is read: a run that cannot fit is refused, not killed
     settings = PassSettings(device, ready.dist.local_rank if ready.dist else 0, ready.dist, progress,
@@ -133,7 +141,8 @@ def calibrate(model: str | Path, data, output_dir: str | Path, options: Options 
     weights, kv_items, qdq_model = _weight_pass(run, loaded, observers, scales, rounding, torch_device,
                                                 options.skip_nonfinite_weights, progress, spill)
     ignored = run.ignored + weights.left_in_float
-    files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items, spill))  # all or none
+    files = slot.write(_outputs(run, qdq_model, weights.items + weights.lookups, ignored, kv_items, spill,
+                                loaded))  # all or none
     log.info("wrote %s", ", ".join(str(f) for f in files))
     result = _result(ready, settings, activations, start, Path(output_dir), scales, rounding, weights, files,
                      slot.warnings, transform.reads_blocks)
@@ -225,8 +234,9 @@ def _result(ready: Prepared, settings: PassSettings, activations: PassResult, st
 
 
 def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: list[str], kv_items: list[QuantizedKV],
-             spill: DataSpill | None = None):
-    """The function that writes a run's three files into a (temporary) folder."""
+             spill: DataSpill | None = None, loaded: Loaded | None = None):
+    """The function that writes a run's three files into a (temporary) folder; the run's own data file
+    (``loaded``'s rotated weights, which the model's may still read from) is removed once the model is written."""
     transform = next((m for unit, _ in configured(run.config) if (d := run.decision(unit.settings_type)) is not None
                       and (m := unit.metadata(d)) is not None), None)  # compressed-tensors' transform_config
     qc_data = build_quantization_config(run.config, items, ignored, kv_items, transform)[1]
@@ -237,6 +247,8 @@ def _outputs(run: RunPlan, qdq_model, items: list[QuantizedTarget], ignored: lis
 
         files = save_model(qdq_model, tmp / MODEL_FILE, external=bool(run.data_files), base_dir=run.base_dir,
                            unchecked=run.unchecked, spill=spill)
+        if loaded is not None:
+            loaded.close()  # in the folder swapped in as -o: gone before the manifest is made
         if run.unchecked and runs_in_onnxruntime(qdq_model):  # what the checker passed over, onnxruntime loads
             check_loads(tmp / MODEL_FILE)
         files += copy_companions(run.companions, tmp)  # genai_config.json, the tokenizer, ...

@@ -11,11 +11,12 @@ for the target runtime) fails here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 from graphcal.calibration.decisions import Loaded, RunPlan
+from graphcal.calibration.own_data import OwnData
 from graphcal.calibration.sizing import size_parts
 from graphcal.calibration.transforms import REGISTRY, configured
 from graphcal.calibration.transforms.base import PlanScope
@@ -39,18 +40,29 @@ from graphcal.types import KVState, QuantizedTarget, Target, enum_value
 log = logging.getLogger("graphcal")
 
 
-def load(model_path: str | Path, config: RunConfig) -> Loaded:
+def load(model_path: str | Path, config: RunConfig, own_folder: Callable[[], Path] | None = None) -> Loaded:
     """Load ``model_path`` and run the transforms that change weights (--rotate) on it, in order:
-    each takes the model and returns the model and its record (graphcal.calibration.transforms)."""
+    each takes the model and returns the model and its record (graphcal.calibration.transforms).
+    The weights they change are written one at a time into the run's own data file (OwnData), in a
+    folder made inside ``own_folder()`` (the output's temporary folder; None: the system's), which
+    the model then refers to: ``Loaded.close`` removes it."""
     model_path = Path(model_path)
     model, data_files = load_model_info(model_path, lazy=True)
     log.info("loaded %s (opset %d, %d nodes, %d initializers)", model_path, default_opset(model),
              len(model.graph.node), len(model.graph.initializer))
-    records = {}
-    for unit, settings in configured(config):
-        if unit.rewrites_weights:  # before anything is found: every later stage sees the rewritten model
-            model, records[unit.settings_type] = unit.rewrite(model, settings, str(model_path.parent))
-    return Loaded(model, tuple(data_files), MappingProxyType(records))
+    records, own = {}, None
+    try:
+        for unit, settings in configured(config):
+            if unit.rewrites_weights:  # before anything is found: every later stage sees the rewritten model
+                own = own or OwnData(own_folder, prefix="graphcal-rotated-")
+                model, records[unit.settings_type] = unit.rewrite(model, settings, str(model_path.parent), own)
+        if own is not None:
+            own.finish()
+    except BaseException:
+        if own is not None:
+            own.close()
+        raise
+    return Loaded(model, tuple(data_files), MappingProxyType(records), own)
 
 
 def plan(model_path: str | Path, config: RunConfig, target_runtime: str | TargetRuntime = TargetRuntime.ONNXRUNTIME,

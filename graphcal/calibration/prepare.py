@@ -44,13 +44,25 @@ class Prepared:
 
 def prepare(model: str | Path, config: RunConfig, *, target: str = "onnxruntime", matmulnbits: int | None = None,
             data=None, batch_size: int | None = None, num_samples: int | None = None, exclude_padding: bool = False,
-            device: str = "auto", join: bool = False, reduce_in_graph: bool = True, pass_mode: str = "auto") -> Prepared:
+            device: str = "auto", join: bool = False, reduce_in_graph: bool = True, pass_mode: str = "auto",
+            own_folder=None) -> Prepared:
     """Check a run of ``config`` on ``model`` with ``data`` for ``target`` before any pass; ``join``
     (run only): join the torchrun job the environment describes; ``reduce_in_graph``: as the passes
-    will run; ``pass_mode``: --pass (calibration.streamed.choose_pass). Raises GraphcalError or UsageError for
+    will run; ``pass_mode``: --pass (calibration.streamed.choose_pass); ``own_folder``: where the rewritten
+    weights go (plan.load; the caller closes ``Prepared.loaded``). Raises GraphcalError or UsageError for
     everything that can be known before calibrating."""
     check_device(device)  # --device cuda without a usable GPU fails here, whatever the scheme
-    loaded = load(model, config)  # weight rewrites (--rotate) first
+    loaded = load(model, config, own_folder)  # weight rewrites (--rotate) first
+    try:
+        return _checked(model, config, loaded, target, matmulnbits, data, batch_size, num_samples, exclude_padding, join,
+                        reduce_in_graph, pass_mode)
+    except BaseException:
+        loaded.close()
+        raise
+
+
+def _checked(model, config: RunConfig, loaded: Loaded, target: str, matmulnbits: int | None, data, batch_size: int | None,
+             num_samples: int | None, exclude_padding: bool, join: bool, reduce_in_graph: bool, pass_mode: str) -> Prepared:
     run = plan(Path(model), config, target, matmulnbits, loaded)
     inputs = graph_inputs(loaded.model)
     calib = load_data(data, inputs, batch_size=batch_size, num_samples=num_samples,

@@ -80,7 +80,10 @@ def inspect_model(model: str | Path, config: RunConfig, *, target: str = "onnxru
     nothing to quantize, a scheme with no ONNX form for ``target``).
     """
     loaded = load(model, config)
-    return from_plan(plan(model, config, target, loaded=loaded), loaded.model)
+    try:
+        return from_plan(plan(model, config, target, loaded=loaded), loaded.model)
+    finally:
+        loaded.close()
 
 
 def from_plan(run: RunPlan, model: onnx.ModelProto) -> Inspection:

@@ -55,9 +55,12 @@ def inspect_command(model, data, output, as_json, debug, **flags):
         ready = prepare(model, resolve(options), target=options.target, matmulnbits=options.matmulnbits, data=data,
                         batch_size=options.batch_size, num_samples=options.num_samples,
                         exclude_padding=options.exclude_padding, device=options.device, pass_mode=options.pass_mode)
-        report = from_plan(ready.plan, ready.loaded.model)  # every refusal of run's before its passes, as run makes them
-        report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
-        memory = for_run(ready, options.tap_limit_mb, options.exclude_padding, options.cache_mb)  # before any weight is read, as run
+        try:
+            report = from_plan(ready.plan, ready.loaded.model)  # every refusal of run's before its passes, as run makes them
+            report.warnings += ready.calib.notes if ready.calib is not None else []  # inputs filled for the data
+            memory = for_run(ready, options.tap_limit_mb, options.exclude_padding, options.cache_mb)  # before any weight is read, as run
+        finally:
+            ready.loaded.close()  # --rotate's weights, in the system's temporary folder
         free = available_memory()
         report.memory = memory.as_dict(free)
         report.pass_note = ready.plan.pass_note

@@ -17,6 +17,12 @@ initializers, node attributes (``Constant``) and subgraphs alike, must:
 onnxruntime; :func:`read_tensor_bytes` checks again as it reads (the file could change in
 between) and reads with ``pread`` from a descriptor opened on a regular file only, which must be
 the file the load recorded, unchanged (graph.identity).
+
+One exception, for graphcal's own files only: a tensor a run wrote itself into a data file of its own
+(graph.own_data: the rotated weights, in the run's temporary folder) names that file by its absolute
+path, and :func:`resolve` takes it where the file and the tensor's exact range were registered by the
+writer (:func:`register_own`). A model read from disk never gets that exemption
+(:func:`check_external_data` refuses every absolute path, registered or not).
 """
 
 from __future__ import annotations
@@ -115,8 +121,55 @@ _SUB_BYTE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, onnx.Tens
 _SUB_BYTE_BITS |= {getattr(onnx.TensorProto, n): 2 for n in ("INT2", "UINT2") if hasattr(onnx.TensorProto, n)}
 
 
-def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
-    """Check one external reference against ``base_dir`` (the model's folder); no data is read."""
+_OWN: dict[str, set[tuple[int, int]]] = {}  # real path of a data file graphcal wrote -> (offset, length) of each tensor in it
+
+
+def register_own(path: str | os.PathLike, offset: int, length: int) -> None:
+    """Record that graphcal itself wrote a tensor's ``length`` bytes at ``offset`` in the file at ``path``."""
+    _OWN.setdefault(os.path.realpath(path), set()).add((offset, length))
+
+
+def forget_own(path: str | os.PathLike) -> None:
+    """Drop every record of graphcal's own data file at ``path`` (removed, or about to be)."""
+    _OWN.pop(os.path.realpath(path), None)
+
+
+def own_ref(t: onnx.TensorProto) -> ExternalRef | None:
+    """Where ``t``'s bytes are if graphcal wrote them itself (:func:`register_own`: that file, that exact
+    range), checked as :func:`resolve` checks a model's references; None for any other tensor."""
+    if not _OWN or not is_external(t):
+        return None
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if not os.path.isabs(location) or "\x00" in location:
+        return None
+    real = os.path.realpath(location)
+    ranges = _OWN.get(real)
+    try:
+        offset, length = int(info.get("offset", "0")), int(info.get("length", "-1"))
+    except ValueError:
+        return None
+    if ranges is None or (offset, length) not in ranges or length != expected_bytes(t):
+        return None
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise GraphcalError(f"graphcal's own data file {location} of {t.name!r} cannot be read "
+                            f"({e.strerror or e}); was the run's temporary folder removed?") from None
+    if not stat.S_ISREG(st.st_mode) or offset + length > st.st_size:
+        raise GraphcalError(f"graphcal's own data file {location} of {t.name!r} was changed during the run")
+    return ExternalRef(real, offset, length, location)
+
+
+def own_path(t: onnx.TensorProto) -> str | None:
+    """The real path of graphcal's own data file holding ``t`` (:func:`own_ref`), None for a model's tensor."""
+    ref = own_ref(t)
+    return ref.path if ref is not None else None
+
+
+def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike, own: bool = True) -> ExternalRef:
+    """Check one external reference against ``base_dir`` (the model's folder); no data is read.
+    ``own``: a tensor graphcal wrote into a file of its own is found there (:func:`own_ref`)."""
     name = t.name or "<unnamed>"
     info: dict[str, str] = {}
     for entry in t.external_data:
@@ -126,6 +179,8 @@ def resolve(t: onnx.TensorProto, base_dir: str | os.PathLike) -> ExternalRef:
     location = info.get("location", "")
     if not location:
         raise GraphcalError(f"external data of {name!r} names no file (no 'location')")
+    if own and (ref := own_ref(t)) is not None:
+        return ref
     if "\x00" in location or os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location[:2]:
         raise GraphcalError(f"external data of {name!r} is at an absolute path {location!r}; "
                             "graphcal reads only files inside the model's folder")
@@ -165,8 +220,10 @@ def rebase(t: onnx.TensorProto, base_dir: str | os.PathLike, root: str | os.Path
     same bytes as a path relative to ``root``, a folder holding the model's folder: for one onnxruntime
     session over two models' data (eval), which reads one folder and refuses paths out of it. The
     path is the location as the model names it, under the folder's real path (links in it are
-    followed when the file is opened, as they were checked)."""
-    resolve(t, base_dir)
+    followed when the file is opened, as they were checked). A tensor in graphcal's own data file
+    (:func:`own_ref`) keeps its absolute reference."""
+    if resolve(t, base_dir).path == own_path(t):
+        return
     real_root = os.path.realpath(root)
     for entry in t.external_data:
         if entry.key == "location":  # the name as the model gives it, not its link's target (a snapshot's blob)
@@ -208,7 +265,7 @@ def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike,
     for t in all_tensors(model):
         if is_external(t):
             try:
-                resolve(t, base_dir)
+                resolve(t, base_dir, own=False)  # a model read from disk names no file of graphcal's
             except GraphcalError as e:
                 raise GraphcalError(f"{where}: {e}") from None
             files.update(e.value for e in t.external_data if e.key == "location")

@@ -190,8 +190,10 @@ def _corrupting(monkeypatch, edit):
 
 def _scale_initializer(prefix: str, factor: float):
     def edit(model):
+        from graphcal.graph.weight_path import weight_as_consumed  # reads the fold's own data file too
+
         t = next(t for t in model.graph.initializer if t.name.startswith(prefix))
-        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.float32(factor), t.name))
+        t.CopyFrom(numpy_helper.from_array(weight_as_consumed(t, [], {}, ".") * np.float32(factor), t.name))
     return edit
 
 

@@ -206,18 +206,6 @@ def test_the_pre_flight_counts_one_block_of_weights_and_the_cache_budget(fp32_de
     assert bounded["parts"].get("block cache", 0) == 0
 
 
-def test_rotate_on_a_model_that_cannot_be_held_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
-    """--rotate folds every weight in memory (it is not streamed): past the memory available, one line."""
-    import graphcal.limits
-
-    monkeypatch.setattr(graphcal.limits, "available_memory", lambda: 2_000_000)  # its file fits (1.5 MB), its rotation (2.0 MB) not
-    result = run_cli("run", LLAMA / "model.onnx", "--data", LLAMA / "calib.npz", "--scheme", "W8A8_STATIC",
-                     "--rotate", "R1", "-o", tmp_path / "out")
-    assert result.exit_code != 0
-    assert result.output.strip().splitlines()[-1].startswith("error: --rotate (every weight rotated in memory")
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.gpu
 def test_on_cuda_the_streamed_pass_keeps_the_blocks_on_the_gpu_and_gives_the_cpu_scales(tmp_path, fp32_decoder):
     """On CUDA (IOBinding: the cached block outputs stay torch tensors on the GPU) the streamed pass gives

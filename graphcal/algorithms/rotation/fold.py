@@ -26,6 +26,7 @@ stored twice, and the report says what that costs.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -150,11 +151,17 @@ def write_record(model: onnx.ModelProto, report: Rotation) -> None:
 
 
 def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, heads: bool = True,
-           kind: str = "hadamard") -> Rotation:
+           kind: str = "hadamard", sink=None) -> Rotation:
     """Rotate ``model``'s residual stream in place (its weights read under ``base_dir``), and with
     ``heads`` each value head with o_proj's rows for it (R2), by matrices of SpinQuant's ``kind``
     (:func:`orthogonal`); a model whose stream cannot be rotated exactly is refused
-    (:func:`residual_stream`) before any edit."""
+    (:func:`residual_stream`) before any edit.
+
+    The weights are rotated one at a time, each read when its turn comes and handed to ``sink``
+    (``sink.put(array)`` -> a piece whose ``tensor(name)`` is the initializer the model keeps: the run's
+    own data file, calibration.own_data.OwnData) before the next is read; without a ``sink`` each rotated
+    weight becomes an inline initializer. Norm scales, biases and the kept tie's small MatMul stay inline."""
+    sink = sink or InMemory()
     stream = residual_stream(model, base_dir)
     q, how = orthogonal(stream.hidden, seed, kind)
     graph = model.graph
@@ -166,11 +173,14 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     readers_of: dict[str, int] = {}  # initializer -> how many nodes read it (a node both reading and writing: once)
     for w in {(t.weight, t.node) for t in [*stream.lookups, *stream.writers, *(r.target for r in stream.readers)]}:
         readers_of[w[0]] = readers_of.get(w[0], 0) + 1
-    edits: dict[tuple[str, int], list] = {}  # (node, input) -> [node, input, base name, new value]
+    # (node, input) -> [node, input, base name, its new value, whether it is a weight]: a weight's value is a
+    # function that reads and rotates it when the edits are made (one weight in hand at a time), a small
+    # tensor's (a bias, a norm scale: read before any edit changes what its node reads) the array itself
+    edits: dict[tuple[str, int], list] = {}
     values = ValueIndex(model, base_dir)
 
-    def put(node: onnx.NodeProto, k: int, base: str, value: np.ndarray) -> None:
-        edits[(node.name, k)] = [node, k, base, value]
+    def put(node: onnx.NodeProto, k: int, base: str, value) -> None:
+        edits[(node.name, k)] = [node, k, base, value, callable(value)]
 
     def weight(t) -> np.ndarray:
         path = [nodes[n] for n in t.weight_path]
@@ -184,23 +194,37 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             return np.ones(stream.hidden)
         return const(nodes[r.scale[0]], r.scale[1]).astype(np.float64).reshape(-1)
 
-    kept = _kept_ties(stream, readers_of, q, weight, inits, nodes, base_dir)  # weight -> its rotated table
+    def looked_up(t) -> np.ndarray:  # [vocab, hidden] -> E Q
+        e = weight(t)
+        return _cast(e.astype(np.float64) @ q, e)
+
+    def turned_out(t, w: np.ndarray) -> np.ndarray:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
+        w64 = w.astype(np.float64)
+        return w64 @ q if t.layout == "in_out" else q.T @ w64
+
+    def written(t) -> np.ndarray:
+        w = weight(t)
+        return _cast(turned_out(t, w), w)
+
+    def read(t, g: np.ndarray, writer) -> np.ndarray:  # Q^T diag(g) on the input side (after the output side's turn)
+        w = weight(t)
+        w64 = turned_out(writer, weight(writer)) if writer is not None else w.astype(np.float64)
+        rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
+        return _cast(rotated, w)
+
+    kept = _kept_ties(stream, readers_of, q, weight, inits, nodes, base_dir, sink)  # weight -> (its table, dtype)
     report.untied = sorted(w for w, n in readers_of.items() if n > 1 and w not in kept)
-    for t in stream.lookups:  # [vocab, hidden] -> E Q
+    for t in stream.lookups:
         if t.weight in kept:
             continue
-        e = weight(t)
-        put(nodes[t.node], 0, f"{t.name}.rotated", _cast(e.astype(np.float64) @ q, e))
+        put(nodes[t.node], 0, f"{t.name}.rotated", functools.partial(looked_up, t))
     both = {}  # a weight reading the stream and writing into it (x + x W): its output side, for the input side's turn
     reading = {r.target.node for r in stream.readers}
-    for t in stream.writers:  # y = x W: the output side is W's columns (in_out) or rows (out_in)
-        w = weight(t)
-        w64 = w.astype(np.float64)
-        rotated = w64 @ q if t.layout == "in_out" else q.T @ w64
+    for t in stream.writers:
         if t.node in reading:
-            both[t.node] = rotated  # rounded once, after its input side's turn: Q^T diag(g) W Q
+            both[t.node] = t  # rounded once, after its input side's turn: Q^T diag(g) W Q
             continue
-        put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
+        put(nodes[t.node], 1, f"{t.name}.rotated", functools.partial(written, t))
     for node_name, k in stream.biases:
         node = nodes[node_name]
         b = const(node, k)
@@ -211,30 +235,17 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
         if t.weight in kept:
             kept_scales[t.weight] = scale(r)
             continue
-        w = weight(t)
-        g = scale(r)
-        w64 = both.pop(t.node, None)
-        w64 = w.astype(np.float64) if w64 is None else w64
-        rotated = q.T @ (g[:, None] * w64) if t.layout == "in_out" else (w64 * g[None, :]) @ q
-        put(nodes[t.node], 1, f"{t.name}.rotated", _cast(rotated, w))
+        put(nodes[t.node], 1, f"{t.name}.rotated", functools.partial(read, t, scale(r), both.pop(t.node, None)))
     for node_name, k in stream.scales:
         node = nodes[node_name]
         g = const(node, k)
         put(node, k, f"{node_name}.unit_scale", np.ones_like(g))
     for pair in head_pairs(model) if heads else []:  # R2: each value head's columns and o_proj's rows for it, by one H
         h, how_heads = orthogonal(pair.head_dim, seed, kind)
-        value, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", weight(t)]
+        value, out = (edits.get((t.node, 1)) or [nodes[t.node], 1, f"{t.name}.rotated", functools.partial(weight, t), True]
                       for t in (pair.value, pair.out))
-        w = value[3].astype(np.float64)
-        for j in range(pair.kv_heads):
-            cols = slice(pair.first + j * pair.head_dim, pair.first + (j + 1) * pair.head_dim)
-            w[:, cols] = w[:, cols] @ h
-        value[3] = _cast(w, value[3])
-        w = out[3].astype(np.float64)
-        for i in range(pair.num_heads):
-            rows = slice(i * pair.head_dim, (i + 1) * pair.head_dim)
-            w[rows, :] = h.T @ w[rows, :]
-        out[3] = _cast(w, out[3])
+        value[3] = functools.partial(_turn_values, value[3], pair, h)
+        out[3] = functools.partial(_turn_out, out[3], pair, h)
         edits[(pair.value.node, 1)], edits[(pair.out.node, 1)] = value, out
         report.heads += 1
         report.head_matrix = how_heads
@@ -244,9 +255,15 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
             report.head_reads.append(pair.out.name)
             report.head_dim = pair.head_dim
     old = set()
-    for node, k, base, value in edits.values():
+    for node, k, base, value, is_weight in edits.values():  # each weight read, rotated and handed to the sink in turn
         old.add(node.input[k])
-        node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
+        if not is_weight:
+            node.input[k] = add_initializer(graph.initializer, names, base, np.ascontiguousarray(value))
+            continue
+        piece = sink.put(value())
+        node.input[k] = names.unique(base)
+        graph.initializer.append(piece.tensor(node.input[k]))
+        del piece
     for r in stream.readers:  # a kept tie: the one table rotated, lm_head's norm scale in a MatMul before it
         t = r.target
         if t.weight in kept:
@@ -261,16 +278,55 @@ def rotate(model: onnx.ModelProto, base_dir: str | None = None, seed: int = 0, h
     return report
 
 
-def _keep_tie(graph: onnx.GraphProto, names: Names, reader: onnx.NodeProto, t, table: np.ndarray, g: np.ndarray,
+def _turn_values(value, pair, h: np.ndarray) -> np.ndarray:
+    """R2 on a value projection: each kv head's columns times ``h`` (``value()``: the weight as R1 left it)."""
+    v = value()
+    w = v.astype(np.float64)
+    for j in range(pair.kv_heads):
+        cols = slice(pair.first + j * pair.head_dim, pair.first + (j + 1) * pair.head_dim)
+        w[:, cols] = w[:, cols] @ h
+    return _cast(w, v)
+
+
+def _turn_out(value, pair, h: np.ndarray) -> np.ndarray:
+    """R2's inverse on o_proj: each head's rows by ``hᵀ`` (``value()``: the weight as R1 left it)."""
+    v = value()
+    w = v.astype(np.float64)
+    for i in range(pair.num_heads):
+        rows = slice(i * pair.head_dim, (i + 1) * pair.head_dim)
+        w[rows, :] = h.T @ w[rows, :]
+    return _cast(w, v)
+
+
+class InMemory:
+    """The fold's sink without a file: each rotated weight an inline initializer (numpy_helper.from_array's)."""
+
+    def put(self, array: np.ndarray) -> _Inline:
+        return _Inline(numpy_helper.from_array(np.ascontiguousarray(array)))
+
+
+@dataclass
+class _Inline:
+    proto: onnx.TensorProto
+
+    def tensor(self, name: str) -> onnx.TensorProto:
+        self.proto.name = name
+        return self.proto
+
+
+def _keep_tie(graph: onnx.GraphProto, names: Names, reader: onnx.NodeProto, t, table: tuple, g: np.ndarray,
               q: np.ndarray) -> list[str]:
-    """Point every reader of ``t.weight`` at the rotated ``table``, and where ``g`` (lm_head's norm
-    scale) is not ones, feed ``reader`` through ``x M``, ``M = Q^T diag(g) Q``; the nodes added."""
-    rotated = add_initializer(graph.initializer, names, f"{t.weight}.rotated", table)
+    """Point every reader of ``t.weight`` at the rotated ``table`` (the sink's piece, its dtype), and where
+    ``g`` (lm_head's norm scale) is not ones, feed ``reader`` through ``x M``, ``M = Q^T diag(g) Q``; the
+    nodes added."""
+    piece, dtype = table
+    rotated = names.unique(f"{t.weight}.rotated")
+    graph.initializer.append(piece.tensor(rotated))
     for node in graph.node:
         replace_input(node, t.weight, rotated)
     if np.array_equal(g, np.ones_like(g)):
         return []
-    m = add_initializer(graph.initializer, names, f"{t.name}.rotation_scale", _cast(q.T @ (g[:, None] * q), table))
+    m = add_initializer(graph.initializer, names, f"{t.name}.rotation_scale", (q.T @ (g[:, None] * q)).astype(dtype))
     name, out = names.unique(f"{reader.name}/rotation_scale"), names.unique(f"{reader.name}/rotation_scale_output")
     scaled = helper.make_node("MatMul", [reader.input[0], m], [out], name=name)
     reader.input[0] = out
@@ -279,10 +335,10 @@ def _keep_tie(graph: onnx.GraphProto, names: Names, reader: onnx.NodeProto, t, t
 
 
 def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits, nodes,
-               base_dir: str | None) -> dict[str, np.ndarray]:
-    """The tables that stay tied (initializer -> its rotated value as stored): read by exactly one
-    lookup and one reader, lm_head reading the initializer as stored, and the lookup's path giving
-    ``E Q`` from the rotated value (checked on the numbers)."""
+               base_dir: str | None, sink) -> dict[str, tuple]:
+    """The tables that stay tied (initializer -> its rotated value as stored, handed to ``sink``, and
+    its dtype): read by exactly one lookup and one reader, lm_head reading the initializer as stored,
+    and the lookup's path giving ``E Q`` from the rotated value (checked on the numbers)."""
     kept = {}
     for w, n in readers_of.items():
         lookups = [t for t in stream.lookups if t.weight == w]
@@ -300,7 +356,8 @@ def _kept_ties(stream, readers_of: dict[str, int], q: np.ndarray, weight, inits,
         got = weight_as_consumed(numpy_helper.from_array(rotated, w), path, inits, base_dir).astype(np.float64)
         ulp = np.finfo(e.dtype).eps if np.issubdtype(e.dtype, np.floating) else 0.0  # the casts' rounding
         if got.shape == want.shape and np.allclose(got, want, rtol=0, atol=4 * ulp * np.abs(want).max()):
-            kept[w] = rotated
+            del got, want, e, wide
+            kept[w] = sink.put(rotated), rotated.dtype
     return kept
 
 

@@ -65,7 +65,8 @@ class Transform:
     # -- before the plan ---------------------------------------------------------------------
 
     @classmethod
-    def rewrite(cls, model: onnx.ModelProto, settings, base_dir: str) -> tuple[onnx.ModelProto, object]:
+    def rewrite(cls, model: onnx.ModelProto, settings, base_dir: str, sink) -> tuple[onnx.ModelProto, object]:
+        """``sink``: where each weight it changes goes, one at a time (calibration.own_data.OwnData)."""
         raise NotImplementedError
 
     # -- the plan ----------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from graphcal.config import RotationSettings
 from graphcal.data.inputs import fixed_batch, graph_inputs, slice_rows
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import load_model_info
-from graphcal.limits import check_fits
 from graphcal.runtime import open_runtime
 
 if TYPE_CHECKING:
@@ -135,18 +134,15 @@ class Rotate(Transform):
     rewrites_weights = True
 
     @classmethod
-    def rewrite(cls, model: onnx.ModelProto, settings: RotationSettings, base_dir: str) -> tuple[onnx.ModelProto, Rotation]:
+    def rewrite(cls, model: onnx.ModelProto, settings: RotationSettings, base_dir: str,
+                sink) -> tuple[onnx.ModelProto, Rotation]:
         """The model with the residual stream rotated (the loaded model, edited: nothing else holds it
-        yet) and what the fold did; the record is written into the model's metadata too."""
+        yet) and what the fold did; the record is written into the model's metadata too. Each rotated
+        weight is read, rotated and handed to ``sink`` (the run's own data file, calibration.own_data) one
+        at a time: the fold holds one weight, whatever the model's size (calibration.footprint counts it)."""
         from graphcal.algorithms.rotation.fold import rotate, write_record  # lazy: the rotation's math loads with --rotate only
 
-        # the fold holds every rotated weight in the model, in float (not streamed block by block yet): a model
-        # that cannot be held is refused here, before the first weight is read
-        sizes = [math.prod(t.dims) for t in model.graph.initializer]
-        check_fits(4 * sum(sizes) + 8 * 2 * max(sizes, default=0), "--rotate (every weight rotated in memory, in "
-                   "float32, one in float64 at a time)", share=0.9,
-                   hint="calibrate without --rotate, or on a machine with more memory")
-        rotation = rotate(model, base_dir, heads="R2" in settings.rotations, kind=settings.kind)
+        rotation = rotate(model, base_dir, heads="R2" in settings.rotations, kind=settings.kind, sink=sink)
         write_record(model, rotation)
         log.info("rotated the residual stream (%s): %d weights, %d norm scales folded", rotation.matrix,
                  len(rotation.rotated), rotation.norms)
