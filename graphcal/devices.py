@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from graphcal.errors import GraphcalError, UsageError
+from graphcal.errors import GraphcalError, UsageError, first_line
 
 DEVICES = ("auto", "cpu", "cuda")
 CUDA = "CUDAExecutionProvider"
@@ -148,3 +148,26 @@ def int8_gemm_saturates() -> bool:
 
 
 _SATURATES: bool | None = None
+
+
+BF16 = onnx.TensorProto.BFLOAT16
+BF16_ON_CPU = ("its data pass needs bfloat16 kernels, which only onnxruntime's CUDA provider has: run with --device cuda, "
+               "or convert the model to float32 or float16 first (a weight-only scheme rounded to nearest, such as "
+               "W4A16 without --algorithm, takes no data pass and runs here)")
+_NO_KERNEL = "Could not find an implementation for "
+
+
+def bf16_cpu_refusal(error: Exception, model) -> str | None:
+    """The one line for onnxruntime refusing ``model`` (a ModelProto) for a kernel it lacks (NOT_IMPLEMENTED:
+    the graph's types resolved, the provider has no kernel for them) where the model computes in bfloat16;
+    None for any other error."""
+    if "NOT_IMPLEMENTED" not in str(error) or not hasattr(model, "graph"):
+        return None
+    graph = model.graph
+    if not (any(i.data_type == BF16 for i in graph.initializer)
+            or any(v.type.tensor_type.elem_type == BF16 for v in (*graph.input, *graph.output))):
+        return None
+    line = first_line(error)
+    found = line.find(_NO_KERNEL)
+    kernel = "no kernel for " + line[found + len(_NO_KERNEL):] if found >= 0 else line
+    return f"onnxruntime's CPU provider cannot run this bfloat16 model ({kernel}): {BF16_ON_CPU}"

@@ -31,7 +31,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from graphcal.devices import CPU, CUDA, TORCH_TYPES, bind_torch_input, check_device_choice, observer_device, wants_cuda
+from graphcal.devices import CPU, CUDA, TORCH_TYPES, bf16_cpu_refusal, bind_torch_input, check_device_choice, observer_device, wants_cuda
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph import io as graph_io
 from graphcal.graph.external import is_external, own_ref, read_tensor_buffer, rebase
@@ -214,9 +214,9 @@ def open_runtime(
     except Exception as e:  # onnxruntime raises its own exception types
         if tmp is not None:
             tmp.cleanup()
-        if not want_cuda and missing_bf16_kernel(e, model):
-            raise GraphcalError(f"onnxruntime's CPU provider cannot run this bfloat16 model ({_missing_kernel(e)}): "
-                                f"{BF16_ON_CPU}") from e
+        refusal = None if want_cuda else bf16_cpu_refusal(e, model)
+        if refusal is not None:
+            raise GraphcalError(refusal) from e
         raise GraphcalError(f"onnxruntime cannot load the model: {first_line(e)}") from e
     active = session.get_providers()[0]
     if device == "cuda" and active != CUDA:
@@ -369,28 +369,6 @@ def _data_folder(graph: onnx.ModelProto, folder: str | os.PathLike) -> str:
     return repository
 
 
-BF16_ON_CPU = ("its data pass needs bfloat16 kernels, which only onnxruntime's CUDA provider has: run with --device cuda, "
-               "or convert the model to float32 or float16 first (a weight-only scheme rounded to nearest, such as "
-               "W4A16 without --algorithm, takes no data pass and runs here)")
-
-
-def missing_bf16_kernel(error: Exception, model) -> bool:
-    """Whether onnxruntime refused ``model`` (a ModelProto) for a kernel it lacks (NOT_IMPLEMENTED: the
-    graph's types resolved, a provider has no kernel for them) and the model computes in bfloat16."""
-    if "NOT_IMPLEMENTED" not in str(error) or not isinstance(model, onnx.ModelProto):
-        return False
-    bf16 = onnx.TensorProto.BFLOAT16
-    return (any(i.data_type == bf16 for i in model.graph.initializer)
-            or any(v.type.tensor_type.elem_type == bf16 for v in (*model.graph.input, *model.graph.output)))
-
-
-def _missing_kernel(error: Exception) -> str:
-    """onnxruntime's 'Could not find an implementation for Mul(14) node with name ...' as 'no kernel for Mul(14) ...'."""
-    line = first_line(error)
-    found = line.find("Could not find an implementation for ")
-    return "no kernel for " + line[found + len("Could not find an implementation for "):] if found >= 0 else line
-
-
 def _fp16_group_query_attention(model) -> bool:
     """``model`` (a ModelProto) has a GroupQueryAttention whose past key is an fp16 graph input."""
     if not isinstance(model, onnx.ModelProto):
@@ -409,7 +387,7 @@ def check_loads(path: str | os.PathLike) -> None:
     try:
         ort.InferenceSession(str(path), sess_options=opts, providers=[CPU])
     except Exception as e:  # onnxruntime raises its own exception types
-        if missing_bf16_kernel(e, onnx.load(str(path), load_external_data=False)):
+        if bf16_cpu_refusal(e, onnx.load(str(path), load_external_data=False)) is not None:
             return  # the graph's types resolved; the CPU provider has no bfloat16 kernels (a CUDA model)
         raise GraphcalError(f"onnxruntime cannot load the written model, so it was not kept ({first_line(e)}); "
                             "this is a graphcal bug: please report it") from e

@@ -29,7 +29,8 @@ from graphcal.graph.fusion import find_fused_groups
 from graphcal.graph.index import GraphIndex
 from graphcal.graph.io import default_opset, load_model_info, unchecked_ops
 from graphcal.graph.qdq import TargetRuntime, form_notes, items_opset, required_kv_opset, runtime_notes
-from graphcal.graph.qdq.policy import PreferredLevel, WeightForm, choose_form, float_type_opset
+from graphcal.graph.qdq.opset import float_type_opset
+from graphcal.graph.qdq.policy import PreferredLevel, WeightForm, choose_form
 from graphcal.graph.targets import find_lookups, find_targets, select
 from graphcal.graph.ties import find_ties
 from graphcal.observers import make_observer

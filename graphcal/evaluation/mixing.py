@@ -33,9 +33,7 @@ it, or ``--ignore`` for float.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -43,21 +41,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphcal.config.records import RunConfig
 from graphcal.errors import GraphcalError, UsageError
 from graphcal.evaluation.agreement import Agreement, finite
 from graphcal.evaluation.candidate import written_config
 from graphcal.evaluation.kinds import layer_kind
+from graphcal.evaluation.mix_flags import layer_patterns, scheme_value
 from graphcal.evaluation.models import EvalModels
 from graphcal.evaluation.next_token import NextTokenLoss
 from graphcal.evaluation.sensitivity import measure_variants, quantized_layers
 from graphcal.evaluation.switched import SwitchSession
 from graphcal.graph.external import expected_bytes
 from graphcal.graph.switch import fp32_computed, layer_reads
-from graphcal.graph.targets import find_lookups, find_targets, matches
+from graphcal.graph.targets import find_lookups, find_targets
 from graphcal.graph.ties import find_ties
 from graphcal.progress import Progress
-from graphcal.types import enum_value
 
 LAYER_OVERHEAD = 256  # bytes per promoted layer for its changed nodes and initializer headers in the protobuf
 MIN_GAIN = 0.005  # a unit removing less than this share of the low model's loss (KL, or noise) is not worth its bytes
@@ -171,7 +168,7 @@ class Mix:
         layers = [name for n in self.chosen for name in self.plan.by_name[n].layers]
         if self.plan.high == FLOAT:
             flags = []
-            for value in [*self.plan.ignored, *_patterns(layers, self.plan.fp32_layers)]:
+            for value in [*self.plan.ignored, *layer_patterns(layers, self.plan.fp32_layers)]:
                 flags += ["--ignore", value]
             return flags
         by_scheme: dict[str, list[str]] = {}
@@ -179,7 +176,7 @@ class Mix:
             by_scheme.setdefault(self.plan.high_schemes[name], []).append(name)
         flags = []
         for scheme, names in by_scheme.items():
-            for pattern in _patterns(names, self.plan.fp32_layers):
+            for pattern in layer_patterns(names, self.plan.fp32_layers):
                 flags += ["--scheme-for", f"{pattern}={scheme}"]
         return flags
 
@@ -206,29 +203,6 @@ class Mix:
             if self.low_loss.labelled:
                 out["loss_removed"] = self.low_loss.loss - self.promoted[u.name].loss
         return out
-
-
-def _patterns(layers: list[str], every: dict[str, str]) -> list[str]:
-    """Target patterns naming exactly ``layers``: one ``re:`` alternation for the layers in blocks (a
-    kind whole, or the block indices of some of its layers) and the names of the others (lm_head)."""
-    kinds: dict[str, list[str]] = {}
-    for name in every:
-        kinds.setdefault(layer_kind(name), []).append(name)
-    alternatives, names = [], []
-    chosen = set(layers)
-    for kind, members in kinds.items():
-        picked = [m for m in members if m in chosen]
-        if not picked:
-            continue
-        if len(members) == 1 and members[0] == kind:
-            names.append(kind)
-        elif len(picked) == len(members):
-            alternatives.append(re.escape(kind))
-        else:
-            indices = [re.search(r"\.(\d+)\." + re.escape(kind) + "$", m).group(1) for m in picked]
-            alternatives.append("(" + "|".join(indices) + ")" + re.escape("." + kind))
-    regex = ["re:.*\\.(" + "|".join(alternatives) + ")$"] if alternatives else []
-    return regex + names
 
 
 def plan_mix(models: EvalModels, *, per_layer: bool, budget_bytes: int | None, target_db: float | None,
@@ -278,7 +252,7 @@ def plan_mix(models: EvalModels, *, per_layer: bool, budget_bytes: int | None, t
             high_reads[t.name] = [t.weight]
         else:
             high_reads[t.name] = reads
-            high_schemes[t.name] = _scheme_value(high_config, t)
+            high_schemes[t.name] = scheme_value(high_config, t)
     groups = _units(layers, lookups, targets, ref, Path(reference).parent, per_layer)
     low_inits = {t.name: t for t in low_model.graph.initializer}
     source = high_inits if high_model is not None else ref_inits
@@ -311,41 +285,6 @@ def _units(layers, lookups, targets, ref: onnx.ModelProto, base_dir: Path, per_l
         if a != b:
             units[f"{b}+{a}"] = units.pop(b) + units.pop(a)
     return units
-
-
-def _scheme_value(config: RunConfig, target) -> str:
-    """The --scheme-for value giving ``target`` the fallback's scheme: a preset name where one equals
-    it and takes no group size (a grouped preset would take the run's --group-size), else its JSON."""
-    from graphcal.config.schemes import resolve_scheme, scheme_names  # lazy: loads compressed-tensors
-
-    scheme = config.scheme_for(target) if not any(matches(target, p) for p in config.ignore) else None
-    if scheme is None:
-        raise UsageError(f"the fallback leaves {target.name} in float, though it quantizes the layer")
-    fields = _fields(scheme)
-    grouped = scheme.weights is not None and enum_value(scheme.weights.strategy) in ("group", "tensor_group")
-    if not grouped:
-        for name in scheme_names():
-            try:
-                preset = resolve_scheme(name, ["Linear"])
-            except UsageError:
-                continue
-            if _fields(preset) == fields:
-                return name
-    return json.dumps(fields, separators=(",", ":"), sort_keys=True)
-
-
-def _fields(scheme) -> dict:
-    """A scheme's quantization fields: no targets, format, nulls, or GPTQ's activation order (the run's
-    --algorithm sets that)."""
-    out = {}
-    for key in ("weights", "input_activations", "output_activations"):
-        args = getattr(scheme, key)
-        if args is None:
-            continue
-        dumped = json.loads(args.model_dump_json(exclude_none=True))
-        dumped.pop("actorder", None)
-        out[key] = dumped
-    return out
 
 
 def measure_mix(plan: MixPlan, session: SwitchSession, outputs, calib) -> Mix:

@@ -12,6 +12,15 @@ from onnx import helper
 from graphcal.errors import GraphcalError, first_line
 from graphcal.graph.io import MAX_ORT_IR, UNCHECKED_DOMAIN, default_opset, hollow_copy, set_domain, unchecked_ops
 
+HALF_SCALES_OPSET = 19  # Q/DQ take float16 and bfloat16 inputs and scales (float32 only before)
+
+
+def float_type_opset(elem_types) -> int:
+    """The opset the Q/DQ of a model computing in these float element types need (the writer gives
+    every scale the weight's or the activation's type): 19 when any is float16 or bfloat16, else 13."""
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return HALF_SCALES_OPSET if any(t in half for t in elem_types) else 13
+
 
 def ir_for_opset(opset: int) -> int:
     """The lowest IR version onnx pairs with ``opset``, capped at what onnxruntime loads."""

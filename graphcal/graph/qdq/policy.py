@@ -69,8 +69,6 @@ FP4 = _QTYPES["float", 4]
 _SUPPORTED = "int4/int8 (sym or asym), fp8 e4m3, fp4 e2m1"
 _BLOCKED_OPSET = 21  # block_size on Q/DQ
 _E8M0_OPSET = 24  # float8e8m0 scales
-_HALF_SCALES_OPSET = 19  # Q/DQ take float16 and bfloat16 inputs and scales (float32 only before)
-_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def qtype_of(args, where: str, what: str) -> QType:
@@ -100,12 +98,6 @@ def items_opset(items: list[QuantizedTarget], target_runtime: TargetRuntime | st
     """The opset a model with these targets needs (never below 13)."""
     target_runtime = TargetRuntime(target_runtime)
     return max([required_opset(item, target_runtime) for item in items] + [13])
-
-
-def float_type_opset(elem_types) -> int:
-    """The opset the Q/DQ of a model computing in these float element types need (the writer gives
-    every scale the weight's or the activation's type): 19 when any is float16 or bfloat16, else 13."""
-    return _HALF_SCALES_OPSET if any(t in _HALF_TYPES for t in elem_types) else 13
 
 
 def required_opset(item: QuantizedTarget, target_runtime: TargetRuntime | str = TargetRuntime.ONNXRUNTIME) -> int:
