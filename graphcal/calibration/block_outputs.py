@@ -68,8 +68,8 @@ def graph_outputs(run: RunPlan, loaded: Loaded, feeds: dict[str, np.ndarray], de
         for k, block in enumerate(walk.blocks):
             runtime, _ = walk.session(list(block.outputs), list(block.inputs))
             try:
-                (_, _, batch), = walk.batch_feeds(k)
-                values = runtime.run_numpy({n: v for n, v in batch.items() if n in runtime.inputs})
+                (_, _, block_feeds), = walk.batch_feeds(k)
+                values = runtime.run_numpy({n: v for n, v in block_feeds.items() if n in runtime.inputs})
             finally:
                 runtime.close()
             found.update({n: v for n, v in values.items() if n in keep})

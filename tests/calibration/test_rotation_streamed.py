@@ -196,14 +196,15 @@ def test_a_rotated_run_past_the_memory_available_is_refused_in_one_line(tmp_path
 # -- the check streamed block by block -------------------------------------------------------------------------------
 
 
-def check_both(model, rotate: str, device: str = "cpu", sessions: list | None = None):
-    """The check's SQNRs whole-graph and block by block (``device``: the streamed one's), on a prepared run."""
+def check_both(model, rotate: str, device: str = "cpu", sessions: list | None = None, data=None):
+    """The check's SQNRs whole-graph and block by block (``device``: the streamed one's), on a prepared run
+    (``data``: the model's calib.npz unless given)."""
     import graphcal.calibration.blockwise as blockwise
     from graphcal.calibration.transforms import rotation
     from graphcal.config import RotationSettings
 
-    ready = prepare(model, resolve_options(Options(scheme="W8A8_STATIC", rotate=rotate)), data=model.parent / "calib.npz",
-                    batch_size=4)
+    ready = prepare(model, resolve_options(Options(scheme="W8A8_STATIC", rotate=rotate)),
+                    data=data or model.parent / "calib.npz", batch_size=4)
     try:
         run, loaded = ready.plan, ready.loaded
         assert rotation.streams_check(run, loaded)
@@ -223,7 +224,7 @@ def check_both(model, rotate: str, device: str = "cpu", sessions: list | None = 
             m.setattr(rotation, "_run", no_whole_graph)
             m.setattr(blockwise, "open_runtime", counted)
             streamed = rotation.check_rotation(model, loaded.model, decision, batch, device, streamed=(run, loaded))
-        return whole, streamed, footprint.float_initializer_bytes(loaded.model)
+        return whole, streamed, footprint.float_initializer_bytes(loaded.model), decision
     finally:
         ready.loaded.close()
 
@@ -235,11 +236,22 @@ def test_the_streamed_check_measures_what_the_whole_graph_check_does(tmp_path, w
     whole-graph sessions measure, each far over the floor; no session holds every weight."""
     model = LLAMA / "model.onnx" if which == "tiny-llama" else decoder(tmp_path / "m", tie=which.endswith("tied")) / "model.onnx"
     sessions = []
-    whole, streamed, total = check_both(model, rotate, sessions=sessions)
+    whole, streamed, total, _ = check_both(model, rotate, sessions=sessions)
     assert list(streamed) == list(whole) == ["logits"]
     for name, db in whole.items():
         assert db > 100 and streamed[name] > 100 and abs(streamed[name] - db) < 1, (whole, streamed)
     assert len(sessions) >= 2 * 3 and max(sessions) < total  # both models: their blocks and tails
+
+
+@pytest.mark.parametrize("fixture", ["builder_model", "tied_builder_model"])
+def test_the_streamed_check_turns_r2s_present_values_back_as_the_whole_graph_check_does(request, fixture):
+    """onnxruntime-genai's builder model (GroupQueryAttention): R2 turns its present values per head, which
+    each block makes as a graph output; block by block they are turned back and measure as whole-graph."""
+    folder, calib = request.getfixturevalue(fixture)
+    whole, streamed, _, decision = check_both(folder / "model.onnx", "R1,R2", data=calib)
+    assert list(streamed) == list(whole) and set(decision.turned_outputs) & set(whole)
+    for name, db in whole.items():
+        assert db > 100 and streamed[name] > 100 and abs(streamed[name] - db) < 1, (whole, streamed)
 
 
 def test_a_drift_is_refused_by_the_streamed_check_before_any_pass_nothing_written(tmp_path, monkeypatch):
@@ -315,7 +327,7 @@ def test_a_rotated_runs_memory_does_not_grow_with_depth(tmp_path):
 def test_the_streamed_check_on_cuda_measures_what_the_cpu_check_does(tmp_path, rotate):
     """On CUDA, block by block: the SQNRs of the whole-graph check on the CPU, within float error; and a
     drift refused there too."""
-    whole, streamed, _ = check_both(decoder(tmp_path / "m") / "model.onnx", rotate, device="cuda")
+    whole, streamed, _, _ = check_both(decoder(tmp_path / "m") / "model.onnx", rotate, device="cuda")
     assert list(streamed) == list(whole)
     for name, db in whole.items():
         assert db > 60 and streamed[name] > 60 and abs(streamed[name] - db) < 3, (whole, streamed)
