@@ -20,8 +20,9 @@ Each term is a rule times a constant fitted to peaks measured with tools/peak_rs
   time, at most --cache-mb of them in memory);
 - ``weight phase``: :func:`weight_phase_bytes` (one weight in hand, and the output where the writer holds it);
 - with --rotate, its phase before the passes (:func:`rotation_parts`): the fold's one weight in hand
-  (``rotation fold``: :data:`FOLD_COPIES` x the largest rotated weight) and the check's whole-graph sessions
-  (one at a time: every weight in onnxruntime, one sample's activations).
+  (``rotation fold``: :data:`FOLD_COPIES` x the largest rotated weight) and the check's sessions (one at a
+  time, one sample's activations): on a decoder one layer block's weights (:func:`block_weight_bytes`, or
+  the tail's largest weight), else every weight (whole-graph).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from graphcal.calibration.activations import TAP_LIMIT_MB
 from graphcal.calibration.block_cache import budget_bytes
 from graphcal.calibration.observe import ObserverSet
 from graphcal.calibration.transforms.awq import AWQSettings
+from graphcal.calibration.transforms.rotation import streams_check
 from graphcal.calibration.transforms.smoothquant import Smoothing
 from graphcal.config import RotationSettings
 from graphcal.errors import GraphcalError
@@ -109,14 +111,15 @@ class Footprint:
 
 def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int, ...]], *, pass_kind: str,
              num_samples: int = 1, gptq: str | None = None, whole_tap_bytes: int = 0,
-             cache_budget: int | None = None, rotation: bool = False) -> Footprint:
+             cache_budget: int | None = None, rotation: bool = False, rotation_streamed: bool = False) -> Footprint:
     """The peak memory of ``plan``'s run on ``model`` (dims and types only) with batches shaped
     ``input_shapes``. ``pass_kind``: "whole-graph" (one onnxruntime session over the tapped graph),
     "blockwise" (block subgraphs over cached inputs: sequential GPTQ, AWQ) or "none" (weight-only round
     to nearest: no data pass); ``gptq``: None, "one-pass" or "sequential" (its blockwise passes run in
     the weight phase); ``whole_tap_bytes``: whole taps a batch holds (at most --tap-limit-mb);
     ``cache_budget``: the bytes of cached block tensors held in memory (--cache-mb; the rest goes to disk);
-    ``rotation``: --rotate's fold and check ran first (:func:`rotation_parts`)."""
+    ``rotation``: --rotate's fold and check ran first (:func:`rotation_parts`; ``rotation_streamed``: its check
+    block by block)."""
     if pass_kind not in PASSES:
         raise ValueError(pass_kind)
     shapes = dict(input_shapes)
@@ -143,7 +146,7 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
     if phases["weights"] >= phases.get("pass", 0):
         parts = weight_parts
     if rotation:
-        rotation_phase = rotation_parts(model, act // max(batch, 1))
+        rotation_phase = rotation_parts(model, act // max(batch, 1), plan if rotation_streamed else None)
         phases["rotation"] = sum(rotation_phase.values())
         if phases["rotation"] > max(phases["weights"], phases.get("pass", 0)):
             parts = rotation_phase
@@ -151,13 +154,17 @@ def estimate(model: onnx.ModelProto, plan, input_shapes: Mapping[str, tuple[int,
                      {k: IMPORTS + v for k, v in phases.items()})
 
 
-def rotation_parts(model: onnx.ModelProto, act: int) -> dict[str, int]:
+def rotation_parts(model: onnx.ModelProto, act: int, plan=None) -> dict[str, int]:
     """--rotate's phase (the rotated ``model``): the fold holds one weight at a time, each written to the run's
     own data file before the next is read (:data:`FOLD_COPIES` x the largest, in float32), and its check runs
-    the model as given, then the rotated one, whole-graph on one sample (``act``: one sample's activations),
-    every weight in onnxruntime. The fold and the check do not overlap: the larger counts."""
+    the model as given, then the rotated one, on one sample (``act``: one sample's activations): whole-graph,
+    every weight in onnxruntime, or with ``plan`` (its targets in layer blocks) block by block
+    (calibration.block_outputs): one block's weights (:func:`block_weight_bytes`) or the tail's (lm_head: at
+    most the largest weight). The fold and the check do not overlap: the larger counts."""
     largest = max((4 * math.prod(t.dims) for t in model.graph.initializer), default=0)
-    check = {"weights in onnxruntime": float_initializer_bytes(model), "activations": act}
+    held = float_initializer_bytes(model) if plan is None else max(block_weight_bytes(model, plan),
+                                                                     max(map(_init_bytes, model.graph.initializer), default=0))
+    check = {"weights in onnxruntime": held, "activations": act}
     fold = {"rotation fold": int(FOLD_COPIES * largest)}
     return fold if fold["rotation fold"] >= sum(check.values()) else check
 
@@ -330,6 +337,7 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
     else:
         kind = "none"
     whole = 0
+    rotation = run.decision(RotationSettings) is not None
     if observers.consumers:
         requests = observers.requests(not exclude_padding)
         n_whole = sum(getattr(r, "reduction", None) is Reduction.WHOLE for r in requests)
@@ -340,7 +348,7 @@ def for_run(ready, tap_limit_mb: float | None = None, exclude_padding: bool = Fa
         whole = min(limit, n_whole * batch * seq * width * 4)
     return estimate(ready.loaded.model, run, shapes, pass_kind=kind,
                     num_samples=calib.num_samples if calib is not None else 1, gptq=gptq, whole_tap_bytes=whole,
-                    cache_budget=budget_bytes(cache_mb), rotation=run.decision(RotationSettings) is not None)
+                    cache_budget=budget_bytes(cache_mb), rotation=rotation, rotation_streamed=rotation and streams_check(run, ready.loaded))
 
 
 def check_memory(ready, tap_limit_mb: float | None = None, exclude_padding: bool = False,

@@ -122,7 +122,7 @@ def _calibrate(ready: Prepared, options: Options, slot, label: str, start: float
     units = [unit for unit, _ in configured(run.config)]
     for unit in units:  # before any pass: a rewrite (--rotate) that drifts from the model as given goes no further
         if unit.rewrites_weights:
-            unit.verify(model, loaded.model, run.decision(unit.settings_type), calib.first_batch(), device,
+            unit.verify(model, run, loaded, run.decision(unit.settings_type), calib.first_batch(), device,
                         settings.device_id)
     # the pre-transform: the first unit that has one for this plan (a run configures at most one), else Plain
     transform = next((t for unit in units if (t := unit.for_plan(run, loaded)) is not None), Plain(run, loaded))

@@ -161,7 +161,8 @@ def test_the_folds_memory_does_not_grow_with_depth(tmp_path):
 
 
 def test_the_estimate_counts_the_fold_and_the_check(tmp_path):
-    """--rotate's phase in the pre-flight: the fold's one weight in hand, or the check's whole-graph sessions."""
+    """--rotate's phase in the pre-flight: the fold's one weight in hand, or the check's sessions: on a decoder
+    block by block (one block's weights, or the tail's largest), else whole-graph (every weight)."""
     ready = prepare(LLAMA / "model.onnx", resolve_options(Options(scheme="W8A8_STATIC", rotate="R1")),
                     data=LLAMA / "calib.npz", batch_size=4)
     try:
@@ -170,8 +171,13 @@ def test_the_estimate_counts_the_fold_and_the_check(tmp_path):
         largest = max(4 * int(np.prod(t.dims)) for t in model.graph.initializer)
         act = int(footprint.ARENA * footprint.largest_intermediate(model, {k: np.shape(v) for k, v in ready.calib.first_batch()
                                                                            .items()}, {t.node for t in ready.plan.chosen}))
-        check = footprint.float_initializer_bytes(model) + act // fp.batch
+        held = max(footprint.block_weight_bytes(model, ready.plan), max(footprint._init_bytes(t) for t in model.graph.initializer))
+        assert held < footprint.float_initializer_bytes(model)
+        check = held + act // fp.batch
         assert fp.phases["rotation"] == footprint.IMPORTS + max(int(footprint.FOLD_COPIES * largest), check)
+        whole = footprint.rotation_parts(model, act // fp.batch)  # a graph without layer blocks
+        assert sum(whole.values()) == max(int(footprint.FOLD_COPIES * largest),
+                                          footprint.float_initializer_bytes(model) + act // fp.batch)
     finally:
         ready.loaded.close()
 
@@ -185,3 +191,148 @@ def test_a_rotated_run_past_the_memory_available_is_refused_in_one_line(tmp_path
     assert result.exit_code != 0
     assert result.output.strip().splitlines()[-1].startswith("error: this run needs about")
     assert not any(tmp_path.iterdir())  # no output, no temporary folder with the rotated weights
+
+
+# -- the check streamed block by block -------------------------------------------------------------------------------
+
+
+def check_both(model, rotate: str, device: str = "cpu", sessions: list | None = None, data=None):
+    """The check's SQNRs whole-graph and block by block (``device``: the streamed one's), on a prepared run
+    (``data``: the model's calib.npz unless given)."""
+    import graphcal.calibration.blockwise as blockwise
+    from graphcal.calibration.transforms import rotation
+    from graphcal.config import RotationSettings
+
+    ready = prepare(model, resolve_options(Options(scheme="W8A8_STATIC", rotate=rotate)),
+                    data=data or model.parent / "calib.npz", batch_size=4)
+    try:
+        run, loaded = ready.plan, ready.loaded
+        assert rotation.streams_check(run, loaded)
+        decision, batch = run.decision(RotationSettings), ready.calib.first_batch()
+        whole = rotation.check_rotation(model, loaded.model, decision, batch)
+        real_open = blockwise.open_runtime
+
+        def counted(sub, *args, weights=(), **kwargs):
+            if sessions is not None:
+                sessions.append(sum(footprint._init_bytes(t) for t in weights))
+            return real_open(sub, *args, weights=weights, **kwargs)
+
+        def no_whole_graph(*args, **kwargs):
+            raise AssertionError("a whole-graph session in the streamed check")
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(rotation, "_run", no_whole_graph)
+            m.setattr(blockwise, "open_runtime", counted)
+            streamed = rotation.check_rotation(model, loaded.model, decision, batch, device, streamed=(run, loaded))
+        return whole, streamed, footprint.float_initializer_bytes(loaded.model), decision
+    finally:
+        ready.loaded.close()
+
+
+@pytest.mark.parametrize("rotate", ["R1", "R1,R2"])
+@pytest.mark.parametrize("which", ["tiny-llama", "decoder", "decoder-tied"])
+def test_the_streamed_check_measures_what_the_whole_graph_check_does(tmp_path, which, rotate):
+    """Block by block (one block's weights in a session, then the tail's) the check measures the SQNRs the
+    whole-graph sessions measure, each far over the floor; no session holds every weight."""
+    model = LLAMA / "model.onnx" if which == "tiny-llama" else decoder(tmp_path / "m", tie=which.endswith("tied")) / "model.onnx"
+    sessions = []
+    whole, streamed, total, _ = check_both(model, rotate, sessions=sessions)
+    assert list(streamed) == list(whole) == ["logits"]
+    for name, db in whole.items():
+        assert db > 100 and streamed[name] > 100 and abs(streamed[name] - db) < 1, (whole, streamed)
+    assert len(sessions) >= 2 * 3 and max(sessions) < total  # both models: their blocks and tails
+
+
+@pytest.mark.parametrize("fixture", ["builder_model", "tied_builder_model"])
+def test_the_streamed_check_turns_r2s_present_values_back_as_the_whole_graph_check_does(request, fixture):
+    """onnxruntime-genai's builder model (GroupQueryAttention): R2 turns its present values per head, which
+    each block makes as a graph output; block by block they are turned back and measure as whole-graph."""
+    folder, calib = request.getfixturevalue(fixture)
+    whole, streamed, _, decision = check_both(folder / "model.onnx", "R1,R2", data=calib)
+    assert list(streamed) == list(whole) and set(decision.turned_outputs) & set(whole)
+    for name, db in whole.items():
+        assert db > 100 and streamed[name] > 100 and abs(streamed[name] - db) < 1, (whole, streamed)
+
+
+def test_a_drift_is_refused_by_the_streamed_check_before_any_pass_nothing_written(tmp_path, monkeypatch):
+    """One rotated weight of the middle layer scaled after the fold: the block-by-block check finds the logits
+    far off and stops the run in one line, before any calibration pass; -o never made, the model untouched."""
+    refused(tmp_path, monkeypatch, "--device", "cpu")
+
+
+def refused(tmp_path, monkeypatch, *args):
+    import graphcal.calibration.streamed as streamed
+    from graphcal.calibration.transforms import rotation
+    from tests.algorithms.test_rotation_trust import _corrupting, _scale_initializer
+
+    model = decoder(tmp_path / "m")
+    before = folder_state(model)
+    _corrupting(monkeypatch, _scale_initializer("model.layers.1.mlp.down_proj", 1.5))
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a calibration pass ran")
+
+    def no_whole_graph(*args, **kwargs):
+        raise AssertionError("a whole-graph session in the streamed check")
+
+    monkeypatch.setattr(streamed, "_walk", no_pass)
+    monkeypatch.setattr(rotation, "_run", no_whole_graph)
+    out = tmp_path / "out"
+    result = run_cli("run", model / "model.onnx", "--data", model / "calib.npz", "--scheme", "W8A8_STATIC",
+                     "--rotate", "R1", *args, "-o", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --rotate: the rotated model drifts from the model as given "
+                                                   "on the first calibration sample: output 'logits' at "), lines
+    assert not out.exists() and folder_state(model) == before
+
+
+RUN_CHILD = """
+import json, resource, sys
+import graphcal.calibration.transforms.rotation as rotation
+from graphcal import calibrate
+from graphcal.config import Options, resolve
+if sys.argv[4] == "whole-graph":
+    rotation.streams_check = lambda run, loaded: False
+calibrate(sys.argv[1], sys.argv[2], sys.argv[3], config=resolve(Options(scheme="W4A16", rotate="R1")))
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+"""
+
+
+def run_peaks(tmp_path, check: str = "streamed") -> dict[int, int]:
+    """Peak RSS of a --rotate R1 W4A16 run in a child process, on 2 and 8 layers of the same widths."""
+    peaks = {}
+    for layers in (2, 8):
+        model = tmp_path / str(layers)
+        if not model.exists():
+            decoder(model, layers=layers, hidden=512, intermediate=2048, vocab=2048)
+        out = tmp_path / f"out-{layers}-{check}"
+        done = subprocess.run([sys.executable, "-c", RUN_CHILD, model / "model.onnx", model / "calib.npz", out, check],
+                              capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        peaks[layers] = json.loads(done.stdout.strip().splitlines()[-1])
+    return peaks
+
+
+def test_a_rotated_runs_memory_does_not_grow_with_depth(tmp_path):
+    """Peak RSS of a whole --rotate run (fold, check, pass, weights) on 2 and 8 layers stays within a few MB:
+    the check holds one block's weights in onnxruntime (its whole-graph sessions grew 36 MB a layer here)."""
+    peaks = run_peaks(tmp_path)
+    assert peaks[8] - peaks[2] < 24 * 2**20, {k: v // 2**20 for k, v in peaks.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotate", ["R1", "R1,R2"])
+def test_the_streamed_check_on_cuda_measures_what_the_cpu_check_does(tmp_path, rotate):
+    """On CUDA, block by block: the SQNRs of the whole-graph check on the CPU, within float error; and a
+    drift refused there too."""
+    whole, streamed, _, _ = check_both(decoder(tmp_path / "m") / "model.onnx", rotate, device="cuda")
+    assert list(streamed) == list(whole)
+    for name, db in whole.items():
+        assert db > 60 and streamed[name] > 60 and abs(streamed[name] - db) < 3, (whole, streamed)
+
+
+@pytest.mark.gpu
+def test_a_drift_is_refused_by_the_streamed_check_on_cuda(tmp_path, monkeypatch):
+    refused(tmp_path, monkeypatch, "--device", "cuda")

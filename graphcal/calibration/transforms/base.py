@@ -110,8 +110,9 @@ class Transform:
     # -- the passes (on the model the pipeline owns) --------------------------------------------
 
     @classmethod
-    def verify(cls, model_path, model: onnx.ModelProto, decision, batch, device: str, device_id: int) -> None:
-        """A rewrite's check against the model as given, on the first batch, before any pass."""
+    def verify(cls, model_path, run, loaded, decision, batch, device: str, device_id: int) -> None:
+        """A rewrite's check against the model as given, on the first batch, before any pass (``run``: the
+        plan, ``loaded``: the rewritten model, calibration.decisions)."""
 
     @classmethod
     def for_plan(cls, run, loaded):

@@ -49,18 +49,28 @@ SAMPLES = 1  # the calibration samples run through both models
 
 
 def check_rotation(model_path: str | Path, rotated: onnx.ModelProto, report: Rotation, batch: dict[str, np.ndarray],
-                   device: str = "cpu", device_id: int = 0) -> dict[str, float]:
+                   device: str = "cpu", device_id: int = 0, streamed: tuple | None = None) -> dict[str, float]:
     """Run the model at ``model_path`` and ``rotated`` (its weights left on disk read from the
     model's folder) on the first sample of ``batch``; a one-line GraphcalError where a float output
-    drifts beyond float error. Returns each float output's SQNR in dB."""
+    drifts beyond float error. Returns each float output's SQNR in dB. ``streamed``: (the run's plan,
+    its Loaded: ``rotated``'s) to run both models one layer block at a time
+    (calibration.block_outputs), None: each model whole-graph in one session."""
     model_path = Path(model_path)
     folder = str(model_path.parent)
     feeds = batch if fixed_batch(graph_inputs(rotated)) else {k: slice_rows(v, 0, SAMPLES) for k, v in batch.items()}
     outputs = [o.name for o in rotated.graph.output]
-    original = load_model_info(model_path, lazy=True)[0]
-    want = _run(original, outputs, feeds, device, device_id, folder)
-    del original
-    got = _run(rotated, outputs, feeds, device, device_id, folder)
+    original, files = load_model_info(model_path, lazy=True)
+    if streamed is None:
+        want = _run(original, outputs, feeds, device, device_id, folder)
+        del original
+        got = _run(rotated, outputs, feeds, device, device_id, folder)
+    else:
+        from graphcal.calibration.block_outputs import as_given, graph_outputs  # lazy: blockwise loads with its users
+
+        run, loaded = streamed
+        want = graph_outputs(*as_given(run, original, files, model_path), feeds, device, device_id)
+        del original
+        got = graph_outputs(run, loaded, feeds, device, device_id)
     kinds = {t.data_type for t in rotated.graph.initializer} & MIN_SQNR_DB.keys()
     floor = min((MIN_SQNR_DB[k] for k in kinds), default=MIN_SQNR_DB[onnx.TensorProto.FLOAT])
     sqnr = {}
@@ -79,6 +89,14 @@ def check_rotation(model_path: str | Path, rotated: onnx.ModelProto, report: Rot
             f"{worst!r} at {shown} dB SQNR (float error keeps it over {floor:.0f} dB); a rotation this far off is "
             "not exact for this graph, so nothing is written (run without --rotate)")
     return sqnr
+
+
+def streams_check(run, loaded) -> bool:
+    """Whether the check runs block by block: the plan's targets form two or more layer blocks
+    (calibration.streamed.layer_blocks, as the streamed pass finds them), whatever pass the run takes."""
+    from graphcal.calibration.streamed import layer_blocks  # lazy: the passes' module imports the transforms'
+
+    return bool(layer_blocks(loaded, run))
 
 
 def _run(model: onnx.ModelProto, outputs: list[str], feeds: dict, device: str, device_id: int,
@@ -170,11 +188,13 @@ class Rotate(Transform):
         return notes
 
     @classmethod
-    def verify(cls, model_path, model: onnx.ModelProto, decision: Rotation, batch, device: str, device_id: int) -> None:
-        """Before any pass: a rotation that drifts from the model as given goes no further (:func:`check_rotation`)."""
-        sqnr = check_rotation(model_path, model, decision, batch, device, device_id)
-        log.info("--rotate: the rotated model agrees with the model as given on the first sample (%s)",
-                 ", ".join(f"{name} {db:.0f} dB" for name, db in sqnr.items()))
+    def verify(cls, model_path, run, loaded, decision: Rotation, batch, device: str, device_id: int) -> None:
+        """Before any pass: a rotation that drifts from the model as given goes no further (:func:`check_rotation`;
+        block by block where the targets form layer blocks: :func:`streams_check`)."""
+        streamed = (run, loaded) if streams_check(run, loaded) else None
+        sqnr = check_rotation(model_path, loaded.model, decision, batch, device, device_id, streamed)
+        log.info("--rotate: the rotated model agrees with the model as given on the first sample%s (%s)",
+                 " (block by block)" if streamed else "", ", ".join(f"{name} {db:.0f} dB" for name, db in sqnr.items()))
 
     @classmethod
     def metadata(cls, decision: Rotation) -> dict:
