@@ -46,6 +46,20 @@ def sqnr(ref: np.ndarray, got: np.ndarray) -> float:
     return float(10 * np.log10((ref * ref).sum() / ((got - ref) ** 2).sum()))
 
 
+def assert_one_table(path: Path) -> None:
+    """The written tiny tied model stores one table: its GatherBlockQuantized reads lm_head's MatMulNBits
+    bytes (a Reshape of its weight, its scales), and no float [256, 64] table is left."""
+    import onnx
+
+    model = onnx.load(path)
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul")
+    reshape = next(n for n in model.graph.node if n.output[0] == gather.input[0])
+    assert head.op_type == "MatMulNBits" and reshape.input[0] == head.input[1] and gather.input[2] == head.input[2]
+    assert not [i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+                and np.prod(i.dims) == 256 * 64]  # no float table left
+
+
 def build_tiny_genai(root: Path, tied: bool = False) -> tuple[Path, Path]:
     """(the builder's fp32 folder ``root/fp32``, token-only calibration data ``root/calib.npz``:
     16 x 24 token ids). ``tied``: lm_head shares the embedding table (the builder then keeps one

@@ -306,3 +306,18 @@ def reference_llama(case: dict, folder: Path) -> tuple[Path, dict, np.ndarray]:
     with torch.no_grad():
         logits = model(**feeds).logits.numpy()
     return path, {k: v.numpy() for k, v in feeds.items()}, logits
+
+
+# llm-compressor's recipe for a whole model in int4 g32: config groups for Linear and Embedding, nothing ignored
+WHOLE_INT4_RECIPE = """quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: []
+      config_groups:
+        body:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+        table:
+          targets: [Embedding]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+"""

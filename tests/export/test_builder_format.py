@@ -15,27 +15,14 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
-from tests.genai_models import STEPS, generate, sqnr
-from tests.helpers import run_cli
+from tests.genai_models import STEPS, assert_one_table, generate, sqnr
+from tests.helpers import WHOLE_INT4_RECIPE, run_cli
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed (the test extra)")
 
-RECIPE = """quant_stage:
-  quant_modifiers:
-    QuantizationModifier:
-      ignore: []
-      config_groups:
-        body:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-        table:
-          targets: [Embedding]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-"""
 
 
 def _ops(path) -> dict[str, list[onnx.NodeProto]]:
@@ -117,18 +104,12 @@ def test_a_recipe_for_linear_and_embedding_keeps_the_tied_table_one_table(tied_b
     ignored) on the builder's tied model: one table, read by the lookup and lm_head, with no flag."""
     folder, calib = tied_builder_model
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(WHOLE_INT4_RECIPE)
     out = tmp_path / "out"
     result = run_cli("run", str(folder / "model.onnx"), "--data", str(calib), "--recipe", str(recipe), "-o", str(out))
     assert result.exit_code == 0, result.output
     assert "stored twice" not in result.output and "both tables are stored" not in result.output
-    model = onnx.load(out / "model.onnx")
-    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
-    head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul")
-    reshape = next(n for n in model.graph.node if n.output[0] == gather.input[0])
-    assert head.op_type == "MatMulNBits" and reshape.input[0] == head.input[1] and gather.input[2] == head.input[2]
-    assert not [i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
-                and np.prod(i.dims) == 256 * 64]  # no float table left
+    assert_one_table(out / "model.onnx")
     tokens, _ = generate(out)
     assert len(tokens) == STEPS
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.helpers import run_cli
+from tests.helpers import WHOLE_INT4_RECIPE, run_cli
 
 V, H = 300, 96  # 96 is no power of two: GatherBlockQuantized's per-row form pads its blocks and trims them
 
@@ -244,18 +244,7 @@ def test_shipped_models_keep_their_outputs_with_int8_embeddings(tmp_path, model,
 def test_a_recipe_config_group_targets_embedding_as_llm_compressor_writes_it(tmp_path):
     _model(tmp_path / "m.onnx", tied="same")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("""quant_stage:
-  quant_modifiers:
-    QuantizationModifier:
-      ignore: []
-      config_groups:
-        body:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-        table:
-          targets: [Embedding]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-""")
+    recipe.write_text(WHOLE_INT4_RECIPE)
     result = run_cli("inspect", str(tmp_path / "m.onnx"), "--recipe", str(recipe), "--matmulnbits")
     assert result.exit_code == 0, result.output
     assert "lookup   model.embed_tokens (node /model/embed_tokens/Gather, table [300, 96]): quantized, table; reads " \
