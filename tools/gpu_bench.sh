@@ -42,10 +42,12 @@ if [ "$step" = tests ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
     python3 -c "import onnxruntime as o, torch; print('onnxruntime', o.__version__, o.get_available_providers(), '| torch', torch.__version__, torch.cuda.is_available())"
   } 2>&1 | tee "$out/gpu.txt"
-  # the gpu-marked tests of the paths this issue changed: each CUDA path against the CPU or the eager path
+  # the gpu-marked tests of the CUDA paths (issues 47-49): each CUDA path against the CPU or the eager path
   timeout "${GPU_TESTS_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
     tests/algorithms/test_gptq_sweep.py tests/algorithms/test_awq_device.py tests/evaluation/test_eval_device.py \
-    tests/calibration/test_pass_syncs.py tests/calibration/test_cuda.py 2>&1 | tee "$out/pytest-gpu.log" | tail -15
+    tests/calibration/test_pass_syncs.py tests/calibration/test_cuda.py tests/output/test_bf16_models.py \
+    tests/evaluation/test_next_token_loss.py tests/evaluation/test_mix_by_kl.py tests/calibration/test_rotation_streamed.py \
+    tests/calibration/test_streamed_pass.py 2>&1 | tee "$out/pytest-gpu.log" | tail -15
   # GPTQ's sweep: the baseline's eager loop against this checkout's eager and captured loops
   timeout "${SWEEP_S:-40}" python3 tools/gptq_sweep_speed.py --device cuda --repeat 3 \
     --baseline .devbase/gptq_math_7cb8953.py 2>&1 | tee "$out/gptq-sweep-cuda.txt" | tail -6
