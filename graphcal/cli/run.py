@@ -8,10 +8,13 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
+from graphcal.errors import UsageError
 from graphcal.cli.options import (
     CONFIG_OPTIONS,
+    MAX_MB,
     DEBUG_OPTION,
     PASS_OPTIONS,
+    Number,
     OneLineCommand,
     data_option,
     options,
@@ -25,11 +28,22 @@ from graphcal.cli.options import (
 @data_option(required=True)
 @output_option(required=True)
 @options(*CONFIG_OPTIONS, *PASS_OPTIONS)
+@click.option("--size-budget", "size_budget", type=Number(0, MAX_MB, low_open=True), default=None, metavar="MB",
+              help="Choose each layer's form within this size of model files: the low form (the flags', else int4 "
+                   "with zero points in groups of 64 by GPTQ, lm_head and the embedding too) and int8 weights, "
+                   "layer by layer by the next-token KL on the last --mix-samples samples, held out; writes the mix "
+                   "and measures it (docs/usage.md).")
+@click.option("--target-kl", "target_kl", type=Number(0), default=None, metavar="NATS",
+              help="Instead of --size-budget: the fewest int8 layers that bring the mean next-token KL against fp32 "
+                   "on the held-out samples to NATS.")
+@click.option("--mix-samples", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --size-budget or --target-kl: the last N calibration samples, held out to choose and "
+                   "measure the mix on  [default: 4].")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @DEBUG_OPTION
-def run(model, data, output, as_json, quiet, debug, **flags):
+def run(model, data, output, size_budget, target_kl, mix_samples, as_json, quiet, debug, **flags):
     """Calibrate MODEL on --data and write a QDQ model and compressed-tensors metadata to -o.
 
     \b
@@ -39,7 +53,16 @@ def run(model, data, output, as_json, quiet, debug, **flags):
     from graphcal.calibration.pipeline import calibrate  # lazy: loads torch, onnxruntime and compressed-tensors
 
     def call():
-        return calibrate(model, data, output, options_from_flags(flags, progress=not (quiet or as_json)))
+        options = options_from_flags(flags, progress=not (quiet or as_json))
+        if size_budget is None and target_kl is None:
+            if mix_samples is not None:
+                raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
+            return calibrate(model, data, output, options)
+        from graphcal.budget import DEFAULT_MIX_SAMPLES, Goal, calibrate_within
+
+        goal = Goal(round(size_budget * 1e6) if size_budget is not None else None, target_kl)
+        return calibrate_within(model, data, output, options, goal=goal,
+                                mix_samples=mix_samples or DEFAULT_MIX_SAMPLES)
 
     result = guarded(call, debug)
     if result.rank != 0:
