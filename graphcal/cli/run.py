@@ -8,11 +8,10 @@ from pathlib import Path
 import click
 
 from graphcal.cli.guard import guarded
-from graphcal.errors import UsageError
 from graphcal.cli.options import (
     CONFIG_OPTIONS,
-    MAX_MB,
     DEBUG_OPTION,
+    MAX_MB,
     PASS_OPTIONS,
     Number,
     OneLineCommand,
@@ -21,6 +20,7 @@ from graphcal.cli.options import (
     options_from_flags,
     output_option,
 )
+from graphcal.errors import UsageError
 
 
 @click.command(cls=OneLineCommand)

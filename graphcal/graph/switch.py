@@ -58,7 +58,7 @@ def switchable_model(reference: onnx.ModelProto, candidates: list[onnx.ModelProt
     model.graph.initializer.extend(reference.graph.initializer)
 
     fp32_values = fp32_computed(reference)
-    forms = [_Form(c, _prefix(k), fp32_values) for k, c in enumerate(candidates)]
+    forms = [LayerForm(c, _prefix(k), fp32_values) for k, c in enumerate(candidates)]
     switches: dict[str, list[str | None]] = {}
     replaced: dict[str, onnx.NodeProto] = {}  # fp32 node name -> its If
     fp32_nodes = {n.name: n for n in reference.graph.node}
@@ -108,11 +108,11 @@ def layer_reads(candidate: onnx.ModelProto, fp32_nodes: list[onnx.NodeProto],
                 fp32_values: set[str]) -> dict[str, list[str] | None]:
     """For each fp32 node (by name), the candidate initializers read in computing its output (what
     that layer's form stores), or None where the candidate computes it with the fp32 node itself."""
-    form = _Form(candidate, "", fp32_values)  # the candidate indexed once for every layer
+    form = LayerForm(candidate, "", fp32_values)  # the candidate indexed once for every layer
     return {n.name: None if form.same_as(n) else form.nodes(n.output[0])[1] for n in fp32_nodes}
 
 
-class _Form:
+class LayerForm:
     """One candidate's way of computing layers, read from values the fp32 model also computes."""
 
     def __init__(self, candidate: onnx.ModelProto, prefix: str, fp32_values: set[str]):

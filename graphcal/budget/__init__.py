@@ -15,9 +15,10 @@ The steps, in order (each a call of what `run` and `eval` already do, inside one
    layer by layer, units ranked by the next-token KL divergence from fp32 they remove per byte (the token
    loss where the data has ``labels``; the first output's SQNR for a model without logits), at eval's
    optimization level (ORT_ENABLE_BASIC: onnxruntime fuses no Q/DQ inside the switches' branches).
-5. **The mix written** into ``-o`` by the low run again with the chosen layers in the high form
-   (``--scheme-for``, or ``--ignore`` for float): the chosen form of every layer, written by the same code
-   as any run, with its quantization_config.json.
+5. **The mix written** into ``-o`` from the two forms written (graphcal.budget.write, graph.splice): the low
+   form with the chosen layers' nodes and weights taken from the high form, as the switches measured them:
+   nothing is calibrated again. Where the high form is float (or the run writes k/v scales), the low run
+   runs again with the mix's flags instead (``--ignore``).
 6. **Measured as written**: the written model against fp32 on the held-out samples (eval of ``-o``): the
    KL and size reported are the written model's, next to what the choice predicted.
 """
@@ -37,8 +38,9 @@ from graphcal.data import data_paths
 from graphcal.data.held_out import hold_out
 from graphcal.errors import UsageError
 from graphcal.output import MODEL_FILE
-from graphcal.output.folder import check_output_dir, missing_parents
+from graphcal.output.folder import missing_parents
 from graphcal.output.process import on_abort
+from graphcal.output.slot import reserve_output
 
 log = logging.getLogger("graphcal")
 
@@ -122,7 +124,7 @@ class BudgetResult:
                                                           else f", output SQNR {self.measured.outputs[0].sqnr_db:.1f} dB")
         lines.append(f"the mix: {predicted}; {measured} (the written model on the held-out samples)")
         if not mix.reached:
-            lines.append(f"the target was not reached: every unit worth its bytes is in the high form")
+            lines.append("the target was not reached: every unit worth its bytes is in the high form")
         lines.append("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items()))
         return lines + self.final.summary_lines()
 
@@ -162,9 +164,7 @@ def calibrate_within(model: str | Path, data, output_dir: str | Path, options: O
                      goal: Goal, mix_samples: int = DEFAULT_MIX_SAMPLES, **keywords) -> BudgetResult:
     """The model within ``goal``: both forms calibrated on all but the last ``mix_samples`` samples,
     the mix chosen and measured on those, and written to ``output_dir`` (see the module's steps)."""
-    from graphcal.calibration.pipeline import calibrate  # lazy: torch, onnxruntime and compressed-tensors
-    from graphcal.calibration.result import scheme_label
-    from graphcal.evaluation import EvalOptions, evaluate
+    from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime, torch
 
     goal.check()
     if mix_samples < 1:
@@ -172,47 +172,79 @@ def calibrate_within(model: str | Path, data, output_dir: str | Path, options: O
     options = with_keywords(options, keywords)
     low, high, defaults = budget_options(options)
     out = Path(output_dir)
-    check_output_dir(out, [Path(model), *data_paths(data)])  # before any pass: the final run reserves it
-    held = hold_out(data, mix_samples, options.num_samples)
-    calib = replace(options, num_samples=held.calibrate_on)
-    seconds: dict[str, float] = {}
+    with reserve_output(out, [Path(model), *data_paths(data)]) as slot:  # -o checked and locked before any pass
+        _check_fits(model, low, goal)
+        held = hold_out(data, mix_samples, options.num_samples)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.graphcal-mix-", dir=missing_parents(slot.path)[0]))
+        with on_abort(lambda: shutil.rmtree(work, ignore_errors=True)):
+            try:
+                final, mix, seconds, low_label = _forms_and_mix(model, data, out, low, high, goal, held, work, slot)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     eval_common = dict(batch_size=options.batch_size, device=options.device)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.graphcal-mix-", dir=missing_parents(out.absolute())[0]))
-    with on_abort(lambda: shutil.rmtree(work, ignore_errors=True)):
-        try:
-            start = time.perf_counter()
-            log.info("--size-budget: the low form (%s) on %d samples", scheme_label(low.scheme, None, None),
-                     held.calibrate_on)
-            low_result = calibrate(model, data, work / "low", replace(low, num_samples=held.calibrate_on))
-            seconds["low form"] = time.perf_counter() - start
-            fallback = None
-            if high is not None:
-                start = time.perf_counter()
-                calibrate(model, data, work / "high", replace(high, num_samples=held.calibrate_on))
-                fallback = work / "high" / MODEL_FILE
-                seconds["high form"] = time.perf_counter() - start
-            start = time.perf_counter()
-            report = evaluate(model, work / "low" / MODEL_FILE, held.arrays,
-                              EvalOptions(fallback=fallback, size_budget_bytes=goal.size_budget_bytes,
-                                          target_kl=goal.target_kl, per_layer=True, time_limit_s=None, **eval_common))
-            mix = report.mix
-            seconds["choice"] = time.perf_counter() - start
-            start = time.perf_counter()
-            final = calibrate(model, data, out, _with_flags(calib, mix.flags(), low))
-            seconds["mix written"] = time.perf_counter() - start
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     start = time.perf_counter()
     measured = evaluate(model, out / MODEL_FILE, held.arrays, EvalOptions(**eval_common))
     seconds["measured"] = time.perf_counter() - start
     final.seconds = sum(seconds.values())
-    final.scheme = f"{low_result.scheme}, mixed with {HIGH_SCHEME if high is not None else 'float'}"
-    return BudgetResult(final, mix, measured, goal, low_result.scheme,
+    final.scheme = f"{low_label}, mixed with {HIGH_SCHEME if high is not None else 'float'}"
+    return BudgetResult(final, mix, measured, goal, low_label,
                         f"{HIGH_SCHEME} (round to nearest)" if high is not None else "float", defaults,
                         held.count, held.calibrate_on, seconds)
 
 
-def _with_flags(calib: Options, flags: list[str], low: Options) -> Options:
+def _forms_and_mix(model, data, out: Path, low: Options, high: Options | None, goal: Goal, held, work: Path, slot):
+    """Both forms into ``work``, the mix chosen on the held-out samples and written into ``slot`` (``-o``):
+    (the written run's result, the Mix, seconds by step, the low form's scheme)."""
+    from graphcal.calibration.pipeline import calibrate  # lazy: torch, onnxruntime and compressed-tensors
+    from graphcal.config import resolve
+    from graphcal.evaluation import EvalOptions, evaluate
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    low_result = calibrate(model, data, work / "low", replace(low, num_samples=held.calibrate_on))
+    seconds["low form"] = time.perf_counter() - start
+    fallback = high_result = None
+    if high is not None:
+        start = time.perf_counter()
+        high_result = calibrate(model, data, work / "high", replace(high, num_samples=held.calibrate_on))
+        fallback = work / "high" / MODEL_FILE
+        seconds["high form"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report = evaluate(model, work / "low" / MODEL_FILE, held.arrays,
+                      EvalOptions(fallback=fallback, size_budget_bytes=goal.size_budget_bytes, target_kl=goal.target_kl,
+                                  per_layer=True, time_limit_s=None, batch_size=low.batch_size, device=low.device))
+    mix = report.mix
+    seconds["choice"] = time.perf_counter() - start
+    start = time.perf_counter()
+    final_options = _with_flags(mix.flags(), replace(low, num_samples=held.calibrate_on))
+    config = resolve(final_options)
+    if high_result is not None and config.kv_cache is None:  # the two forms spliced: nothing calibrated again
+        from graphcal.budget.write import write_mix
+
+        layers = {name: mix.plan.fp32_layers[name] for unit in mix.chosen for name in mix.plan.by_name[unit].layers}
+        final = write_mix(work, Path(model), low_result, high_result, config, layers, slot)
+    else:  # float layers (or k/v scales): the run again, with the mix's flags
+        slot.release()
+        final = calibrate(model, data, out, final_options)
+    seconds["mix written"] = time.perf_counter() - start
+    return final, mix, seconds, low_result.scheme
+
+
+def _check_fits(model, low: Options, goal: Goal) -> None:
+    """A budget under the low form's expected size (graphcal.calibration.sizing: from shapes, no weight read)
+    refused before any pass."""
+    if goal.size_budget_bytes is None:
+        return
+    from graphcal.calibration.report import inspect_model  # lazy: the plan loads onnx and compressed-tensors
+    from graphcal.config import resolve
+
+    expected = inspect_model(model, resolve(low), target=low.target).expected_size
+    if expected > goal.size_budget_bytes:
+        raise UsageError(f"{goal.text} is under the low form's expected size, {expected / 1e6:.1f} MB: no mix fits; "
+                         "give a larger budget or a lower form (--scheme, --group-size)")
+
+
+def _with_flags(flags: list[str], low: Options) -> Options:
     """The low form's options with the mix's flags (``--scheme-for X`` / ``--ignore X`` pairs) added."""
     scheme_for, ignore = list(low.scheme_for or ()), None
     for flag, value in zip(flags[::2], flags[1::2]):
@@ -220,5 +252,5 @@ def _with_flags(calib: Options, flags: list[str], low: Options) -> Options:
             scheme_for.append(value)
         else:
             ignore = [*(ignore or []), value]
-    return replace(low, num_samples=calib.num_samples, scheme_for=tuple(scheme_for) or None,
+    return replace(low, scheme_for=tuple(scheme_for) or None,
                    ignore=tuple(ignore) if ignore is not None else low.ignore)
