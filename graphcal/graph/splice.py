@@ -37,6 +37,7 @@ def splice(low: onnx.ModelProto, high: onnx.ModelProto, reference: onnx.ModelPro
     model.ir_version = max(low.ir_version, high.ir_version)
     model.graph.initializer.extend(low.graph.initializer)
 
+    added: set[str] = set()  # the high form's initializers added to the model
     replacements: dict[str, list[onnx.NodeProto]] = {}  # a taken layer's output -> the high nodes computing it
     dropped: set[str] = set()  # the low nodes (by first output) computing a taken layer
     for layer, node_name in layers.items():
@@ -44,19 +45,19 @@ def splice(low: onnx.ModelProto, high: onnx.ModelProto, reference: onnx.ModelPro
         out = fp32.output[0]
         if low_form.same_as(fp32):
             raise GraphcalError(f"the low form computes {layer} as the fp32 model does: there is nothing to replace")
-        nodes = high_form.branch(model, layer, out, fp32, 0)  # renamed as a branch's, its initializers added
-        if nodes is None:
+        if high_form.same_as(fp32):
             raise GraphcalError(f"the high form computes {layer} as the fp32 model does; the mix takes quantized forms")
-        for n in nodes:
-            n.name = HIGH + n.name
-        nodes[-1].output[0] = out
+        nodes = _renamed(*high_form.nodes(out), out, high_form, model, added)
         replacements[out] = nodes
         dropped |= {n.output[0] for n in low_form.nodes(out)[0]}
     kept = _still_read(low, dropped, set(replacements))
-    spliced = []
+    spliced, made = [], set()  # a high node two taken layers share (their input's Q/DQ) goes in once, with the first
     for n in low.graph.node:
         if n.output[0] in replacements:
-            spliced += replacements[n.output[0]]
+            for copy in replacements[n.output[0]]:
+                if copy.output[0] not in made:
+                    made.add(copy.output[0])
+                    spliced.append(copy)
         elif n.output[0] not in dropped or n.output[0] in kept:
             spliced.append(n)
     del model.graph.node[:]
@@ -66,6 +67,32 @@ def splice(low: onnx.ModelProto, high: onnx.ModelProto, reference: onnx.ModelPro
     del model.graph.initializer[:]
     model.graph.initializer.extend(live)
     return model
+
+
+def _renamed(nodes: list[onnx.NodeProto], reads: list[str], out: str, form: LayerForm, model: onnx.ModelProto,
+             added: set[str]) -> list[onnx.NodeProto]:
+    """Copies of the high form's ``nodes`` computing ``out``, their names, values and initializers under
+    :data:`HIGH` (``out`` kept), each initializer they read added to ``model`` once."""
+    for name in reads:
+        if name not in added:
+            added.add(name)
+            init = model.graph.initializer.add()
+            init.CopyFrom(form.inits[name])
+            init.name = HIGH + name
+    local = {o for n in nodes for o in n.output} - {out}
+
+    def rename(name: str) -> str:
+        return HIGH + name if name and (name in local or name in form.inits) else name
+
+    copies = []
+    for n in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        copy.name = HIGH + n.name
+        copy.input[:] = [rename(i) for i in n.input]
+        copy.output[:] = [rename(o) for o in n.output]
+        copies.append(copy)
+    return copies
 
 
 def _still_read(low: onnx.ModelProto, dropped: set[str], taken: set[str]) -> set[str]:

@@ -96,6 +96,29 @@ def test_the_reported_kl_is_the_written_models_on_the_held_out_samples(budget_ru
     want = _kl(_logits(llama_dir / "model.onnx", feeds), _logits(out / "model.onnx", feeds), feeds["attention_mask"])
     assert report["budget"]["measured_kl"] == pytest.approx(want, rel=1e-6)
     assert report["budget"]["mix"]["low_kl"] > want  # the mix loses less than the low form
+    # the written model is the mix the switches measured: its KL is the one predicted
+    assert report["budget"]["mix"]["kl"] == pytest.approx(want, rel=1e-6)
+
+
+def test_an_int8_low_form_mixes_with_float_by_running_again_with_ignores(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", out,
+                     "--scheme", "W8A16", "--size-budget", "0.75", "--json")
+    assert result.exit_code == 0, result.output
+    budget = json.loads(result.stdout)["budget"]
+    assert budget["high"] == "float" and not budget["defaults"] and budget["mix"]["chosen"]
+    assert _model_bytes(out) <= 0.75e6
+    config = json.loads((out / "quantization_config.json").read_text())
+    chosen = [layer for unit in budget["mix"]["units"] if unit["chosen"] for layer in unit["layers"]]
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    quantized = {n.name for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    for layer in chosen:  # left in float: no weight dequantized for it, and named by the config's ignore
+        assert not any(name.startswith(layer + "/") or f"/{layer.replace('.', '/')}/" in name for name in quantized)
+    assert config["ignore"]
+    arrays = np.load(llama_dir / "calib.npz")
+    feeds = {k: arrays[k][-HELD:] for k in ("input_ids", "attention_mask")}
+    want = _kl(_logits(llama_dir / "model.onnx", feeds), _logits(out / "model.onnx", feeds), feeds["attention_mask"])
+    assert budget["measured_kl"] == pytest.approx(want, rel=1e-6)
 
 
 def test_a_target_kl_the_low_form_meets_promotes_nothing(llama_dir, tmp_path):
@@ -181,3 +204,7 @@ def test_a_builder_model_keeps_its_tied_table_and_its_folder(tied_builder_model,
     assert sum(1 for n in onnx.load(str(tmp_path / "probe" / "model.onnx"), load_external_data=False).graph.node
                if n.op_type == "GatherBlockQuantized") == 1
     assert set(bits.values()) <= {4, 8}
+    from tests.genai_models import generate
+
+    tokens, _ = generate(tmp_path / "probe")  # onnxruntime-genai's own loop runs the written folder
+    assert len(tokens) > 0
