@@ -17,7 +17,8 @@ The package, by job:
   attention_mask, position_ids), filled as a prefill from an empty cache has them;
 - ``calibration``: :class:`Calibration`, the one type the stages see, whatever the data came from;
 - ``load``: :func:`load_data` and :class:`CalibrationData`, the batches a run streams;
-- ``padding``: the ``attention_mask`` input that --exclude-padding reads.
+- ``padding``: the ``attention_mask`` input that --exclude-padding reads;
+- ``held_out``: the last samples set aside, for `run --size-budget` to choose its mix on.
 
 This module re-exports the names the rest of graphcal imports.
 """
