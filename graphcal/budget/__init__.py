@@ -39,7 +39,7 @@ from graphcal.data.held_out import hold_out
 from graphcal.errors import UsageError
 from graphcal.output import MODEL_FILE
 from graphcal.output.folder import missing_parents
-from graphcal.output.process import on_abort
+from graphcal.output.process import on_abort, torchrun_rank
 from graphcal.output.slot import reserve_output
 
 log = logging.getLogger("graphcal")
@@ -167,6 +167,9 @@ def calibrate_within(model: str | Path, data, output_dir: str | Path, options: O
     from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime, torch
 
     goal.check()
+    if torchrun_rank() is not None:
+        raise UsageError("--size-budget and --target-kl run in one process (both forms, then the choice on one session); "
+                         "run them without torchrun")
     if mix_samples < 1:
         raise UsageError(f"--mix-samples must be 1 or more, got {mix_samples}")
     options = with_keywords(options, keywords)

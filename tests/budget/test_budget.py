@@ -8,6 +8,11 @@ layers' forms are read from the written graph; sizes from the files on disk."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +25,7 @@ from graphcal.budget import DEFAULTS, HIGH_SCHEME, budget_options
 from graphcal.config import Options
 from graphcal.data.held_out import hold_out
 from graphcal.errors import UsageError
-from tests.helpers import run_cli
+from tests.helpers import REPO, run_cli
 
 HELD = 4  # the default --mix-samples
 
@@ -148,6 +153,14 @@ def test_bad_requests_are_refused_in_one_line_before_any_pass(llama_dir, tmp_pat
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.graphcal-mix-*"))
 
 
+def test_under_torchrun_a_budget_is_refused_in_one_line(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = run_cli("run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "-o", tmp_path / "out",
+                     "--size-budget", "1")
+    assert result.exit_code != 0 and "without torchrun" in result.output and result.output.count("\n") == 1
+
+
 def test_the_defaults_apply_only_when_no_config_flag_is_given():
     low, high, defaults = budget_options(Options())
     assert defaults and low.scheme == DEFAULTS["scheme"] and low.algorithm == "gptq" and low.lm_head
@@ -208,3 +221,43 @@ def test_a_builder_model_keeps_its_tied_table_and_its_folder(tied_builder_model,
 
     tokens, _ = generate(tmp_path / "probe")  # onnxruntime-genai's own loop runs the written folder
     assert len(tokens) > 0
+
+
+PAUSED_CHOICE = """
+import os, pathlib, sys, time
+import graphcal.evaluation.pipeline as pipeline
+def paused(*args, **kwargs):
+    pathlib.Path(os.environ["GC_PAUSED"]).touch()
+    time.sleep(600)
+pipeline.measure_mix = paused
+from graphcal.cli import main
+sys.argv = ["graphcal", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_the_forms_folder_is_gone_after_sigterm_and_ctrl_c(llama_dir, tmp_path, sig, code):
+    work = tmp_path / "work"
+    work.mkdir()
+    paused = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_CHOICE, "run", str(llama_dir / "model.onnx"), "--data",
+                             str(llama_dir / "calib.npz"), "--size-budget", "0.42", "-o", str(work / "o")],
+                            env={**os.environ, "PYTHONPATH": str(REPO), "GC_PAUSED": str(paused)}, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not paused.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never reached its choice"
+            time.sleep(0.05)
+        forms = [p for p in work.iterdir() if ".graphcal-mix-" in p.name]
+        assert forms and (forms[0] / "low" / "model.onnx").exists() and (forms[0] / "high" / "model.onnx").exists()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1] == "interrupted; no output was written", err
+    assert list(work.iterdir()) == []  # both forms, the lock and -o: nothing left
