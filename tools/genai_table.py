@@ -2,7 +2,7 @@
 
     python -m tools.genai_table [--work work/smollm] [--group-size 64] [--methods rtn gptq awq ...]
                                 [--scheme W4A16] [--whole [--mix MB [--mix-fallback W8A16:64:rtn]]]
-                                [--rotate R1] [--json OUT]
+                                [--rotate R1] [--budget MB [--budget-samples N]] [--json OUT]
 
 On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear weights sit on a
 4-bit grid in blocks of 32, so groups of 32 flatter int4: graphcal's rows use --group-size 64):
@@ -17,6 +17,9 @@ On the real LLM that tools/real_llm.py builds (SmolLM2-135M-Instruct; its Linear
   builder's int4 quantizes it: lm_head too (``--lm-head``) and the tied embedding sharing its table
   (``--scheme-for Embedding=SCHEME``), written as MatMulNBits and GatherBlockQuantized
   (``--matmulnbits``), into ``graphcal_<scheme>_<method>_g<group>_whole/``;
+- with ``--budget MB``, one ``graphcal run --size-budget MB`` and nothing else (its defaults: docs/budget.md),
+  held out ``--budget-samples``, timed against plain onnxruntime over the samples it calibrates on,
+  into ``graphcal_budget<MB>_s<N>/``;
 - with ``--mix MB`` (and ``--whole``), mixed precision chosen by measurement for each method: the
   whole model in ``--mix-fallback`` (default W8A16, groups of 64, round to nearest) is the fallback, ``graphcal eval
   --fallback ... --size-budget MB --per-layer`` chooses which layers take it on calibration data
@@ -120,6 +123,31 @@ def _mixed(work: Path, method: str, group: int, scheme: str, budget: float, samp
     return folder, time.perf_counter() - start
 
 
+def _budget(work: Path, budget: float, samples: int) -> tuple[str, Path, float]:
+    """``graphcal run --size-budget`` with nothing else, into ``graphcal_budget<MB>_s<samples>/``: (label, folder,
+    seconds); its time is printed against plain onnxruntime over the samples it calibrates on, run just before."""
+    import numpy as np
+
+    folder = work / f"graphcal_budget{budget:g}_s{samples}"
+    ids = work / "calib_ids.npz"
+    if not ids.exists():
+        np.savez(ids, input_ids=np.load(work / "calib.npz")["input_ids"])  # token ids alone
+    seconds = None
+    if not (folder / "model.onnx").exists():
+        count = len(np.load(ids)["input_ids"]) - samples
+        baseline = subprocess.run([sys.executable, "-m", "tools.infer_baseline", str(work / "genai_fp32" / "model.onnx"),
+                                   str(ids), "8", str(count)], check=True, cwd=REPO, capture_output=True, text=True)
+        plain = json.loads(baseline.stdout.strip().splitlines()[-1])["seconds"]
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "graphcal", "run", str(work / "genai_fp32" / "model.onnx"), "--data",
+                        str(ids), "--size-budget", f"{budget:g}", "--mix-samples", str(samples), "-o", str(folder)],
+                       check=True, cwd=REPO)
+        seconds = time.perf_counter() - start
+        print(f"run --size-budget {budget:g}: {seconds:.0f} s, {seconds / plain:.1f}x plain inference over "
+              f"{count} samples ({plain:.1f} s)", flush=True)
+    return f"graphcal run --size-budget {budget:g} (--mix-samples {samples})", folder, seconds
+
+
 def _size(folder: Path) -> int:
     from graphcal.graph.io import model_bytes  # lazy: onnx, kept out of --help
 
@@ -139,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix-fallback", default="W8A16:64:rtn", metavar="SCHEME:GROUP:METHOD",
                         help="the whole model's higher form the mix takes layers from")
     parser.add_argument("--rotate", default=None, metavar="R1|R1,R2", help="graphcal's models rotated (run --rotate)")
+    parser.add_argument("--budget", type=float, default=None, metavar="MB",
+                        help="also `graphcal run --size-budget MB` alone (its defaults, --mix-samples from "
+                             "--budget-samples), timed against plain inference over the samples it calibrates on")
+    parser.add_argument("--budget-samples", type=int, default=4, help="--mix-samples for --budget")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work
@@ -158,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.mix_fallback, args.rotate)
             rows.append((f"graphcal {args.scheme} g{args.group_size} {method} whole model, {args.mix_fallback} where "
                          f"eval chose within {args.mix:g} MB{rotated}", folder, seconds))
+    if args.budget is not None:
+        rows.append(_budget(work, args.budget, args.budget_samples))
     results = []
     print("| model | held-out perplexity | size (MB) | graphcal run (s) |")
     print("|---|---|---|---|")
