@@ -32,7 +32,7 @@ from graphcal.errors import UsageError
               help="Choose each layer's form within this size of model files: the low form (the flags', else int4 "
                    "with zero points in groups of 64 by GPTQ, lm_head and the embedding too) and int8 weights, "
                    "layer by layer by the next-token KL on the last --mix-samples samples, held out; writes the mix "
-                   "and measures it (docs/usage.md).")
+                   "and measures it (docs/budget.md).")
 @click.option("--target-kl", "target_kl", type=Number(0), default=None, metavar="NATS",
               help="Instead of --size-budget: the fewest int8 layers that bring the mean next-token KL against fp32 "
                    "on the held-out samples to NATS.")
