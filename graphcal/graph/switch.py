@@ -15,8 +15,13 @@ then one run of one session (``--size-budget`` measures mixes this way).
 
 A value both layers read through one shared node in the quantized model (q/k/v's input Q/DQ) is
 computed in each branch; a quantized model's nodes outside every layer (a kv-cache Q/DQ) are not
-part of any layer and stay out. The branches read the models' weights from the outer graph: the
-first quantized model's under ``QUANTIZED + name``, the k-th's (k >= 1) under ``QUANTIZED + "k/" + name``.
+part of any layer and stay out. Each branch holds the quantized weights it reads (a copy in each branch
+where two read one: a tied table), the first quantized model's under ``QUANTIZED + name``, the k-th's
+(k >= 1) under ``QUANTIZED + "k/" + name``: onnxruntime prepacks a branch's own initializers as it does
+the top level's, so a layer computes in its branch as in its model (an 8-bit MatMulNBits reading an outer
+graph's value computes at accuracy level 0, whatever its attribute says; as the model's initializer, at its
+level: :func:`graphcal.graph.splice.splice` writes what was measured). The fp32 nodes' weights stay in the
+outer graph.
 """
 
 from __future__ import annotations
@@ -73,15 +78,17 @@ def switchable_model(reference: onnx.ModelProto, candidates: list[onnx.ModelProt
         inner, inner_out = [float_node], float_node.output[0]
         names: list[str | None] = []
         for k in reversed(range(len(forms))):  # the first candidate's If outermost
-            nodes = forms[k].branch(model, layer, out, fp32, k)
-            if nodes is None:
+            made = forms[k].branch(layer, out, fp32, k)
+            if made is None:
                 names.append(None)
                 continue
+            nodes, weights = made
             switch = SWITCH + layer if k == 0 else f"{SWITCH}{k}/{layer}"
             names.append(switch)
             model.graph.input.append(helper.make_tensor_value_info(switch, TensorProto.BOOL, []))
             then_branch = helper.make_graph(nodes, f"graphcal-q/{k}/{layer}/quantized", [],
-                                            [helper.make_tensor_value_info(nodes[-1].output[0], elem, None)])
+                                            [helper.make_tensor_value_info(nodes[-1].output[0], elem, None)],
+                                            initializer=weights)
             else_branch = helper.make_graph(inner, f"graphcal-f/{k}/{layer}/else", [],
                                             [helper.make_tensor_value_info(inner_out, elem, None)])
             inner_out = f"graphcal-s/{k}/{layer}/{out}"
@@ -119,7 +126,6 @@ class LayerForm:
         self.producer = {o: n for n in candidate.graph.node for o in n.output}
         self.inits = {t.name: t for t in candidate.graph.initializer}
         self.prefix, self.fp32_values = prefix, fp32_values
-        self.taken: set[str] = set()
 
     def same_as(self, fp32: onnx.NodeProto) -> bool:
         node = self.producer.get(fp32.output[0])
@@ -131,19 +137,20 @@ class LayerForm:
     def nodes(self, out: str) -> tuple[list[onnx.NodeProto], list[str]]:
         return _layer_nodes(out, self.producer, self.inits, self.fp32_values)
 
-    def branch(self, model: onnx.ModelProto, layer: str, out: str, fp32: onnx.NodeProto,
-               k: int) -> list[onnx.NodeProto] | None:
-        """The candidate's nodes for ``layer``, renamed into a branch (their initializers added to
-        ``model`` once), or None where it computes the layer as fp32 does."""
+    def branch(self, layer: str, out: str, fp32: onnx.NodeProto,
+               k: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]] | None:
+        """The candidate's nodes for ``layer``, renamed into a branch, and copies of the initializers they
+        read, renamed, for the branch to hold (a copy in each branch that reads one: a tied table's two);
+        None where it computes the layer as fp32 does."""
         if self.same_as(fp32):
             return None
         nodes, reads = self.nodes(out)
+        weights = []
         for name in reads:
-            if name not in self.taken:
-                self.taken.add(name)
-                init = model.graph.initializer.add()
-                init.CopyFrom(self.inits[name])
-                init.name = self.prefix + name
+            init = onnx.TensorProto()
+            init.CopyFrom(self.inits[name])
+            init.name = self.prefix + name
+            weights.append(init)
         local = {o for n in nodes for o in n.output}
         inner = f"graphcal-q/{k}/{layer}/"
 
@@ -162,7 +169,7 @@ class LayerForm:
             copy.input[:] = [rename(i) for i in n.input]
             copy.output[:] = [rename(o) for o in n.output]
             copies.append(copy)
-        return copies
+        return copies, weights
 
 
 def _layer_nodes(out: str, producer: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto],
