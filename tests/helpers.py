@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -321,3 +322,27 @@ WHOLE_INT4_RECIPE = """quant_stage:
           targets: [Embedding]
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
 """
+
+
+def signal_paused_run(script: str, args: list, tmp_path: Path, sig: int, what: str, check=None):
+    """``python -c script ARGS`` (a CLI run patched to create the file ``$GC_PAUSED`` and wait at some point),
+    sent ``sig`` once that file exists (within 120 s; ``what`` says where in the message), after ``check()``
+    (assertions on what the paused run holds): (its exit code, its stderr)."""
+    paused = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
+                            env={**os.environ, "PYTHONPATH": str(REPO), "GC_PAUSED": str(paused)}, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not paused.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"the run never reached {what}"
+            time.sleep(0.05)
+        if check is not None:
+            check()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err

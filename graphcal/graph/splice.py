@@ -16,7 +16,7 @@ import onnx
 
 from graphcal.errors import GraphcalError
 from graphcal.graph.io import hollow_copy
-from graphcal.graph.switch import LayerForm, fp32_computed
+from graphcal.graph.switch import LayerForm, fp32_computed, renamed
 
 HIGH = "graphcal-high/"  # the high form's initializers and nodes, renamed under it
 
@@ -84,15 +84,7 @@ def _renamed(nodes: list[onnx.NodeProto], reads: list[str], out: str, form: Laye
     def rename(name: str) -> str:
         return HIGH + name if name and (name in local or name in form.inits) else name
 
-    copies = []
-    for n in nodes:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(n)
-        copy.name = HIGH + n.name
-        copy.input[:] = [rename(i) for i in n.input]
-        copy.output[:] = [rename(o) for o in n.output]
-        copies.append(copy)
-    return copies
+    return renamed(nodes, HIGH, rename)
 
 
 def _still_read(low: onnx.ModelProto, dropped: set[str], taken: set[str]) -> set[str]:

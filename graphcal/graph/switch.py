@@ -161,15 +161,20 @@ class LayerForm:
                 return inner + name
             return self.prefix + name if name in self.inits else name
 
-        copies = []
-        for n in nodes:
-            copy = onnx.NodeProto()
-            copy.CopyFrom(n)
-            copy.name = inner + n.name
-            copy.input[:] = [rename(i) for i in n.input]
-            copy.output[:] = [rename(o) for o in n.output]
-            copies.append(copy)
-        return copies, weights
+        return renamed(nodes, inner, rename), weights
+
+
+def renamed(nodes: list[onnx.NodeProto], prefix: str, rename) -> list[onnx.NodeProto]:
+    """Copies of ``nodes``, each named ``prefix`` + its name, its inputs and outputs passed through ``rename``."""
+    copies = []
+    for n in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        copy.name = prefix + n.name
+        copy.input[:] = [rename(i) for i in n.input]
+        copy.output[:] = [rename(o) for o in n.output]
+        copies.append(copy)
+    return copies
 
 
 def _layer_nodes(out: str, producer: dict[str, onnx.NodeProto], inits: dict[str, onnx.TensorProto],

@@ -8,11 +8,7 @@ layers' forms are read from the written graph; sizes from the files on disk."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +21,7 @@ from graphcal.budget import DEFAULTS, HIGH_SCHEME, budget_options
 from graphcal.config import Options
 from graphcal.data.held_out import hold_out
 from graphcal.errors import UsageError
-from tests.helpers import REPO, run_cli
+from tests.helpers import run_cli, signal_paused_run
 
 HELD = 4  # the default --mix-samples
 
@@ -244,24 +240,14 @@ main()
 def test_the_forms_folder_is_gone_after_sigterm_and_ctrl_c(llama_dir, tmp_path, sig, code):
     work = tmp_path / "work"
     work.mkdir()
-    paused = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED_CHOICE, "run", str(llama_dir / "model.onnx"), "--data",
-                             str(llama_dir / "calib.npz"), "--size-budget", "0.42", "-o", str(work / "o")],
-                            env={**os.environ, "PYTHONPATH": str(REPO), "GC_PAUSED": str(paused)}, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while not paused.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never reached its choice"
-            time.sleep(0.05)
+
+    def check():
         forms = [p for p in work.iterdir() if ".graphcal-mix-" in p.name]
         assert forms and (forms[0] / "low" / "model.onnx").exists() and (forms[0] / "high" / "model.onnx").exists()
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == code, err
+
+    returncode, err = signal_paused_run(PAUSED_CHOICE, ["run", llama_dir / "model.onnx", "--data",
+                                                        llama_dir / "calib.npz", "--size-budget", "0.42", "-o",
+                                                        work / "o"], tmp_path, sig, "its choice", check)
+    assert returncode == code, err
     assert err.strip().splitlines()[-1] == "interrupted; no output was written", err
     assert list(work.iterdir()) == []  # both forms, the lock and -o: nothing left

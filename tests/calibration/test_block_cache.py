@@ -5,11 +5,7 @@ and Ctrl-C; the outputs the same bytes wherever the cached tensors were held."""
 from __future__ import annotations
 
 import collections
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +14,7 @@ import torch
 
 from graphcal.calibration.block_cache import BlockCache, budget_bytes
 from graphcal.errors import GraphcalError, UsageError
-from tests.helpers import REPO, run_cli
+from tests.helpers import run_cli, signal_paused_run
 
 OUTPUTS = ("model.onnx", "quantization_config.json", "qparams.safetensors")
 RUNS = {"gptq": ["--scheme", "W4A16", "--algorithm", "gptq", "--gptq-order", "sequential"],
@@ -264,25 +260,15 @@ main()
 def test_the_cache_is_gone_after_sigterm_and_ctrl_c(llama_dir, tmp_path, sig, code):
     work = tmp_path / "work"
     work.mkdir()
-    paused = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED, "run", str(llama_dir / "model.onnx"), "--data",
-                             str(llama_dir / "calib.npz"), *RUNS["gptq"], "--cache-mb", "0", "-o", str(work / "o")],
-                            env={**os.environ, "PYTHONPATH": str(REPO), "GC_PAUSED": str(paused)}, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while not paused.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never wrote to its block cache"
-            time.sleep(0.05)
+
+    def check():
         files = list(work.rglob("*.bin"))
         assert files and all("graphcal-block-cache-" in f.parent.name for f in files)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == code, err
+
+    returncode, err = signal_paused_run(PAUSED, ["run", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz",
+                                                 *RUNS["gptq"], "--cache-mb", "0", "-o", work / "o"], tmp_path, sig,
+                                        "its block cache", check)
+    assert returncode == code, err
     lines = err.strip().splitlines()
     assert lines == ["interrupted; no output was written"], err
     assert list(work.iterdir()) == []  # the cache, the temporary folder and the lock all gone
