@@ -35,7 +35,7 @@ from pathlib import Path
 from graphcal.config import Options
 from graphcal.config.options import with_keywords
 from graphcal.data import data_paths
-from graphcal.data.held_out import hold_out
+from graphcal.data.held_out import held_out_split, hold_out
 from graphcal.errors import UsageError
 from graphcal.output import MODEL_FILE
 from graphcal.output.folder import missing_parents
@@ -138,6 +138,42 @@ class BudgetResult:
         return out
 
 
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What a budget run will do, before any pass (inspect's dry run of it)."""
+
+    goal: Goal
+    low: Options
+    high: Options | None
+    defaults: bool
+    mix_samples: int
+    calibrate_on: int | None  # the samples before the held-out ones (None: no data given)
+
+    def line(self, low_bytes: int) -> str:
+        """The plan's line; a budget under the low form's expected size (``low_bytes``) refused, as run refuses it."""
+        if self.goal.size_budget_bytes is not None and low_bytes > self.goal.size_budget_bytes:
+            raise UsageError(f"{self.goal.text} is under the low form's expected size, {low_bytes / 1e6:.1f} MB: no "
+                             "mix fits; give a larger budget or a lower form (--scheme, --group-size)")
+        held = (f"the last {self.mix_samples} samples held out, calibrated on the {self.calibrate_on} before them"
+                if self.calibrate_on is not None else f"the last {self.mix_samples} samples of --data held out")
+        return (f"{self.goal.text}: the plan above is the low form"
+                + (" (graphcal's defaults for a budget)" if self.defaults else "")
+                + f"; high form {HIGH_SCHEME + ' (round to nearest)' if self.high is not None else 'float'} where the "
+                  f"choice takes it, layer by layer by next-token KL; {held}")
+
+
+def budget_plan(options: Options, size_budget_mb: float | None, target_kl: float | None, mix_samples: int,
+                data=None) -> BudgetPlan:
+    """The budget run's plan from run's flags (refused in one line as run refuses them), the data split where given."""
+    if size_budget_mb is None and target_kl is None:
+        raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
+    goal = Goal(round(size_budget_mb * 1e6) if size_budget_mb is not None else None, target_kl)
+    goal.check()
+    low, high, defaults = budget_options(options)
+    calibrate_on = held_out_split(data, mix_samples, options.num_samples)[0] if data is not None else None
+    return BudgetPlan(goal, low, high, defaults, mix_samples, calibrate_on)
+
+
 def budget_options(options: Options) -> tuple[Options, Options | None, bool]:
     """(the low form's options, the high form's (None: float), whether the low form is graphcal's
     defaults): refused in one line where a recipe is given (its modifiers name one form)."""
@@ -164,7 +200,7 @@ def calibrate_within(model: str | Path, data, output_dir: str | Path, options: O
                      goal: Goal, mix_samples: int = DEFAULT_MIX_SAMPLES, **keywords) -> BudgetResult:
     """The model within ``goal``: both forms calibrated on all but the last ``mix_samples`` samples,
     the mix chosen and measured on those, and written to ``output_dir`` (see the module's steps)."""
-    from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime, torch
+    from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime and torch, for the choice
 
     goal.check()
     if torchrun_rank() is not None:
@@ -199,8 +235,8 @@ def _forms_and_mix(model, data, out: Path, low: Options, high: Options | None, g
     """Both forms into ``work``, the mix chosen on the held-out samples and written into ``slot`` (``-o``):
     (the written run's result, the Mix, seconds by step, the low form's scheme)."""
     from graphcal.calibration.pipeline import calibrate  # lazy: torch, onnxruntime and compressed-tensors
-    from graphcal.config import resolve
-    from graphcal.evaluation import EvalOptions, evaluate
+    from graphcal.config import resolve  # lazy: the schemes load compressed-tensors
+    from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime and torch, for the choice
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -222,7 +258,7 @@ def _forms_and_mix(model, data, out: Path, low: Options, high: Options | None, g
     final_options = _with_flags(mix.flags(), replace(low, num_samples=held.calibrate_on))
     config = resolve(final_options)
     if high_result is not None and config.kv_cache is None:  # the two forms spliced: nothing calibrated again
-        from graphcal.budget.write import write_mix
+        from graphcal.budget.write import write_mix  # lazy: the writer loads torch (safetensors) and onnx
 
         layers = {name: mix.plan.fp32_layers[name] for unit in mix.chosen for name in mix.plan.by_name[unit].layers}
         final = write_mix(work, Path(model), low_result, high_result, config, layers, slot)
@@ -239,7 +275,7 @@ def _check_fits(model, low: Options, goal: Goal) -> None:
     if goal.size_budget_bytes is None:
         return
     from graphcal.calibration.report import inspect_model  # lazy: the plan loads onnx and compressed-tensors
-    from graphcal.config import resolve
+    from graphcal.config import resolve  # lazy: the schemes load compressed-tensors
 
     expected = inspect_model(model, resolve(low), target=low.target).expected_size
     if expected > goal.size_budget_bytes:

@@ -288,6 +288,21 @@ PASS_OPTIONS = (
                  help="Run even when the peak memory estimated before any weight is read exceeds the memory "
                       "available (inspect shows the estimate)."),
 )
+# run --size-budget / --target-kl (graphcal.budget); inspect takes them too, and plans the low form they start from
+BUDGET_OPTIONS = (
+    click.option("--size-budget", "size_budget", type=Number(0, MAX_MB, low_open=True), default=None, metavar="MB",
+                 help="Choose each layer's form within this size of model files: the low form (the flags', else int4 "
+                      "with zero points in groups of 64 by GPTQ, lm_head and the embedding too) and int8 weights, "
+                      "layer by layer by the next-token KL on the last --mix-samples samples, held out; writes the mix "
+                      "and measures it (docs/budget.md)."),
+    click.option("--target-kl", "target_kl", type=Number(0), default=None, metavar="NATS",
+                 help="Instead of --size-budget: the fewest int8 layers that bring the mean next-token KL against fp32 "
+                      "on the held-out samples to NATS."),
+    click.option("--mix-samples", type=click.IntRange(min=1), default=None, metavar="N",
+                 help="With --size-budget or --target-kl: the last N calibration samples, held out to choose and "
+                      "measure the mix on  [default: 4]."),
+)
+
 DEBUG_OPTION = click.option("--debug", is_flag=True, help="Show Python tracebacks on errors.")
 
 

@@ -9,11 +9,10 @@ import click
 
 from graphcal.cli.guard import guarded
 from graphcal.cli.options import (
+    BUDGET_OPTIONS,
     CONFIG_OPTIONS,
     DEBUG_OPTION,
-    MAX_MB,
     PASS_OPTIONS,
-    Number,
     OneLineCommand,
     data_option,
     options,
@@ -27,18 +26,7 @@ from graphcal.errors import UsageError
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @data_option(required=True)
 @output_option(required=True)
-@options(*CONFIG_OPTIONS, *PASS_OPTIONS)
-@click.option("--size-budget", "size_budget", type=Number(0, MAX_MB, low_open=True), default=None, metavar="MB",
-              help="Choose each layer's form within this size of model files: the low form (the flags', else int4 "
-                   "with zero points in groups of 64 by GPTQ, lm_head and the embedding too) and int8 weights, "
-                   "layer by layer by the next-token KL on the last --mix-samples samples, held out; writes the mix "
-                   "and measures it (docs/budget.md).")
-@click.option("--target-kl", "target_kl", type=Number(0), default=None, metavar="NATS",
-              help="Instead of --size-budget: the fewest int8 layers that bring the mean next-token KL against fp32 "
-                   "on the held-out samples to NATS.")
-@click.option("--mix-samples", type=click.IntRange(min=1), default=None, metavar="N",
-              help="With --size-budget or --target-kl: the last N calibration samples, held out to choose and "
-                   "measure the mix on  [default: 4].")
+@options(*CONFIG_OPTIONS, *PASS_OPTIONS, *BUDGET_OPTIONS)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the summary as one JSON object on stdout (for scripts); no progress bar.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
@@ -58,7 +46,7 @@ def run(model, data, output, size_budget, target_kl, mix_samples, as_json, quiet
             if mix_samples is not None:
                 raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
             return calibrate(model, data, output, options)
-        from graphcal.budget import DEFAULT_MIX_SAMPLES, Goal, calibrate_within
+        from graphcal.budget import DEFAULT_MIX_SAMPLES, Goal, calibrate_within  # lazy: loads eval's modules too
 
         goal = Goal(round(size_budget * 1e6) if size_budget is not None else None, target_kl)
         return calibrate_within(model, data, output, options, goal=goal,

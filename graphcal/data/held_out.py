@@ -36,6 +36,18 @@ def hold_out(data, count: int, num_samples: int | None = None) -> HeldOut:
     """The last ``count`` samples of ``data`` (an .npz, a folder of them, or a mapping of arrays) within
     its first ``num_samples`` (None: all), and how many come before them; refused in one line where
     fewer than ``count`` + 1 samples are given, or the data is a CalibrationDataReader (read once)."""
+    calibrate_on, source, start, stop = held_out_split(data, count, num_samples)
+    check_memory([source], stop - start, stop - start)
+    with rows(source, [k for k, (shape, _) in source.headers.items() if shape]) as take:
+        for skip in range(0, start, SKIP_ROWS):
+            take(skip, min(skip + SKIP_ROWS, start))
+        arrays = take(start, stop)
+    return HeldOut(calibrate_on, arrays)
+
+
+def held_out_split(data, count: int, num_samples: int | None = None) -> tuple[int, Source, int, int]:
+    """(the samples before the held-out ones, the source holding them, their rows in it: start, stop), from the
+    headers alone (no sample is read); refused as :func:`hold_out` refuses."""
     if hasattr(data, "get_next"):
         raise UsageError("--size-budget holds out the last calibration samples to choose its mix on; give .npz data "
                          "or arrays, not a CalibrationDataReader (it can be read only once)")
@@ -49,17 +61,11 @@ def hold_out(data, count: int, num_samples: int | None = None) -> HeldOut:
         raise UsageError(f"--size-budget holds out the last {count} calibration sample{'s' if count != 1 else ''} "
                          f"(--mix-samples) to choose its mix on, and the data gives {total}: give more samples "
                          "or a smaller --mix-samples")
-    # the source holding sample ``total - 1``, and its rows before it
-    before = 0
+    before = 0  # the source holding sample ``total - 1``, and the samples before it
     for source in sources:
         if before + source.num_samples >= total:
             break
         before += source.num_samples
     stop = total - before
     start = max(stop - count, 0)
-    check_memory([source], stop - start, stop - start)
-    with rows(source, [k for k, (shape, _) in source.headers.items() if shape]) as take:
-        for skip in range(0, start, SKIP_ROWS):
-            take(skip, min(skip + SKIP_ROWS, start))
-        arrays = take(start, stop)
-    return HeldOut(before + start, arrays)
+    return before + start, source, start, stop

@@ -157,6 +157,16 @@ def test_under_torchrun_a_budget_is_refused_in_one_line(llama_dir, tmp_path, mon
     assert result.exit_code != 0 and "without torchrun" in result.output and result.output.count("\n") == 1
 
 
+def test_inspect_plans_the_low_form_a_budget_starts_from(llama_dir, tmp_path):
+    result = run_cli("inspect", llama_dir / "model.onnx", "--data", llama_dir / "calib.npz", "--size-budget", "0.42")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "--size-budget 0.42 MB: the plan above is the low form (graphcal's defaults for a budget)" in text
+    assert "the last 4 samples held out, calibrated on the 60 before them" in text and "W4A16_ASYM" in text
+    low = run_cli("inspect", llama_dir / "model.onnx", "--size-budget", "0.1")
+    assert low.exit_code != 0 and "under the low form's expected size" in low.output and low.output.count("\n") == 1
+
+
 def test_the_defaults_apply_only_when_no_config_flag_is_given():
     low, high, defaults = budget_options(Options())
     assert defaults and low.scheme == DEFAULTS["scheme"] and low.algorithm == "gptq" and low.lm_head

@@ -57,12 +57,20 @@ FLAGS = {
 }
 POSITIONAL = {"model", "data", "output"}  # calibrate's model, data, output_dir
 CLI_ONLY = {"debug"}  # how errors show (tracebacks), not what the run does
+# run --size-budget's flags: calibrate_within's goal (graphcal.budget.Goal) and mix_samples, not Options fields
+BUDGET = {"size_budget": "goal", "target_kl": "goal", "mix_samples": "mix_samples"}
 API_ONLY = {"rotation_type", "reduce_in_graph"}  # a recipe's transform_type; reductions in torch (no flags)
 
 
 def test_the_table_covers_every_run_flag():
     names = {p.name for p in run_command.params}
-    assert names - POSITIONAL - CLI_ONLY == set(FLAGS)
+    assert names - POSITIONAL - CLI_ONLY - set(BUDGET) == set(FLAGS)
+    import inspect
+
+    from graphcal.budget import Goal, calibrate_within
+
+    assert set(BUDGET.values()) <= set(inspect.signature(calibrate_within).parameters)
+    assert {"size_budget_bytes", "target_kl"} <= set(inspect.signature(Goal).parameters)
 
 
 def test_every_option_field_is_a_run_flag_or_listed_as_api_only():
