@@ -15,8 +15,9 @@ from __future__ import annotations
 import onnx
 
 from graphcal.errors import GraphcalError
+from graphcal.graph.check import node_reads
 from graphcal.graph.io import hollow_copy
-from graphcal.graph.switch import LayerForm, fp32_computed, renamed
+from graphcal.graph.switch import LayerForm, fp32_computed, join_opsets, renamed
 
 HIGH = "graphcal-high/"  # the high form's initializers and nodes, renamed under it
 
@@ -29,12 +30,7 @@ def splice(low: onnx.ModelProto, high: onnx.ModelProto, reference: onnx.ModelPro
     fp32_nodes = {n.name: n for n in reference.graph.node}
     low_form, high_form = LayerForm(low, "", values), LayerForm(high, HIGH, values)
     model = hollow_copy(low)
-    domains = {o.domain: o.version for o in low.opset_import}
-    for o in high.opset_import:
-        domains[o.domain] = max(domains.get(o.domain, 0), o.version)
-    del model.opset_import[:]
-    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in domains.items())
-    model.ir_version = max(low.ir_version, high.ir_version)
+    join_opsets(model, [high])
     model.graph.initializer.extend(low.graph.initializer)
 
     added: set[str] = set()  # the high form's initializers added to the model
@@ -62,7 +58,7 @@ def splice(low: onnx.ModelProto, high: onnx.ModelProto, reference: onnx.ModelPro
             spliced.append(n)
     del model.graph.node[:]
     model.graph.node.extend(spliced)
-    read = {i for n in spliced for i in _inputs(n)}
+    read = {i for n in spliced for i in node_reads(n)}
     live = [t for t in model.graph.initializer if t.name in read]
     del model.graph.initializer[:]
     model.graph.initializer.extend(live)
@@ -92,7 +88,7 @@ def _still_read(low: onnx.ModelProto, dropped: set[str], taken: set[str]) -> set
     layers share, one of them still low (each kept node's producers kept in turn)."""
     producer = {o: n for n in low.graph.node for o in n.output}
     kept: set[str] = set()
-    wanted = [i for n in low.graph.node if n.output[0] not in dropped for i in _inputs(n)]
+    wanted = [i for n in low.graph.node if n.output[0] not in dropped for i in node_reads(n)]
     wanted += [o.name for o in low.graph.output]
     while wanted:
         name = wanted.pop()
@@ -100,15 +96,6 @@ def _still_read(low: onnx.ModelProto, dropped: set[str], taken: set[str]) -> set
         if node is None or node.output[0] not in dropped or node.output[0] in kept or name in taken:
             continue
         kept.add(node.output[0])
-        wanted.extend(_inputs(node))
+        wanted.extend(node_reads(node))
     return kept
 
-
-def _inputs(node: onnx.NodeProto) -> list[str]:
-    """A node's inputs, those its subgraphs read from the outer graph included."""
-    names = [i for i in node.input if i]
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            inner = {o for n in g.node for o in n.output} | {t.name for t in g.initializer}
-            names += [i for n in g.node for i in _inputs(n) if i not in inner]
-    return names

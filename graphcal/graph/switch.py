@@ -54,12 +54,7 @@ def switchable_model(reference: onnx.ModelProto, candidates: list[onnx.ModelProt
 
         reference = upgrade_opset(reference, opset)
     model = hollow_copy(reference)
-    domains = {o.domain: o.version for o in reference.opset_import}
-    for o in (o for c in candidates for o in c.opset_import):
-        domains[o.domain] = max(domains.get(o.domain, 0), o.version)
-    del model.opset_import[:]
-    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in domains.items())
-    model.ir_version = max(m.ir_version for m in [reference, *candidates])
+    join_opsets(model, candidates)
     model.graph.initializer.extend(reference.graph.initializer)
 
     fp32_values = fp32_computed(reference)
@@ -103,6 +98,16 @@ def switchable_model(reference: onnx.ModelProto, candidates: list[onnx.ModelProt
     del model.graph.node[:]
     model.graph.node.extend(replaced.get(n.name, n) for n in reference.graph.node)
     return model, switches
+
+
+def join_opsets(model: onnx.ModelProto, others: list[onnx.ModelProto]) -> None:
+    """``model``'s opset imports and IR version raised to the highest of its own and ``others``' (in place)."""
+    domains = {o.domain: o.version for o in model.opset_import}
+    for o in (o for m in others for o in m.opset_import):
+        domains[o.domain] = max(domains.get(o.domain, 0), o.version)
+    del model.opset_import[:]
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in domains.items())
+    model.ir_version = max(m.ir_version for m in [model, *others])
 
 
 def fp32_computed(reference: onnx.ModelProto) -> set[str]:
