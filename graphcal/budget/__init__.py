@@ -72,6 +72,21 @@ class Goal:
         if self.target_kl is not None and not self.target_kl >= 0:
             raise UsageError(f"--target-kl is a mean KL divergence in nats (0 or more), got {self.target_kl!r}")
 
+    @classmethod
+    def from_flags(cls, size_budget_mb: float | None, target_kl: float | None) -> Goal:
+        """The goal of run's (and inspect's) ``--size-budget MB`` / ``--target-kl NATS``, checked."""
+        if size_budget_mb is None and target_kl is None:
+            raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
+        goal = cls(round(size_budget_mb * 1e6) if size_budget_mb is not None else None, target_kl)
+        goal.check()
+        return goal
+
+    def check_fits(self, low_bytes: int) -> None:
+        """A budget under the low form's expected size (``low_bytes``) refused: no mix fits."""
+        if self.size_budget_bytes is not None and low_bytes > self.size_budget_bytes:
+            raise UsageError(f"{self.text} is under the low form's expected size, {low_bytes / 1e6:.1f} MB: no mix "
+                             "fits; give a larger budget or a lower form (--scheme, --group-size)")
+
     @property
     def text(self) -> str:
         if self.size_budget_bytes is not None:
@@ -151,9 +166,7 @@ class BudgetPlan:
 
     def line(self, low_bytes: int) -> str:
         """The plan's line; a budget under the low form's expected size (``low_bytes``) refused, as run refuses it."""
-        if self.goal.size_budget_bytes is not None and low_bytes > self.goal.size_budget_bytes:
-            raise UsageError(f"{self.goal.text} is under the low form's expected size, {low_bytes / 1e6:.1f} MB: no "
-                             "mix fits; give a larger budget or a lower form (--scheme, --group-size)")
+        self.goal.check_fits(low_bytes)
         held = (f"the last {self.mix_samples} samples held out, calibrated on the {self.calibrate_on} before them"
                 if self.calibrate_on is not None else f"the last {self.mix_samples} samples of --data held out")
         return (f"{self.goal.text}: the plan above is the low form"
@@ -165,10 +178,7 @@ class BudgetPlan:
 def budget_plan(options: Options, size_budget_mb: float | None, target_kl: float | None, mix_samples: int,
                 data=None) -> BudgetPlan:
     """The budget run's plan from run's flags (refused in one line as run refuses them), the data split where given."""
-    if size_budget_mb is None and target_kl is None:
-        raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
-    goal = Goal(round(size_budget_mb * 1e6) if size_budget_mb is not None else None, target_kl)
-    goal.check()
+    goal = Goal.from_flags(size_budget_mb, target_kl)
     low, high, defaults = budget_options(options)
     calibrate_on = held_out_split(data, mix_samples, options.num_samples)[0] if data is not None else None
     return BudgetPlan(goal, low, high, defaults, mix_samples, calibrate_on)
@@ -220,9 +230,9 @@ def calibrate_within(model: str | Path, data, output_dir: str | Path, options: O
                 final, mix, seconds, low_label = _forms_and_mix(model, data, out, low, high, goal, held, work, slot)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-    eval_common = dict(batch_size=options.batch_size, device=options.device)
     start = time.perf_counter()
-    measured = evaluate(model, out / MODEL_FILE, held.arrays, EvalOptions(**eval_common))
+    measured = evaluate(model, out / MODEL_FILE, held.arrays, EvalOptions(batch_size=options.batch_size,
+                                                                          device=options.device))
     seconds["measured"] = time.perf_counter() - start
     final.seconds = sum(seconds.values())
     final.scheme = f"{low_label}, mixed with {HIGH_SCHEME if high is not None else 'float'}"
@@ -238,9 +248,10 @@ def _forms_and_mix(model, data, out: Path, low: Options, high: Options | None, g
     from graphcal.config import resolve  # lazy: the schemes load compressed-tensors
     from graphcal.evaluation import EvalOptions, evaluate  # lazy: onnxruntime and torch, for the choice
 
+    low = replace(low, num_samples=held.calibrate_on)  # both forms on the samples before the held-out ones
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    low_result = calibrate(model, data, work / "low", replace(low, num_samples=held.calibrate_on))
+    low_result = calibrate(model, data, work / "low", low)
     seconds["low form"] = time.perf_counter() - start
     fallback = high_result = None
     if high is not None:
@@ -255,7 +266,7 @@ def _forms_and_mix(model, data, out: Path, low: Options, high: Options | None, g
     mix = report.mix
     seconds["choice"] = time.perf_counter() - start
     start = time.perf_counter()
-    final_options = _with_flags(mix.flags(), replace(low, num_samples=held.calibrate_on))
+    final_options = _with_flags(mix.flags(), low)
     config = resolve(final_options)
     if high_result is not None and config.kv_cache is None:  # the two forms spliced: nothing calibrated again
         from graphcal.budget.write import write_mix  # lazy: the writer loads torch (safetensors) and onnx
@@ -277,10 +288,7 @@ def _check_fits(model, low: Options, goal: Goal) -> None:
     from graphcal.calibration.report import inspect_model  # lazy: the plan loads onnx and compressed-tensors
     from graphcal.config import resolve  # lazy: the schemes load compressed-tensors
 
-    expected = inspect_model(model, resolve(low), target=low.target).expected_size
-    if expected > goal.size_budget_bytes:
-        raise UsageError(f"{goal.text} is under the low form's expected size, {expected / 1e6:.1f} MB: no mix fits; "
-                         "give a larger budget or a lower form (--scheme, --group-size)")
+    goal.check_fits(inspect_model(model, resolve(low), target=low.target).expected_size)
 
 
 def _with_flags(flags: list[str], low: Options) -> Options:

@@ -19,7 +19,6 @@ from graphcal.cli.options import (
     options_from_flags,
     output_option,
 )
-from graphcal.errors import UsageError
 
 
 @click.command(cls=OneLineCommand)
@@ -42,14 +41,11 @@ def run(model, data, output, size_budget, target_kl, mix_samples, as_json, quiet
 
     def call():
         options = options_from_flags(flags, progress=not (quiet or as_json))
-        if size_budget is None and target_kl is None:
-            if mix_samples is not None:
-                raise UsageError("--mix-samples is for --size-budget or --target-kl; give one of them")
+        if size_budget is None and target_kl is None and mix_samples is None:
             return calibrate(model, data, output, options)
         from graphcal.budget import DEFAULT_MIX_SAMPLES, Goal, calibrate_within  # lazy: loads eval's modules too
 
-        goal = Goal(round(size_budget * 1e6) if size_budget is not None else None, target_kl)
-        return calibrate_within(model, data, output, options, goal=goal,
+        return calibrate_within(model, data, output, options, goal=Goal.from_flags(size_budget, target_kl),
                                 mix_samples=mix_samples or DEFAULT_MIX_SAMPLES)
 
     result = guarded(call, debug)
